@@ -1,0 +1,61 @@
+"""``Shuffle``: a bounded shuffle buffer whose every draw is a function of (seed, lane, position)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.coders import PickleCoder
+from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, TimeDomain, on_timer
+from apache_beam.utils.timestamp import MAX_TIMESTAMP
+
+from zephon_flow.errors import SpecError
+from zephon_flow.rng import draw_u64, generator
+from zephon_flow.runners.dofns import SeedParam
+
+
+class Shuffle(beam.DoFn):  # type: ignore[misc]
+    """Holds up to ``buffer`` elements per lane; once full, each new element takes the place
+    of a randomly chosen one, which is emitted. At the end of a finite input the buffer is
+    emitted in a seeded random order. The buffer is the lane state (it is checkpointed)."""
+
+    BUFFER = ReadModifyWriteStateSpec("buffer", PickleCoder())
+    DRAIN = TimerSpec("drain", TimeDomain.WATERMARK)
+
+    def __init__(self, buffer: int) -> None:
+        super().__init__()
+        if not isinstance(buffer, int) or buffer < 1:
+            raise SpecError(f"Shuffle: buffer must be a positive integer, got {buffer!r}")
+        self.buffer = buffer
+
+    def params(self) -> dict[str, Any]:
+        return {"buffer": self.buffer}
+
+    def process(
+        self,
+        element: tuple[int, Any],
+        position: Any = beam.DoFn.TimestampParam,
+        items: Any = beam.DoFn.StateParam(BUFFER),
+        drain: Any = beam.DoFn.TimerParam(DRAIN),
+        seed: int = SeedParam,  # type: ignore[assignment]
+    ) -> Any:
+        lane, value = element
+        held = items.read()
+        if held is None:
+            held = []
+            drain.set(MAX_TIMESTAMP)
+        if len(held) < self.buffer:
+            held.append(value)
+            items.write(held)
+            return
+        j = draw_u64(seed, 1, lane, int(position.micros // 1_000_000)) % self.buffer
+        out, held[j] = held[j], value
+        items.write(held)
+        yield out
+
+    @on_timer(DRAIN)
+    def drain_all(self, key: Any = beam.DoFn.KeyParam, items: Any = beam.DoFn.StateParam(BUFFER), seed: int = SeedParam) -> Any:  # type: ignore[assignment]
+        held = items.read() or []
+        items.clear()
+        for i in generator(seed, 2, key).permutation(len(held)):
+            yield held[int(i)]

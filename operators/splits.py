@@ -1,0 +1,159 @@
+"""Sources' common contract and the dealing of their splits to lanes by a seeded permutation.
+
+A source lists its data as *splits* (a byte range of a file, a Parquet row group, ...). Per
+epoch the splits are permuted by a seed; the epochs are concatenated into one endless sequence
+of split items, and lane ``l`` of ``L`` takes items ``l, l + L, l + 2L, ...``. So every lane gets
+work even when a source has fewer splits than there are lanes, and a lane's position in a source
+is two integers: its local item number and a position inside that split.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+
+from zephon_flow.errors import DataError, SpecError
+from zephon_flow.rng import generator, stable_hash
+
+#: A position inside one split: an integer whose meaning is the source's (a byte offset, a
+#: record number). ``START`` means "at the beginning of the split".
+START = -1
+
+
+@dataclass(frozen=True)
+class Split:
+    """One unit of dealing: ``path`` and a source-defined ``[start, stop)`` range inside it."""
+
+    path: str
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """One raw record as read by the lane's feed; decoded later by ``Source.decode``."""
+
+    payload: Any
+    path: str
+    where: str  # human-readable location for errors: "byte 1234", "line 7", "row group 2 row 5"
+
+
+def expand_glob(pattern: str, *, operator: str) -> list[str]:
+    """The files matching ``pattern``, sorted; refuses a pattern that matches nothing."""
+    paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise SpecError(f"{operator}: the glob {pattern!r} matches no file")
+    return paths
+
+
+def relative_name(path: str, pattern: str) -> str:
+    """The path relative to the fixed (non-wildcard) directory prefix of ``pattern``."""
+    fixed = []
+    for part in os.path.expanduser(pattern).split(os.sep):
+        if globlib.has_magic(part):
+            break
+        fixed.append(part)
+    root = os.sep.join(fixed)
+    root = root if os.path.isdir(root) else os.path.dirname(root)
+    return os.path.relpath(path, root or ".")
+
+
+class Source(beam.PTransform):  # type: ignore[misc]
+    """Base of zephon-flow's sources. The deterministic runner recognises subclasses by type.
+
+    A subclass implements ``list_splits`` (deterministic order), ``read_split`` (runs in the
+    lane's feed thread: raw records, cheap) and ``decode`` (runs on the stateless backend, in
+    parallel: parse, validate, extract). Errors name the file, the location and the operator.
+    """
+
+    def __init__(self, pattern: str, *, epochs: int | None = None, label: str | None = None) -> None:
+        super().__init__(label)
+        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+            raise SpecError(f"{type(self).__name__}: epochs must be a positive integer or None")
+        self.pattern = pattern
+        self.epochs = epochs
+        self._paths: list[str] | None = None
+        self._splits: list[Split] | None = None
+
+    # -- what a subclass provides ------------------------------------------------------
+    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+        raise NotImplementedError
+
+    def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
+        """Yields ``(position_after, record)`` from ``position`` (or ``START``) to the split's end."""
+        raise NotImplementedError
+
+    def decode(self, record: Record, operator: str) -> list[Any]:
+        """Turns one raw record into zero or more elements (an empty document gives none)."""
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        """Parameters that change the data produced (part of the pipeline fingerprint)."""
+        return {"pattern": self.pattern, "epochs": self.epochs}
+
+    # -- shared ------------------------------------------------------------------------
+    @property
+    def operator_name(self) -> str:
+        """How errors name this source: its class and the label it was applied with."""
+        return f"{type(self).__name__}({getattr(self, '_zf_label', None) or self.label!r})"
+
+    def bind_label(self, label: str) -> None:
+        """Called by the runner with the label the transform was applied under."""
+        self._zf_label = label
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Worker processes need the parameters and the split table, never the pipeline.
+        state = dict(self.__dict__)
+        state["pipeline"] = None
+        return state
+
+    def paths(self) -> list[str]:
+        if self._paths is None:
+            self._paths = expand_glob(self.pattern, operator=self.operator_name)
+        return self._paths
+
+    def splits(self) -> list[Split]:
+        if self._splits is None:
+            self._splits = self.make_splits(self.paths())
+            if not self._splits:
+                raise DataError(f"{self.operator_name}: the files of {self.pattern!r} hold no data")
+        return self._splits
+
+    def data_files(self) -> list[tuple[str, int]]:
+        """(name relative to the glob root, size in bytes) of every file read."""
+        return [(relative_name(p, self.pattern), _size(p, self.operator_name)) for p in self.paths()]
+
+    def expand(self, pbegin: Any) -> Any:
+        # On Beam's own runners: read every split once, in order (a finite, undealt stream).
+        return pbegin | "Impulse" >> beam.Impulse() | "ReadAll" >> beam.FlatMap(lambda _: self._read_all())
+
+    def _read_all(self) -> Iterator[Any]:
+        for split in self.splits():
+            for _, record in self.read_split(split, START):
+                yield from self.decode(record, self.operator_name)
+
+
+def _size(path: str, operator: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError as exc:
+        raise DataError(f"{operator}: cannot read {path}: {exc.strerror}") from exc
+
+
+@lru_cache(maxsize=64)
+def _permutation(n: int, seed: int, salt: int, epoch: int) -> np.ndarray:
+    return generator(seed, salt, epoch).permutation(n)
+
+
+def dealt_split(*, n_splits: int, lanes: int, lane: int, item: int, seed: int, source: str) -> tuple[int, int]:
+    """``(epoch, split index)`` of lane ``lane``'s ``item``-th split (item counts from 0)."""
+    k = lane + item * lanes
+    epoch, pos = divmod(k, n_splits)
+    return epoch, int(_permutation(n_splits, seed, stable_hash(source), epoch)[pos])

@@ -1,0 +1,1 @@
+"""The deterministic runner: Beam graphs executed per lane with ordered watermarks."""

@@ -1,0 +1,1 @@
+"""Backends that run the stateless part of a pipeline: inline, threads, processes."""

@@ -1,0 +1,42 @@
+"""The processes backend: stateless work in spawned worker processes, each with its own DoFns."""
+
+from __future__ import annotations
+
+import multiprocessing
+from concurrent.futures import Future, ProcessPoolExecutor
+
+from apache_beam.internal import pickler
+
+from zephon_flow.runners.backends.base import ChunkResult
+from zephon_flow.runners.segment import Chunk, FrontSegment
+
+_SEGMENT: FrontSegment | None = None
+
+
+def _install(payload: bytes) -> None:
+    global _SEGMENT
+    _SEGMENT = pickler.loads(payload)
+
+
+def _run(chunk: Chunk) -> ChunkResult:
+    assert _SEGMENT is not None, "worker used before its segment was installed"
+    return _SEGMENT.run_chunk(chunk)
+
+
+class ProcessBackend:
+    """A pool of ``workers`` spawned processes. DoFns are pickled once, with Beam's pickler."""
+
+    def __init__(self, segment: FrontSegment, workers: int) -> None:
+        payload = pickler.dumps(segment)
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_install,
+            initargs=(payload,),
+        )
+
+    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
+        return self._pool.submit(_run, chunk)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

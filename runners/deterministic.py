@@ -1,0 +1,217 @@
+"""The deterministic runner: reads a Beam graph once, refuses what it cannot run, compiles a Plan.
+
+Phases, in order: ``collect`` (visit the graph; zephon-flow's own composites and Reshuffle are
+taken whole, everything else must be an accepted primitive), ``trace`` (walk back from the
+returned PCollection: one linear chain per source up to the mix, then one chain to the output),
+``classify`` (stateless DoFns before the first stateful one form the parallel front; the rest
+runs in order per lane), ``describe`` (graph and parameters for the fingerprint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.pipeline import AppliedPTransform, Pipeline, PipelineVisitor
+from apache_beam.runners.runner import PipelineResult, PipelineRunner, PipelineState
+from apache_beam.transforms import core, window
+from apache_beam.transforms.util import Reshuffle
+
+from zephon_flow.errors import SpecError, UnsupportedTransformError
+from zephon_flow.operators.mix import Mix
+from zephon_flow.operators.splits import Source
+from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_seed, is_stateful
+from zephon_flow.runners.plan import Plan, SourcePlan
+
+_WHOLE = (Source, Mix, Reshuffle)
+
+
+@dataclass
+class _Collector(PipelineVisitor):  # type: ignore[misc]
+    nodes: list[AppliedPTransform] = field(default_factory=list)
+    _inside: AppliedPTransform | None = None
+
+    def enter_composite_transform(self, node: AppliedPTransform) -> None:
+        if self._inside is not None or node.transform is None:
+            return
+        if isinstance(node.transform, _WHOLE):
+            self.nodes.append(node)
+            self._inside = node
+        elif isinstance(node.transform, beam.Create):
+            raise UnsupportedTransformError(
+                f"transform {node.full_label!r} (Create) is not a zephon-flow source; read data "
+                f"with ops.ReadJsonl or ops.ReadParquet so it can be dealt to lanes and resumed"
+            )
+
+    def leave_composite_transform(self, node: AppliedPTransform) -> None:
+        if node is self._inside:
+            self._inside = None
+
+    def visit_transform(self, node: AppliedPTransform) -> None:
+        if self._inside is None:
+            self.nodes.append(node)
+
+
+def _refuse(node: AppliedPTransform, why: str) -> UnsupportedTransformError:
+    return UnsupportedTransformError(f"transform {node.full_label!r} ({type(node.transform).__name__}): {why}")
+
+
+def _passthrough(node: AppliedPTransform) -> bool:
+    """Reshuffle and global windowing change nothing in a per-lane ordered stream."""
+    t = node.transform
+    if isinstance(t, Reshuffle):
+        return True
+    return isinstance(t, core.WindowInto) and isinstance(t.windowing.windowfn, window.GlobalWindows)
+
+
+def _check_primitive(node: AppliedPTransform) -> None:
+    t = node.transform
+    if isinstance(t, _WHOLE) or _passthrough(node):
+        return
+    if isinstance(t, core.WindowInto):
+        raise _refuse(node, "windowing is owned by zephon-flow (window b of a lane is its outputs "
+                            "[b*B/L, (b+1)*B/L)); remove the WindowInto")
+    if isinstance(t, core.ParDo):
+        if t.side_inputs:
+            raise _refuse(node, "side inputs are not supported")
+        if len(node.outputs) != 1:
+            raise _refuse(node, "multiple outputs (with_outputs) are not supported")
+        return
+    if isinstance(t, core.Flatten):
+        raise _refuse(node, "Flatten gives no order; combine sources with ops.Mix(weights=...)")
+    if isinstance(t, core.GroupByKey):
+        raise _refuse(node, "GroupByKey is not supported; group inside a stateful DoFn (BagState)")
+    if isinstance(t, core.Impulse):
+        raise _refuse(node, "bare Impulse is not a zephon-flow source; use ops.ReadJsonl or ops.ReadParquet")
+    raise _refuse(node, "not one of the transforms the deterministic runner accepts (zephon-flow "
+                        "sources, Mix, ParDo, Reshuffle, WindowInto(GlobalWindows))")
+
+
+def describe_params(obj: Any) -> Any:
+    """The parameters of an operator that change what it produces (for the fingerprint)."""
+    if hasattr(obj, "params"):
+        return obj.params()
+    if isinstance(obj, core.CallableWrapperDoFn):
+        fn = obj._fn
+        code = getattr(fn, "__code__", None)
+        body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
+        return {"fn": getattr(fn, "__qualname__", repr(fn)), "code": body}
+    plain = {k: v for k, v in sorted(vars(obj).items()) if isinstance(v, int | float | str | bool | type(None))}
+    return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}", **plain}
+
+
+class DeterministicRunner(PipelineRunner):  # type: ignore[misc]
+    """A Beam ``PipelineRunner`` that compiles graphs for per-lane deterministic execution.
+
+    ``zf.Loader`` uses ``compile``; ``run_pipeline`` compiles and reports the plan, since
+    a zephon-flow pipeline is consumed batch by batch rather than run to completion.
+    """
+
+    def __init__(self, *, seed: int = 0) -> None:
+        self.seed = seed
+
+    def run_pipeline(self, pipeline: Pipeline, options: Any) -> PipelineResult:
+        raise SpecError(
+            "a zephon-flow pipeline is not run to completion: build a zf.LoaderSpec from it and "
+            "iterate a zf.Loader (or serve it)"
+        )
+
+    def compile(self, pipeline: Pipeline, output: beam.PCollection) -> Plan:
+        collector = _Collector()
+        pipeline.visit(collector)
+        for node in collector.nodes:
+            _check_primitive(node)
+        producer: dict[Any, AppliedPTransform] = {}
+        consumers: dict[Any, list[AppliedPTransform]] = {}
+        for node in collector.nodes:
+            for out in node.outputs.values():
+                producer[out] = node
+            for inp in node.inputs:
+                consumers.setdefault(inp, []).append(node)
+        for pcoll, users in consumers.items():
+            if len(users) > 1:
+                names = ", ".join(repr(u.full_label) for u in users)
+                raise UnsupportedTransformError(
+                    f"the output of {producer[pcoll].full_label!r} is consumed by several transforms "
+                    f"({names}); a lane runs one chain, branch by writing another LoaderSpec"
+                )
+        if output not in producer:
+            raise SpecError("build(p) must return the PCollection produced by the pipeline's last transform")
+
+        path: list[AppliedPTransform] = []
+        node = producer[output]
+        while not isinstance(node.transform, Source | Mix):
+            path.append(node)
+            node = producer[node.inputs[0]]
+        path.reverse()
+        used = {id(n) for n in path}
+        if isinstance(node.transform, Mix):
+            used.add(id(node))
+            branches = [self._branch(producer, producer[inp], used) for inp in node.inputs]
+            if len(branches) != len(node.transform.weights):
+                raise _refuse(node, f"{len(node.transform.weights)} weights for {len(branches)} inputs")
+            mixer, mix_label = node.transform, node.full_label
+        else:
+            branches = [self._branch(producer, node, used)]
+            mixer, mix_label = None, None
+        unused = [n.full_label for n in collector.nodes if id(n) not in used]
+        if unused:
+            raise UnsupportedTransformError(
+                f"transform(s) {', '.join(map(repr, unused))} do not lead to the PCollection that "
+                f"build(p) returned; remove them"
+            )
+
+        chain = [n for n in path if not _passthrough(n)]
+        first_stateful = next((i for i, n in enumerate(chain) if is_stateful(n.transform.fn)), len(chain))
+        common = tuple(StatelessInvoker(n.full_label, n.transform.fn) for n in chain[:first_stateful])
+        back = tuple(self._invoker(n) for n in chain[first_stateful:])
+        ordered = [n for n in collector.nodes if id(n) in used]
+        return Plan(
+            sources=tuple(branches),
+            mixer=mixer,
+            mix_label=mix_label,
+            common=common,
+            back=back,
+            output_label=producer[output].full_label,
+            graph=tuple(
+                (n.full_label, type(n.transform).__name__, tuple(producer[i].full_label for i in n.inputs if i in producer))
+                for n in ordered
+            ),
+            params=tuple((n.full_label, describe_params(_operator(n))) for n in ordered if not _passthrough(n)),
+        )
+
+    def _branch(self, producer: dict[Any, AppliedPTransform], node: AppliedPTransform, used: set[int]) -> SourcePlan:
+        steps: list[AppliedPTransform] = []
+        while not isinstance(node.transform, Source):
+            if isinstance(node.transform, Mix):
+                raise _refuse(node, "a Mix feeding another Mix is not supported; use one Mix")
+            used.add(id(node))
+            if not _passthrough(node):
+                if is_stateful(node.transform.fn):
+                    raise _refuse(node, "stateful DoFns must come after the Mix of the sources")
+                steps.append(node)
+            node = producer[node.inputs[0]]
+        used.add(id(node))
+        node.transform.bind_label(node.full_label)
+        steps.reverse()
+        return SourcePlan(
+            label=node.full_label,
+            source=node.transform,
+            chain=tuple(StatelessInvoker(n.full_label, n.transform.fn) for n in steps),
+        )
+
+    def _invoker(self, node: AppliedPTransform) -> StatelessInvoker | StatefulInvoker:
+        fn = node.transform.fn
+        if is_stateful(fn):
+            return StatefulInvoker(node.full_label, fn, seed=dofn_seed(self.seed, node.full_label))
+        return StatelessInvoker(node.full_label, fn)
+
+
+def _operator(node: AppliedPTransform) -> Any:
+    t = node.transform
+    return t.fn if isinstance(t, core.ParDo) else t
+
+
+__all__ = ["DeterministicRunner", "PipelineResult", "PipelineState", "describe_params"]

@@ -1,0 +1,184 @@
+"""Calling users' Beam DoFns directly: stateless ones per element, stateful ones per lane with state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.transforms.core import get_function_arguments
+from apache_beam.transforms import userstate
+from apache_beam.utils.timestamp import Timestamp
+
+from zephon_flow.errors import SpecError
+from zephon_flow.rng import stable_hash
+from zephon_flow.runners.userstate import (
+    StateValues,
+    TimerDeadlines,
+    copy_plain,
+    runtime_state,
+    runtime_timer,
+)
+
+
+class _SeedParam:
+    """Default-value marker: the runner passes the DoFn's seed (spec seed mixed with its label)."""
+
+    def __repr__(self) -> str:
+        return "zephon_flow.SeedParam"
+
+
+#: Declare ``seed=zf.SeedParam`` in a stateful DoFn's ``process`` to receive its seed.
+SeedParam = _SeedParam()
+
+
+def dofn_seed(spec_seed: int, label: str) -> int:
+    """The seed a DoFn labelled ``label`` receives: distinct per transform, fixed per spec."""
+    return stable_hash(f"{spec_seed}/{label}")
+
+
+def is_stateful(dofn: beam.DoFn) -> bool:
+    return bool(userstate.is_stateful_dofn(dofn))
+
+
+def _marked(dofn: beam.DoFn, method: str) -> list[tuple[str, Any]]:
+    """(name, default) of the method's parameters whose default is a Beam or zephon-flow marker."""
+    args, defaults = get_function_arguments(dofn, method)
+    names = args[-len(defaults) :] if defaults else []
+    return [(n, d) for n, d in zip(names, defaults, strict=True) if _is_marker(d)]
+
+
+def _is_marker(default: Any) -> bool:
+    return isinstance(default, beam.DoFn.StateParam | beam.DoFn.TimerParam | _SeedParam) or any(
+        default == p
+        for p in (
+            beam.DoFn.TimestampParam,
+            beam.DoFn.KeyParam,
+            beam.DoFn.WindowParam,
+            beam.DoFn.PaneInfoParam,
+            beam.DoFn.WindowedValueParam,
+            beam.DoFn.ElementParam,
+            beam.DoFn.SideInputParam,
+            beam.DoFn.BundleFinalizerParam,
+        )
+    )
+
+
+class StatelessInvoker:
+    """Runs one stateless DoFn on single elements; picklable, set up lazily once per process."""
+
+    def __init__(self, label: str, dofn: beam.DoFn) -> None:
+        extra = [n for n, _ in _marked(dofn, "process")]
+        if extra:
+            raise SpecError(
+                f"stateless DoFn {label!r} asks for {', '.join(extra)}; the deterministic runner "
+                f"passes stateless DoFns only the element"
+            )
+        self.label = label
+        self.dofn = dofn
+        self._ready = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"label": self.label, "dofn": self.dofn, "_ready": False}
+
+    def __call__(self, value: Any) -> list[Any]:
+        if not self._ready:
+            self.dofn.setup()
+            self._ready = True
+        out = self.dofn.process(value)
+        return [] if out is None else list(out)
+
+
+@dataclass
+class DoFnLaneState:
+    """One stateful DoFn's runtime state for one lane: values, timer deadlines, input count."""
+
+    values: StateValues = field(default_factory=dict)
+    timers: TimerDeadlines = field(default_factory=dict)
+    position: int = 0
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"values": copy_plain(self.values), "timers": dict(self.timers), "position": self.position}
+
+    @classmethod
+    def from_plain(cls, plain: dict[str, Any]) -> DoFnLaneState:
+        return cls(values=copy_plain(plain["values"]), timers=dict(plain["timers"]), position=int(plain["position"]))
+
+
+class _Binding:
+    """How to fill one DoFn method's marked parameters."""
+
+    def __init__(self, label: str, dofn: beam.DoFn, method: str) -> None:
+        marked = _marked(dofn, method)
+        self.method = getattr(dofn, method)
+        self.states = {n: d.state_spec for n, d in marked if isinstance(d, beam.DoFn.StateParam)}
+        self.timers = {n: d.timer_spec for n, d in marked if isinstance(d, beam.DoFn.TimerParam)}
+        self.timestamp = next((n for n, d in marked if d == beam.DoFn.TimestampParam), None)
+        self.key = next((n for n, d in marked if d == beam.DoFn.KeyParam), None)
+        self.seed = [n for n, d in marked if isinstance(d, _SeedParam)]
+        known = set(self.states) | set(self.timers) | set(self.seed) | {self.timestamp, self.key}
+        unknown = [n for n, _ in marked if n not in known]
+        if unknown:
+            raise SpecError(
+                f"stateful DoFn {label!r}: parameter(s) {', '.join(unknown)} of {method}() are not "
+                f"supported; the runner provides StateParam, TimerParam, TimestampParam, KeyParam "
+                f"and zephon_flow.SeedParam"
+            )
+
+    def kwargs(self, label: str, lane: int, seed: int, st: DoFnLaneState, ts: Timestamp) -> dict[str, Any]:
+        kw: dict[str, Any] = {n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()}
+        kw.update({n: runtime_timer(t, st.timers) for n, t in self.timers.items()})
+        kw.update({n: seed for n in self.seed})
+        if self.timestamp:
+            kw[self.timestamp] = ts
+        if self.key:
+            kw[self.key] = lane
+        return kw
+
+
+class StatefulInvoker:
+    """Runs one stateful DoFn for the lanes of a loader; the state lives in ``DoFnLaneState``."""
+
+    def __init__(self, label: str, dofn: beam.DoFn, *, seed: int) -> None:
+        try:
+            userstate.validate_stateful_dofn(dofn)
+        except ValueError as exc:
+            raise SpecError(f"stateful DoFn {label!r} is invalid: {exc}") from exc
+        self.label = label
+        self.dofn = dofn
+        self.seed = seed
+        self._process = _Binding(label, dofn, "process")
+        _, timer_specs = userstate.get_dofn_specs(dofn)
+        self._on_timer = {
+            spec.name: _Binding(label, dofn, spec._attached_callback.__name__)
+            for spec in sorted(timer_specs, key=lambda s: s.name)
+        }
+        dofn.setup()
+
+    def process(self, lane: int, value: Any, st: DoFnLaneState) -> list[Any]:
+        """Feeds the element at ``st.position``; returns outputs, then fires timers now due."""
+        ts = Timestamp.of(st.position)
+        out = self._process.method((lane, value), **self._process.kwargs(self.label, lane, self.seed, st, ts))
+        results = [] if out is None else list(out)
+        st.position += 1
+        # The watermark is now ``st.position``: timers strictly below it fire, in deadline order.
+        results.extend(self.fire_timers(lane, st, Timestamp.of(st.position).micros))
+        return results
+
+    def fire_timers(self, lane: int, st: DoFnLaneState, watermark_micros: int | None) -> list[Any]:
+        """Fires every timer whose deadline is below the watermark (``None``: end of input)."""
+        results: list[Any] = []
+        while True:
+            due = [
+                (deadline, name)
+                for name, deadline in st.timers.items()
+                if watermark_micros is None or deadline < watermark_micros
+            ]
+            if not due:
+                return results
+            deadline, name = min(due)
+            del st.timers[name]
+            binding = self._on_timer[name]
+            ts = Timestamp(micros=deadline)
+            out = binding.method(**binding.kwargs(self.label, lane, self.seed, st, ts))
+            results.extend([] if out is None else list(out))

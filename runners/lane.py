@@ -1,0 +1,232 @@
+"""One lane: its feed (sources, mix, chunks on a backend, reorder buffer) and its ordered back."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from zephon_flow.errors import CorruptStateError
+from zephon_flow.operators.splits import START, Record, Source, dealt_split
+from zephon_flow.rng import stable_hash
+from zephon_flow.runners.backends.base import Backend, ChunkResult
+from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_seed
+from zephon_flow.runners.plan import Plan
+from zephon_flow.runners.reorder import ReorderBuffer
+from zephon_flow.runners.segment import Chunk, Failure
+from zephon_flow.runners.userstate import copy_plain
+from zephon_flow.state import FeedCursor, LaneState
+
+
+class SourceReader:
+    """One source as seen by one lane: its dealt splits in order, from a cursor."""
+
+    def __init__(self, source: Source, label: str, *, lane: int, lanes: int, seed: int, item: int, position: int) -> None:
+        self._source, self._label = source, label
+        self._lane, self._lanes, self._seed = lane, lanes, seed
+        self.item, self.position = item, position
+        self._records: Iterator[tuple[int, Record]] | None = None
+        self.exhausted = False
+
+    def next(self) -> Record | None:
+        """The next record, or None once the source's epochs are used up."""
+        splits = self._source.splits()
+        while not self.exhausted:
+            if self._records is None:
+                epoch, index = dealt_split(
+                    n_splits=len(splits), lanes=self._lanes, lane=self._lane, item=self.item,
+                    seed=self._seed, source=self._label,
+                )
+                if self._source.epochs is not None and epoch >= self._source.epochs:
+                    self.exhausted = True
+                    return None
+                self._records = self._source.read_split(splits[index], self.position)
+            step = next(self._records, None)
+            if step is not None:
+                self.position, record = step
+                return record
+            self._records, self.item, self.position = None, self.item + 1, START
+        return None
+
+    @property
+    def cursor(self) -> list[int]:
+        return [self.item, self.position]
+
+
+class LaneFeed:
+    """Reads a lane's records in order, runs the stateless front ahead on the backend, and
+    yields outputs in sequence order with the cursor to resume *after* each of them."""
+
+    def __init__(
+        self, plan: Plan, backend: Backend, *, lane: int, lanes: int, seed: int, cursor: FeedCursor,
+        chunk_records: int, depth: int,
+    ) -> None:
+        self._plan, self._backend = plan, backend
+        self._lane, self._seed = lane, seed
+        self._mix_seed = dofn_seed(seed, plan.mix_label or "")
+        self._readers = [
+            SourceReader(sp.source, sp.label, lane=lane, lanes=lanes, seed=seed, item=item, position=pos)
+            for sp, (item, pos) in zip(plan.sources, cursor.sources, strict=True)
+        ]
+        self._mix_position = cursor.mix_position
+        self._skip = cursor.skip
+        self._chunk_records, self._depth = chunk_records, depth
+        self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(f"lane {lane} stateless results")
+        self._inflight: deque[tuple[list[FeedCursor], FeedCursor]] = deque()
+        self._futures: list[Future[ChunkResult]] = []
+        self._ended = False
+
+    def _cursor(self) -> FeedCursor:
+        return FeedCursor(self._mix_position, [r.cursor for r in self._readers])
+
+    def _read(self) -> tuple[int, Record] | None:
+        if self._plan.mixer is None:
+            index = 0
+        else:
+            index = self._plan.mixer.choose(self._mix_seed, self._lane, self._mix_position)
+        record = self._readers[index].next()
+        if record is None:
+            return None
+        self._mix_position += 1
+        return index, record
+
+    def _submit_one(self) -> bool:
+        if self._ended:
+            return False
+        chunk: Chunk = []
+        befores: list[FeedCursor] = []
+        for _ in range(self._chunk_records):
+            before = self._cursor()
+            item = self._read()
+            if item is None:
+                self._ended = True
+                break
+            befores.append(before)
+            chunk.append(item)
+        if not chunk:
+            return False
+        seq = self._reorder.expect()
+        self._inflight.append((befores, self._cursor()))
+        future = self._backend.submit(chunk)
+        future.add_done_callback(lambda f, seq=seq: self._reorder.put(seq, _result(f)))
+        self._futures.append(future)
+        return True
+
+    def __iter__(self) -> Iterator[tuple[Any, FeedCursor]]:
+        while True:
+            while self._reorder.in_flight() < self._depth and self._submit_one():
+                pass
+            if self._reorder.in_flight() == 0:
+                return
+            result = self._reorder.take()
+            self._futures = [f for f in self._futures if not f.done()]
+            befores, after = self._inflight.popleft()
+            if isinstance(result, Failure):
+                result.reraise()
+            assert isinstance(result, list)
+            for i, outputs in enumerate(result):
+                first = self._skip if i == 0 else 0
+                self._skip = 0
+                for j in range(first, len(outputs)):
+                    if j + 1 < len(outputs):
+                        resume = FeedCursor(befores[i].mix_position, befores[i].sources, j + 1)
+                    else:
+                        resume = befores[i + 1] if i + 1 < len(befores) else after
+                    yield outputs[j], resume
+
+    def close(self) -> None:
+        for f in self._futures:
+            f.cancel()
+
+
+def _result(future: Future[ChunkResult]) -> ChunkResult:
+    if future.cancelled():
+        return Failure(False, "stateless work was cancelled (the loader is closing)", "")
+    exc = future.exception()
+    if exc is not None:  # the backend itself failed (a worker process died, ...)
+        import traceback
+
+        return Failure(False, f"stateless backend failed: {type(exc).__name__}: {exc}",
+                       "".join(traceback.format_exception(exc)))
+    return future.result()
+
+
+class LaneRunner:
+    """Runs one lane to window boundaries; its snapshot is the lane's entire checkpoint."""
+
+    def __init__(
+        self, plan: Plan, backend: Backend, *, lane: int, lanes: int, seed: int, window: int,
+        state: LaneState | None, chunk_records: int, depth: int,
+    ) -> None:
+        self._plan, self._lane, self._window = plan, lane, window
+        if state is None:
+            state = LaneState(lane, FeedCursor(0, [[0, START] for _ in plan.sources]))
+            state.stages = {s.label: DoFnLaneState().to_plain() for s in plan.stateful}
+        missing = [s.label for s in plan.stateful if s.label not in state.stages]
+        if missing or len(state.cursor.sources) != len(plan.sources):
+            raise CorruptStateError(
+                f"state of lane {lane} does not match the pipeline: missing stateful stage(s) "
+                f"{missing} or wrong number of source cursors ({len(state.cursor.sources)})"
+            )
+        self._cursor = state.cursor
+        self._stages = {s.label: DoFnLaneState.from_plain(state.stages[s.label]) for s in plan.stateful}
+        self._pending = list(state.pending)
+        self._ended = state.ended
+        self._feed = LaneFeed(
+            plan, backend, lane=lane, lanes=lanes, seed=seed, cursor=state.cursor,
+            chunk_records=chunk_records, depth=depth,
+        )
+        self._stream = iter(self._feed)
+
+    def _push(self, index: int, value: Any) -> None:
+        back = self._plan.back
+        if index == len(back):
+            self._pending.append(value)
+            return
+        step = back[index]
+        if isinstance(step, StatefulInvoker):
+            outputs = step.process(self._lane, value, self._stages[step.label])
+        else:
+            outputs = step(value)
+        for out in outputs:
+            self._push(index + 1, out)
+
+    def _end_of_input(self) -> None:
+        back = self._plan.back
+        for i, step in enumerate(back):
+            if isinstance(step, StatefulInvoker):
+                for out in step.fire_timers(self._lane, self._stages[step.label], None):
+                    self._push(i + 1, out)
+        self._ended = True
+
+    def next_window(self) -> list[Any] | None:
+        """The lane's next ``window`` outputs, or None when its input ended first."""
+        while len(self._pending) < self._window and not self._ended:
+            item = next(self._stream, None)
+            if item is None:
+                self._end_of_input()
+                break
+            value, resume = item
+            self._push(0, value)
+            self._cursor = resume
+        if len(self._pending) < self._window:
+            return None
+        window, self._pending = self._pending[: self._window], self._pending[self._window :]
+        return window
+
+    def snapshot(self) -> LaneState:
+        """The lane's state now: only valid between windows (a quiescent point)."""
+        return LaneState(
+            lane=self._lane,
+            cursor=FeedCursor(self._cursor.mix_position, [list(s) for s in self._cursor.sources], self._cursor.skip),
+            stages={label: st.to_plain() for label, st in self._stages.items()},
+            pending=copy_plain(self._pending),
+            ended=self._ended,
+        )
+
+    def close(self) -> None:
+        self._feed.close()
+
+
+__all__ = ["LaneFeed", "LaneRunner", "SourceReader", "stable_hash"]

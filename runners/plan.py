@@ -1,0 +1,54 @@
+"""The compiled form of a pipeline graph: sources, the stateless front, the ordered back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from zephon_flow.operators.splits import Source
+from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker
+from zephon_flow.runners.segment import FrontSegment
+
+
+class Mixer(Protocol):
+    """Chooses, per lane and position, which source gives the next record (``ops.Mix``)."""
+
+    def choose(self, seed: int, lane: int, position: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    label: str
+    source: Source
+    chain: tuple[StatelessInvoker, ...]  # stateless DoFns between this source and the mix
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one lane runs, in three phases.
+
+    1. *feed*: records from ``sources``, interleaved by ``mixer``, cut into chunks;
+    2. *front*: decode + stateless DoFns (``FrontSegment``), in parallel on a backend;
+    3. *back*: ``back`` in order on the lane's thread, stateful DoFns seeing elements in
+       sequence order, stateless ones between them run inline.
+    """
+
+    sources: tuple[SourcePlan, ...]
+    mixer: Mixer | None
+    mix_label: str | None
+    common: tuple[StatelessInvoker, ...]
+    back: tuple[StatelessInvoker | StatefulInvoker, ...]
+    output_label: str
+    graph: tuple[tuple[str, str, tuple[str, ...]], ...]  # (label, type, input labels)
+    params: tuple[tuple[str, Any], ...]  # (label, operator parameters)
+
+    def front_segment(self) -> FrontSegment:
+        return FrontSegment(
+            [s.source for s in self.sources],
+            [list(s.chain) for s in self.sources],
+            list(self.common),
+        )
+
+    @property
+    def stateful(self) -> tuple[StatefulInvoker, ...]:
+        return tuple(s for s in self.back if isinstance(s, StatefulInvoker))

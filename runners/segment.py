@@ -1,0 +1,70 @@
+"""The stateless front of a lane's pipeline: decode raw records and run stateless DoFns on them."""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from zephon_flow.errors import DataError, StageError
+from zephon_flow.operators.splits import Record, Source
+from zephon_flow.runners.dofns import StatelessInvoker
+
+#: A unit of work for a backend: (source index, raw record) pairs, in lane order.
+Chunk = list[tuple[int, Record]]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """An exception raised on a worker, carried back with its formatted traceback."""
+
+    data_error: bool
+    message: str
+    worker_traceback: str
+
+    def reraise(self) -> None:
+        text = f"{self.message}\n\n-- traceback on the worker --\n{self.worker_traceback}"
+        if self.data_error:
+            raise DataError(text)
+        raise StageError(text)
+
+
+class FrontSegment:
+    """Sources' decoders, per-source stateless chains, then the chain common to all sources."""
+
+    def __init__(
+        self,
+        sources: list[Source],
+        source_chains: list[list[StatelessInvoker]],
+        common: list[StatelessInvoker],
+    ) -> None:
+        self.sources = sources
+        self.source_chains = source_chains
+        self.common = common
+
+    def run_record(self, source_index: int, record: Record) -> list[Any]:
+        source = self.sources[source_index]
+        values = source.decode(record, source.operator_name)
+        for step in [*self.source_chains[source_index], *self.common]:
+            if not values:
+                break
+            nxt: list[Any] = []
+            for value in values:
+                try:
+                    nxt.extend(step(value))
+                except DataError:
+                    raise
+                except Exception as exc:
+                    raise StageError(
+                        f"DoFn {step.label!r} raised {type(exc).__name__}: {exc} (on the record at "
+                        f"{record.path} {record.where}, via {source.operator_name})"
+                    ) from exc
+            values = nxt
+        return values
+
+    def run_chunk(self, chunk: Chunk) -> list[list[Any]] | Failure:
+        """Outputs per record, or the first failure (never raises: failures travel as data)."""
+        try:
+            return [self.run_record(i, rec) for i, rec in chunk]
+        except Exception as exc:  # carried back to the consumer with the worker's traceback
+            return Failure(isinstance(exc, DataError), str(exc), traceback.format_exc())

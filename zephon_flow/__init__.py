@@ -1,0 +1,39 @@
+"""zephon-flow: elastically deterministic data loading for foundation-model training.
+
+The global batch sequence is a pure function of the pipeline and its data, whatever the world
+size, worker count, backend or resume point. See DESIGN.md for the contract.
+"""
+
+from zephon_flow._quiet import quiet_beam_import_warnings
+
+quiet_beam_import_warnings()
+
+from zephon_flow.batches import batch_digest  # noqa: E402
+from zephon_flow.errors import (  # noqa: E402
+    DataError,
+    SpecError,
+    StateError,
+    ZephonError,
+)
+from zephon_flow.loader import Loader  # noqa: E402
+from zephon_flow.runners.dofns import SeedParam  # noqa: E402
+from zephon_flow.spec import LoaderSpec  # noqa: E402
+from zephon_flow.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataError",
+    "Loader",
+    "LoaderSpec",
+    "SeedParam",
+    "SpecError",
+    "StateError",
+    "ZephonError",
+    "batch_digest",
+    "decode_state",
+    "encode_state",
+    "load_state",
+    "merge_states",
+    "save_state",
+]

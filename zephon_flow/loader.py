@@ -1,0 +1,158 @@
+"""The embedded ``Loader``: one rank's slice of every global batch, with resumable state."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any
+
+from zephon_flow.batches import Batch, stack
+from zephon_flow.errors import SpecError, StateError, ZephonError
+from zephon_flow.lanes import RankSlice
+from zephon_flow.runners.backends.base import make_backend
+from zephon_flow.runners.lane import LaneRunner
+from zephon_flow.spec import LoaderSpec
+from zephon_flow.state import LaneState, LoaderState, to_loader_state
+
+_END = object()
+
+
+class Loader:
+    """Iterates ``(step, batch)`` for rank ``rank`` of ``world_size``; ``batch`` maps field
+    names to numpy arrays holding this rank's rows ``[rank*B/W, (rank+1)*B/W)`` of global batch
+    ``step``.
+
+    Only the lanes under this rank's rows are run. Stateless work goes to ``backend``
+    (``"inline"``, ``"threads"`` or ``"processes"`` with ``workers``); ``prefetch`` batches are
+    produced ahead on a background thread. ``state`` (from ``state_dict``, ``merge_states``
+    or checkpoint bytes) resumes the global sequence under any topology.
+    """
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        backend: str = "inline",
+        workers: int = 1,
+        state: Any = None,
+        prefetch: int = 2,
+        chunk_records: int = 16,
+        prefetch_chunks: int = 4,
+    ) -> None:
+        if not isinstance(spec, LoaderSpec):
+            raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
+        self._slice = RankSlice(rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
+        for name, value in (("prefetch", prefetch), ("chunk_records", chunk_records), ("prefetch_chunks", prefetch_chunks)):
+            if not isinstance(value, int) or value < 1:
+                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+        self.spec = spec
+        fingerprint = spec.fingerprint
+        lane_ids = list(self._slice.lane_ids)
+        restored: dict[int, LaneState | None] = dict.fromkeys(lane_ids)
+        step = 0
+        if state is not None:
+            loaded = to_loader_state(state)
+            loaded.check_compatible(lanes=spec.lanes, fingerprint=fingerprint)
+            missing = [lane for lane in lane_ids if lane not in loaded.lane_states]
+            if missing:
+                raise StateError(
+                    f"the state has no entry for lane(s) {missing}, which rank {rank} of {world_size} "
+                    f"runs; gather every rank's state_dict() and pass zf.merge_states(states)"
+                )
+            restored = {lane: loaded.lane_states[lane] for lane in lane_ids}
+            step = loaded.step
+        plan = spec.compile()
+        self._backend = make_backend(backend, workers=workers, segment=plan.front_segment())
+        self._lanes = [
+            LaneRunner(
+                plan, self._backend, lane=lane, lanes=spec.lanes, seed=spec.seed, window=spec.per_lane,
+                state=restored[lane], chunk_records=chunk_records, depth=prefetch_chunks,
+            )
+            for lane in lane_ids
+        ]
+        self._fingerprint = fingerprint
+        self._step = step
+        self._last = LoaderState(step, spec.lanes, fingerprint, {ln.snapshot().lane: ln.snapshot() for ln in self._lanes})
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def rank_slice(self) -> RankSlice:
+        return self._slice
+
+    def _produce(self) -> None:
+        step = self._step
+        rows = self._slice.rows_of_lanes()
+        try:
+            while not self._stop.is_set():
+                windows = []
+                for lane in self._lanes:
+                    w = lane.next_window()
+                    if w is None:
+                        self._put(_END)
+                        return
+                    windows.append(w)
+                samples = [s for w in windows for s in w][rows]
+                batch = stack(samples, where=f"global batch {step}")
+                snap = {ln.snapshot().lane: ln.snapshot() for ln in self._lanes}
+                step += 1
+                self._put((step - 1, batch, LoaderState(step, self.spec.lanes, self._fingerprint, snap)))
+        except BaseException as exc:  # delivered to the consumer, re-raised there
+            self._put(exc)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        if self._closed:
+            raise ZephonError("this Loader is closed")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._produce, name="zephon-lanes", daemon=True)
+            self._thread.start()
+        while True:
+            item = self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            step, batch, after = item
+            self._last = after
+            yield step, batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: this rank's lanes, positioned after the last batch yielded."""
+        return self._last.to_plain()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        for lane in self._lanes:
+            lane.close()
+        self._backend.close()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,38 @@
+"""Counter-based randomness: every draw is a pure function of (seed, stream, lane, position)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+
+def stable_hash(text: str) -> int:
+    """A 63-bit hash of ``text`` that is the same in every process and Python version."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1
+
+
+def generator(*words: int) -> np.random.Generator:
+    """A Philox generator keyed by up to four non-negative integers (seed, stream, lane, ...).
+
+    No generator object is ever stored: callers rebuild it from the same words.
+    """
+    if len(words) > 4:
+        raise ValueError("at most four key words")
+    key = [w & 0xFFFF_FFFF_FFFF_FFFF for w in words]
+    key += [0] * (4 - len(key))
+    # Philox takes a 128-bit key and a 256-bit counter: seed and stream form the key,
+    # lane and position the counter.
+    return np.random.Generator(
+        np.random.Philox(key=np.array(key[:2], dtype=np.uint64), counter=np.array(key[2:] + [0, 0], dtype=np.uint64))
+    )
+
+
+def draw_u64(seed: int, stream: int, lane: int, position: int) -> int:
+    """One uniformly distributed 64-bit integer for (seed, stream, lane, position)."""
+    return int(generator(seed, stream, lane, position).integers(0, 2**63, dtype=np.int64))
+
+
+def draw_unit(seed: int, stream: int, lane: int, position: int) -> float:
+    """One uniform float in [0, 1) for (seed, stream, lane, position)."""
+    return draw_u64(seed, stream, lane, position) / float(2**63)

@@ -1,0 +1,86 @@
+"""``LoaderSpec``: a Beam pipeline plus lanes, seed and batch size, and its fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
+
+from zephon_flow.errors import SpecError
+from zephon_flow.lanes import check_batch_geometry
+from zephon_flow.runners.deterministic import DeterministicRunner
+from zephon_flow.runners.plan import Plan
+
+
+def _digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Compiled:
+    plan: Plan
+    fingerprint: dict[str, str]
+
+
+@dataclass(frozen=True)
+class LoaderSpec:
+    """The identity of a data stream: ``build(p)`` returns the PCollection of samples.
+
+    The global batch sequence is a pure function of this spec and the data files. ``lanes``
+    is fixed for the life of a run (choose at least the largest world size you expect);
+    ``global_batch_size`` must be a multiple of ``lanes``.
+    """
+
+    build: Callable[[beam.Pipeline], beam.PCollection]
+    lanes: int = 16
+    seed: int = 0
+    global_batch_size: int = 256
+    _compiled: list[_Compiled] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not callable(self.build):
+            raise SpecError(f"build must be a callable taking a beam.Pipeline, got {self.build!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise SpecError(f"seed must be a non-negative integer, got {self.seed!r}")
+        check_batch_geometry(lanes=self.lanes, global_batch_size=self.global_batch_size)
+
+    @property
+    def per_lane(self) -> int:
+        return self.global_batch_size // self.lanes
+
+    def compile(self) -> Plan:
+        """A fresh plan (DoFn instances of its own); the graph is built and checked each time."""
+        return self._compile().plan
+
+    @property
+    def fingerprint(self) -> dict[str, str]:
+        """Digests of the parts that define the stream; ``total`` covers them all."""
+        if not self._compiled:
+            self._compiled.append(self._compile())
+        return self._compiled[0].fingerprint
+
+    def _compile(self) -> _Compiled:
+        runner = DeterministicRunner(seed=self.seed)
+        pipeline = beam.Pipeline(runner=runner, options=PipelineOptions([]))
+        output = self.build(pipeline)
+        if not isinstance(output, beam.PCollection):
+            raise SpecError(f"build(p) must return a beam.PCollection, got {type(output).__name__}")
+        plan = runner.compile(pipeline, output)
+        parts = {
+            "graph": _digest(plan.graph),
+            "lanes": _digest(self.lanes),
+            "seed": _digest(self.seed),
+            "global_batch_size": _digest(self.global_batch_size),
+        }
+        for label, params in plan.params:
+            parts[f"operator {label}"] = _digest(params)
+        for sp in plan.sources:
+            parts[f"data {sp.label}"] = _digest(sp.source.data_files())
+        parts["total"] = _digest(sorted(parts.items()))
+        return _Compiled(plan=plan, fingerprint=parts)

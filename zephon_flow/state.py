@@ -1,0 +1,212 @@
+"""Typed lane and loader state, their plain-data form, and the file format around the codec."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from zephon_flow import codec
+from zephon_flow.errors import (
+    CorruptStateError,
+    FingerprintMismatchError,
+    LaneCountMismatchError,
+    StateConflictError,
+)
+
+STATE_KIND = "zephon-flow/loader-state"
+
+
+def _need(plain: Any, key: str, where: str) -> Any:
+    if not isinstance(plain, dict):
+        raise CorruptStateError(f"{where} should be a mapping, found {type(plain).__name__}")
+    if key not in plain:
+        raise CorruptStateError(f"{where} is missing {key!r}: the checkpoint is corrupt or incomplete")
+    return plain[key]
+
+
+@dataclass
+class FeedCursor:
+    """Where a lane's (mixed) source stream resumes: the first record not yet consumed.
+
+    ``sources[i]`` is ``[split item, position inside the split]`` for source ``i``; ``skip``
+    counts outputs of the record at the cursor that were already consumed.
+    """
+
+    mix_position: int
+    sources: list[list[int]]
+    skip: int = 0
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"mix_position": self.mix_position, "sources": [list(s) for s in self.sources], "skip": self.skip}
+
+    @classmethod
+    def from_plain(cls, plain: Any, where: str) -> FeedCursor:
+        sources = _need(plain, "sources", where)
+        return cls(
+            mix_position=int(_need(plain, "mix_position", where)),
+            sources=[[int(item), int(pos)] for item, pos in sources],
+            skip=int(_need(plain, "skip", where)),
+        )
+
+
+@dataclass
+class LaneState:
+    """Everything needed to continue one lane: cursor, stateful DoFns' state, open window."""
+
+    lane: int
+    cursor: FeedCursor
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    pending: list[Any] = field(default_factory=list)
+    ended: bool = False
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "lane": self.lane,
+            "cursor": self.cursor.to_plain(),
+            "stages": self.stages,
+            "pending": self.pending,
+            "ended": self.ended,
+        }
+
+    @classmethod
+    def from_plain(cls, plain: Any) -> LaneState:
+        lane = int(_need(plain, "lane", "lane state"))
+        where = f"state of lane {lane}"
+        stages = _need(plain, "stages", where)
+        for label, st in stages.items():
+            for key in ("values", "timers", "position"):
+                _need(st, key, f"{where}, stage {label!r}")
+        return cls(
+            lane=lane,
+            cursor=FeedCursor.from_plain(_need(plain, "cursor", where), f"{where}, cursor"),
+            stages=stages,
+            pending=list(_need(plain, "pending", where)),
+            ended=bool(_need(plain, "ended", where)),
+        )
+
+
+@dataclass
+class LoaderState:
+    """A checkpoint: the next step, the pipeline's identity, and the states of some lanes."""
+
+    step: int
+    lanes: int
+    fingerprint: dict[str, str]
+    lane_states: dict[int, LaneState]
+
+    def to_plain(self) -> dict[str, Any]:
+        return {
+            "kind": STATE_KIND,
+            "format_version": codec.FORMAT_VERSION,
+            "step": self.step,
+            "lanes": self.lanes,
+            "fingerprint": dict(self.fingerprint),
+            "lane_states": [self.lane_states[k].to_plain() for k in sorted(self.lane_states)],
+        }
+
+    @classmethod
+    def from_plain(cls, plain: Any) -> LoaderState:
+        if _need(plain, "kind", "checkpoint") != STATE_KIND:
+            raise CorruptStateError(f"checkpoint kind is {plain['kind']!r}, expected {STATE_KIND!r}")
+        version = int(_need(plain, "format_version", "checkpoint"))
+        if version > codec.FORMAT_VERSION:
+            from zephon_flow.errors import FormatVersionError
+
+            raise FormatVersionError(
+                f"checkpoint format version {version} is newer than the version "
+                f"{codec.FORMAT_VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
+            )
+        states = [LaneState.from_plain(s) for s in _need(plain, "lane_states", "checkpoint")]
+        return cls(
+            step=int(_need(plain, "step", "checkpoint")),
+            lanes=int(_need(plain, "lanes", "checkpoint")),
+            fingerprint={str(k): str(v) for k, v in _need(plain, "fingerprint", "checkpoint").items()},
+            lane_states={s.lane: s for s in states},
+        )
+
+    def check_compatible(self, *, lanes: int, fingerprint: dict[str, str]) -> None:
+        """Refuses a state written for another lane count or another pipeline, naming the part."""
+        if self.lanes != lanes:
+            raise LaneCountMismatchError(
+                f"the checkpoint was written for lanes={self.lanes}, this spec has lanes={lanes}; "
+                f"the lane count is part of a pipeline's identity and cannot change on resume"
+            )
+        if self.fingerprint != fingerprint:
+            parts = sorted(set(self.fingerprint) | set(fingerprint))
+            differ = [p for p in parts if p != "total" and self.fingerprint.get(p) != fingerprint.get(p)]
+            raise FingerprintMismatchError(
+                "the checkpoint was written for another pipeline; these parts of the fingerprint "
+                f"differ: {', '.join(differ) or 'total'}"
+            )
+
+
+def merge_states(states: list[Any]) -> dict[str, Any]:
+    """Unions the lane states of several ranks' checkpoints (plain dicts or bytes) into one.
+
+    All must be for the same step and pipeline; ranks that share a lane must hold identical
+    states for it.
+    """
+    if not states:
+        raise StateConflictError("merge_states needs at least one state")
+    parsed = [to_loader_state(s) for s in states]
+    first = parsed[0]
+    merged: dict[int, LaneState] = {}
+    digests: dict[int, str] = {}
+    for i, st in enumerate(parsed):
+        if st.step != first.step:
+            raise StateConflictError(f"cannot merge states of different steps: {first.step} (state 0) and {st.step} (state {i})")
+        if st.lanes != first.lanes:
+            raise LaneCountMismatchError(f"cannot merge states for lanes={first.lanes} (state 0) and lanes={st.lanes} (state {i})")
+        if st.fingerprint != first.fingerprint:
+            raise FingerprintMismatchError(f"state {i} was written for another pipeline than state 0")
+        for lane, ls in st.lane_states.items():
+            digest = codec.canonical_digest(ls.to_plain())
+            if lane in digests and digests[lane] != digest:
+                raise StateConflictError(f"states disagree about lane {lane} at step {st.step} (state {i} differs)")
+            digests[lane] = digest
+            merged[lane] = ls
+    return LoaderState(first.step, first.lanes, first.fingerprint, merged).to_plain()
+
+
+def to_loader_state(state: Any) -> LoaderState:
+    """Accepts a ``LoaderState``, its plain form, or encoded checkpoint bytes."""
+    if isinstance(state, LoaderState):
+        return state
+    if isinstance(state, bytes | bytearray | memoryview):
+        state = codec.decode(bytes(state))
+    return LoaderState.from_plain(state)
+
+
+def encode_state(state: Any) -> bytes:
+    """The checkpoint bytes of a state (plain dict as returned by ``Loader.state_dict``)."""
+    return codec.encode(to_loader_state(state).to_plain())
+
+
+def decode_state(data: bytes, *, source: str = "checkpoint") -> dict[str, Any]:
+    plain = codec.decode(data, source=source)
+    LoaderState.from_plain(plain)  # validate structure now, with the source's name
+    return dict(plain)
+
+
+def save_state(state: Any, path: str | os.PathLike[str]) -> None:
+    """Writes a checkpoint atomically: temporary file, fsync, rename."""
+    data = encode_state(state)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".zephon-state-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        return decode_state(f.read(), source=str(path))
