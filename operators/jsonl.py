@@ -118,9 +118,7 @@ class ReadJsonl(Source):
     def _read_compressed(self, path: str, position: int) -> Iterator[tuple[int, Record]]:
         """Every line of a compressed file; positions count lines (resuming re-reads the skip)."""
         if position != START and position < 0:
-            raise DataError(
-                f"{self.operator_name}: position {position} is not a line count ({path})"
-            )
+            raise DataError(f"{self.operator_name}: position {position} is not a line count ({path})")
         skip = 0 if position == START else position
         n = 0
         try:
@@ -139,9 +137,7 @@ class ReadJsonl(Source):
 
     def _unreadable(self, path: str, exc: BaseException) -> DataError:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        return DataError(
-            f"{self.operator_name}: cannot read {path}: {reason or type(exc).__name__}"
-        )
+        return DataError(f"{self.operator_name}: cannot read {path}: {reason or type(exc).__name__}")
 
     # -- decoding (runs in workers on a pickled copy of this transform) ------------------
     def decode(self, record: Record, operator: str) -> list[Any]:
@@ -157,9 +153,7 @@ class ReadJsonl(Source):
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DataError(
-                f"{operator}: malformed JSON in {where}: {exc.msg} (column {exc.colno})"
-            ) from exc
+            raise DataError(f"{operator}: malformed JSON in {where}: {exc.msg} (column {exc.colno})") from exc
         except RecursionError as exc:
             raise DataError(f"{operator}: malformed JSON in {where}: nested too deeply") from exc
         if not isinstance(obj, dict):
@@ -175,8 +169,7 @@ class ReadJsonl(Source):
         value = obj[self.field]
         if not isinstance(value, str):
             raise DataError(
-                f"{operator}: the field {self.field!r} in {where} is a JSON {_json_type(value)}, "
-                f"not a string"
+                f"{operator}: the field {self.field!r} in {where} is a JSON {_json_type(value)}, not a string"
             )
         return [value] if value else []
 

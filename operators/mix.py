@@ -26,7 +26,9 @@ class Mix(beam.PTransform):  # type: ignore[misc]
         super().__init__(label)
         w = [float(x) for x in weights]
         if not w or any(not np.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
-            raise SpecError(f"Mix: weights must be non-negative, finite and not all zero, got {list(weights)!r}")
+            raise SpecError(
+                f"Mix: weights must be non-negative, finite and not all zero, got {list(weights)!r}"
+            )
         self.weights = w
         total = sum(w)
         self._cumulative = np.cumsum([x / total for x in w])

@@ -7,7 +7,12 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 from apache_beam.coders import PickleCoder
-from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, TimeDomain, on_timer
+from apache_beam.transforms.userstate import (
+    ReadModifyWriteStateSpec,
+    TimeDomain,
+    TimerSpec,
+    on_timer,
+)
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
 from zephon_flow.errors import DataError, SpecError
@@ -46,10 +51,12 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         carry: Any = beam.DoFn.StateParam(CARRY),
         flush: Any = beam.DoFn.TimerParam(FLUSH),
     ) -> Any:
-        lane, doc = element
+        _lane, doc = element
         ids = np.asarray(doc)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise DataError(f"Pack: expected a 1-d integer array of token ids, got {ids.dtype}{list(ids.shape)}")
+            raise DataError(
+                f"Pack: expected a 1-d integer array of token ids, got {ids.dtype}{list(ids.shape)}"
+            )
         if ids.size == 0:
             return
         held = carry.read()
@@ -82,7 +89,13 @@ class Pack(beam.DoFn):  # type: ignore[misc]
                 all_pos[start:][cont] -= all_pos[start]
                 all_seg = all_seg.copy()
                 all_seg[start:] -= first_seg
-        carry.write({"ids": all_ids[start:].copy(), "pos": all_pos[start:].copy(), "seg": all_seg[start:].copy()})
+        carry.write(
+            {
+                "ids": all_ids[start:].copy(),
+                "pos": all_pos[start:].copy(),
+                "seg": all_seg[start:].copy(),
+            }
+        )
 
     @on_timer(FLUSH)
     def flush_tail(self, carry: Any = beam.DoFn.StateParam(CARRY)) -> Any:

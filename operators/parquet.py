@@ -33,9 +33,7 @@ class ReadParquet(Source):
     ) -> None:
         super().__init__(pattern, epochs=epochs, label=label)
         if not isinstance(column, str) or not column:
-            raise SpecError(
-                f"{type(self).__name__}: column must be a non-empty string, got {column!r}"
-            )
+            raise SpecError(f"{type(self).__name__}: column must be a non-empty string, got {column!r}")
         self.column = column
 
     def params(self) -> dict[str, Any]:
@@ -54,18 +52,12 @@ class ReadParquet(Source):
         """The file, its footer read and its schema checked for ``column``."""
         try:
             if os.path.getsize(path) == 0:
-                raise DataError(
-                    f"{self.operator_name}: {path} is empty (0 bytes), not a Parquet file"
-                )
+                raise DataError(f"{self.operator_name}: {path} is empty (0 bytes), not a Parquet file")
             pf = pq.ParquetFile(path)
         except OSError as exc:
-            raise DataError(
-                f"{self.operator_name}: cannot read {path}: {exc.strerror or exc}"
-            ) from exc
+            raise DataError(f"{self.operator_name}: cannot read {path}: {exc.strerror or exc}") from exc
         except pa.ArrowException as exc:
-            raise DataError(
-                f"{self.operator_name}: {path} is not a readable Parquet file: {exc}"
-            ) from exc
+            raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
         names: list[str] = pf.schema_arrow.names
         if self.column not in names:
             pf.close()
@@ -104,9 +96,7 @@ class ReadParquet(Source):
         return table.column(0)
 
     @staticmethod
-    def _rows(
-        path: str, group: int, values: pa.ChunkedArray, first: int
-    ) -> Iterator[tuple[int, Record]]:
+    def _rows(path: str, group: int, values: pa.ChunkedArray, first: int) -> Iterator[tuple[int, Record]]:
         for begin in range(first, len(values), _BATCH_ROWS):
             for row, value in enumerate(values.slice(begin, _BATCH_ROWS).to_pylist(), begin):
                 yield row + 1, Record(value, path, f"row group {group} row {row}")

@@ -6,7 +6,12 @@ from typing import Any
 
 import apache_beam as beam
 from apache_beam.coders import PickleCoder
-from apache_beam.transforms.userstate import ReadModifyWriteStateSpec, TimerSpec, TimeDomain, on_timer
+from apache_beam.transforms.userstate import (
+    ReadModifyWriteStateSpec,
+    TimeDomain,
+    TimerSpec,
+    on_timer,
+)
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
 from zephon_flow.errors import SpecError
@@ -37,7 +42,7 @@ class Shuffle(beam.DoFn):  # type: ignore[misc]
         position: Any = beam.DoFn.TimestampParam,
         items: Any = beam.DoFn.StateParam(BUFFER),
         drain: Any = beam.DoFn.TimerParam(DRAIN),
-        seed: int = SeedParam,  # type: ignore[assignment]
+        seed: int = SeedParam,
     ) -> Any:
         lane, value = element
         held = items.read()
@@ -54,7 +59,12 @@ class Shuffle(beam.DoFn):  # type: ignore[misc]
         yield out
 
     @on_timer(DRAIN)
-    def drain_all(self, key: Any = beam.DoFn.KeyParam, items: Any = beam.DoFn.StateParam(BUFFER), seed: int = SeedParam) -> Any:  # type: ignore[assignment]
+    def drain_all(
+        self,
+        key: Any = beam.DoFn.KeyParam,
+        items: Any = beam.DoFn.StateParam(BUFFER),
+        seed: int = SeedParam,
+    ) -> Any:
         held = items.read() or []
         items.clear()
         for i in generator(seed, 2, key).permutation(len(held)):

@@ -68,7 +68,7 @@ def relative_name(path: str, pattern: str) -> str:
 class Source(beam.PTransform):  # type: ignore[misc]
     """Base of zephon-flow's sources. The deterministic runner recognises subclasses by type.
 
-    A subclass implements ``list_splits`` (deterministic order), ``read_split`` (runs in the
+    A subclass implements ``make_splits`` (deterministic order), ``read_split`` (runs in the
     lane's feed thread: raw records, cheap) and ``decode`` (runs on the stateless backend, in
     parallel: parse, validate, extract). Errors name the file, the location and the operator.
     """
@@ -152,7 +152,9 @@ def _permutation(n: int, seed: int, salt: int, epoch: int) -> np.ndarray:
     return generator(seed, salt, epoch).permutation(n)
 
 
-def dealt_split(*, n_splits: int, lanes: int, lane: int, item: int, seed: int, source: str) -> tuple[int, int]:
+def dealt_split(
+    *, n_splits: int, lanes: int, lane: int, item: int, seed: int, source: str
+) -> tuple[int, int]:
     """``(epoch, split index)`` of lane ``lane``'s ``item``-th split (item counts from 0)."""
     k = lane + item * lanes
     epoch, pos = divmod(k, n_splits)

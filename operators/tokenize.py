@@ -21,7 +21,9 @@ def _load_tokenizer(path: str) -> Any:
     try:
         return Tokenizer.from_file(path)
     except Exception as exc:
-        raise SpecError(f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load: {exc}") from exc
+        raise SpecError(
+            f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load: {exc}"
+        ) from exc
 
 
 class Tokenize(beam.DoFn):  # type: ignore[misc]
@@ -31,7 +33,13 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
     resumes under another vocabulary.
     """
 
-    def __init__(self, tokenizer_json_path: str | os.PathLike[str], *, append_eos: bool = True, eos_token: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer_json_path: str | os.PathLike[str],
+        *,
+        append_eos: bool = True,
+        eos_token: str | None = None,
+    ) -> None:
         super().__init__()
         path = os.fspath(tokenizer_json_path)
         try:
@@ -61,7 +69,11 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         self._tokenizer: Any = None
 
     def params(self) -> dict[str, Any]:
-        return {"tokenizer_sha256": self.sha256, "append_eos": self.append_eos, "eos_id": self.eos_id}
+        return {
+            "tokenizer_sha256": self.sha256,
+            "append_eos": self.append_eos,
+            "eos_id": self.eos_id,
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -55,7 +55,9 @@ class _Collector(PipelineVisitor):  # type: ignore[misc]
 
 
 def _refuse(node: AppliedPTransform, why: str) -> UnsupportedTransformError:
-    return UnsupportedTransformError(f"transform {node.full_label!r} ({type(node.transform).__name__}): {why}")
+    return UnsupportedTransformError(
+        f"transform {node.full_label!r} ({type(node.transform).__name__}): {why}"
+    )
 
 
 def _passthrough(node: AppliedPTransform) -> bool:
@@ -71,8 +73,11 @@ def _check_primitive(node: AppliedPTransform) -> None:
     if isinstance(t, _WHOLE) or _passthrough(node):
         return
     if isinstance(t, core.WindowInto):
-        raise _refuse(node, "windowing is owned by zephon-flow (window b of a lane is its outputs "
-                            "[b*B/L, (b+1)*B/L)); remove the WindowInto")
+        raise _refuse(
+            node,
+            "windowing is owned by zephon-flow (window b of a lane is its outputs "
+            "[b*B/L, (b+1)*B/L)); remove the WindowInto",
+        )
     if isinstance(t, core.ParDo):
         if t.side_inputs:
             raise _refuse(node, "side inputs are not supported")
@@ -85,8 +90,11 @@ def _check_primitive(node: AppliedPTransform) -> None:
         raise _refuse(node, "GroupByKey is not supported; group inside a stateful DoFn (BagState)")
     if isinstance(t, core.Impulse):
         raise _refuse(node, "bare Impulse is not a zephon-flow source; use ops.ReadJsonl or ops.ReadParquet")
-    raise _refuse(node, "not one of the transforms the deterministic runner accepts (zephon-flow "
-                        "sources, Mix, ParDo, Reshuffle, WindowInto(GlobalWindows))")
+    raise _refuse(
+        node,
+        "not one of the transforms the deterministic runner accepts (zephon-flow "
+        "sources, Mix, ParDo, Reshuffle, WindowInto(GlobalWindows))",
+    )
 
 
 def describe_params(obj: Any) -> Any:
@@ -98,7 +106,9 @@ def describe_params(obj: Any) -> Any:
         code = getattr(fn, "__code__", None)
         body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
         return {"fn": getattr(fn, "__qualname__", repr(fn)), "code": body}
-    plain = {k: v for k, v in sorted(vars(obj).items()) if isinstance(v, int | float | str | bool | type(None))}
+    plain = {
+        k: v for k, v in sorted(vars(obj).items()) if isinstance(v, int | float | str | bool | type(None))
+    }
     return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}", **plain}
 
 
@@ -176,13 +186,21 @@ class DeterministicRunner(PipelineRunner):  # type: ignore[misc]
             back=back,
             output_label=producer[output].full_label,
             graph=tuple(
-                (n.full_label, type(n.transform).__name__, tuple(producer[i].full_label for i in n.inputs if i in producer))
+                (
+                    n.full_label,
+                    type(n.transform).__name__,
+                    tuple(producer[i].full_label for i in n.inputs if i in producer),
+                )
                 for n in ordered
             ),
-            params=tuple((n.full_label, describe_params(_operator(n))) for n in ordered if not _passthrough(n)),
+            params=tuple(
+                (n.full_label, describe_params(_operator(n))) for n in ordered if not _passthrough(n)
+            ),
         )
 
-    def _branch(self, producer: dict[Any, AppliedPTransform], node: AppliedPTransform, used: set[int]) -> SourcePlan:
+    def _branch(
+        self, producer: dict[Any, AppliedPTransform], node: AppliedPTransform, used: set[int]
+    ) -> SourcePlan:
         steps: list[AppliedPTransform] = []
         while not isinstance(node.transform, Source):
             if isinstance(node.transform, Mix):

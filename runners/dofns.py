@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.transforms.core import get_function_arguments
 from apache_beam.transforms import userstate
+from apache_beam.transforms.core import get_function_arguments
 from apache_beam.utils.timestamp import Timestamp
 
 from zephon_flow.errors import SpecError
@@ -29,7 +29,7 @@ class _SeedParam:
 
 
 #: Declare ``seed=zf.SeedParam`` in a stateful DoFn's ``process`` to receive its seed.
-SeedParam = _SeedParam()
+SeedParam: Any = _SeedParam()
 
 
 def dofn_seed(spec_seed: int, label: str) -> int:
@@ -98,11 +98,19 @@ class DoFnLaneState:
     position: int = 0
 
     def to_plain(self) -> dict[str, Any]:
-        return {"values": copy_plain(self.values), "timers": dict(self.timers), "position": self.position}
+        return {
+            "values": copy_plain(self.values),
+            "timers": dict(self.timers),
+            "position": self.position,
+        }
 
     @classmethod
     def from_plain(cls, plain: dict[str, Any]) -> DoFnLaneState:
-        return cls(values=copy_plain(plain["values"]), timers=dict(plain["timers"]), position=int(plain["position"]))
+        return cls(
+            values=copy_plain(plain["values"]),
+            timers=dict(plain["timers"]),
+            position=int(plain["position"]),
+        )
 
 
 class _Binding:
@@ -126,7 +134,9 @@ class _Binding:
             )
 
     def kwargs(self, label: str, lane: int, seed: int, st: DoFnLaneState, ts: Timestamp) -> dict[str, Any]:
-        kw: dict[str, Any] = {n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()}
+        kw: dict[str, Any] = {
+            n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()
+        }
         kw.update({n: runtime_timer(t, st.timers) for n, t in self.timers.items()})
         kw.update({n: seed for n in self.seed})
         if self.timestamp:

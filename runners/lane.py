@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -22,7 +23,17 @@ from zephon_flow.state import FeedCursor, LaneState
 class SourceReader:
     """One source as seen by one lane: its dealt splits in order, from a cursor."""
 
-    def __init__(self, source: Source, label: str, *, lane: int, lanes: int, seed: int, item: int, position: int) -> None:
+    def __init__(
+        self,
+        source: Source,
+        label: str,
+        *,
+        lane: int,
+        lanes: int,
+        seed: int,
+        item: int,
+        position: int,
+    ) -> None:
         self._source, self._label = source, label
         self._lane, self._lanes, self._seed = lane, lanes, seed
         self.item, self.position = item, position
@@ -35,8 +46,12 @@ class SourceReader:
         while not self.exhausted:
             if self._records is None:
                 epoch, index = dealt_split(
-                    n_splits=len(splits), lanes=self._lanes, lane=self._lane, item=self.item,
-                    seed=self._seed, source=self._label,
+                    n_splits=len(splits),
+                    lanes=self._lanes,
+                    lane=self._lane,
+                    item=self.item,
+                    seed=self._seed,
+                    source=self._label,
                 )
                 if self._source.epochs is not None and epoch >= self._source.epochs:
                     self.exhausted = True
@@ -59,8 +74,16 @@ class LaneFeed:
     yields outputs in sequence order with the cursor to resume *after* each of them."""
 
     def __init__(
-        self, plan: Plan, backend: Backend, *, lane: int, lanes: int, seed: int, cursor: FeedCursor,
-        chunk_records: int, depth: int,
+        self,
+        plan: Plan,
+        backend: Backend,
+        *,
+        lane: int,
+        lanes: int,
+        seed: int,
+        cursor: FeedCursor,
+        chunk_records: int,
+        depth: int,
     ) -> None:
         self._plan, self._backend = plan, backend
         self._lane, self._seed = lane, seed
@@ -109,9 +132,12 @@ class LaneFeed:
         seq = self._reorder.expect()
         self._inflight.append((befores, self._cursor()))
         future = self._backend.submit(chunk)
-        future.add_done_callback(lambda f, seq=seq: self._reorder.put(seq, _result(f)))
+        future.add_done_callback(functools.partial(self._deliver, seq))
         self._futures.append(future)
         return True
+
+    def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
+        self._reorder.put(seq, _result(future))
 
     def __iter__(self) -> Iterator[tuple[Any, FeedCursor]]:
         while True:
@@ -147,8 +173,11 @@ def _result(future: Future[ChunkResult]) -> ChunkResult:
     if exc is not None:  # the backend itself failed (a worker process died, ...)
         import traceback
 
-        return Failure(False, f"stateless backend failed: {type(exc).__name__}: {exc}",
-                       "".join(traceback.format_exception(exc)))
+        return Failure(
+            False,
+            f"stateless backend failed: {type(exc).__name__}: {exc}",
+            "".join(traceback.format_exception(exc)),
+        )
     return future.result()
 
 
@@ -156,8 +185,17 @@ class LaneRunner:
     """Runs one lane to window boundaries; its snapshot is the lane's entire checkpoint."""
 
     def __init__(
-        self, plan: Plan, backend: Backend, *, lane: int, lanes: int, seed: int, window: int,
-        state: LaneState | None, chunk_records: int, depth: int,
+        self,
+        plan: Plan,
+        backend: Backend,
+        *,
+        lane: int,
+        lanes: int,
+        seed: int,
+        window: int,
+        state: LaneState | None,
+        chunk_records: int,
+        depth: int,
     ) -> None:
         self._plan, self._lane, self._window = plan, lane, window
         if state is None:
@@ -174,8 +212,14 @@ class LaneRunner:
         self._pending = list(state.pending)
         self._ended = state.ended
         self._feed = LaneFeed(
-            plan, backend, lane=lane, lanes=lanes, seed=seed, cursor=state.cursor,
-            chunk_records=chunk_records, depth=depth,
+            plan,
+            backend,
+            lane=lane,
+            lanes=lanes,
+            seed=seed,
+            cursor=state.cursor,
+            chunk_records=chunk_records,
+            depth=depth,
         )
         self._stream = iter(self._feed)
 
@@ -219,7 +263,11 @@ class LaneRunner:
         """The lane's state now: only valid between windows (a quiescent point)."""
         return LaneState(
             lane=self._lane,
-            cursor=FeedCursor(self._cursor.mix_position, [list(s) for s in self._cursor.sources], self._cursor.skip),
+            cursor=FeedCursor(
+                self._cursor.mix_position,
+                [list(s) for s in self._cursor.sources],
+                self._cursor.skip,
+            ),
             stages={label: st.to_plain() for label, st in self._stages.items()},
             pending=copy_plain(self._pending),
             ended=self._ended,

@@ -9,7 +9,10 @@ class _DropApitoolsNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
         # The runner keys state by lane id (an int) and never encodes keys with a coder.
-        return "apitools not found" not in message and "with stateful DoFn may not be deterministic" not in message
+        return (
+            "apitools not found" not in message
+            and "with stateful DoFn may not be deterministic" not in message
+        )
 
 
 def quiet_beam_import_warnings() -> None:

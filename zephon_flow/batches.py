@@ -22,7 +22,9 @@ def stack(samples: Sequence[Any], *, where: str) -> Batch:
         keys = sorted(first)
         for i, s in enumerate(samples):
             if not isinstance(s, Mapping) or sorted(s) != keys:
-                raise StageError(f"{where}: sample {i} has keys {sorted(s) if isinstance(s, Mapping) else type(s).__name__}, expected {keys}")
+                raise StageError(
+                    f"{where}: sample {i} has keys {sorted(s) if isinstance(s, Mapping) else type(s).__name__}, expected {keys}"
+                )
         return {k: _stack_field([s[k] for s in samples], where=f"{where}, field {k!r}") for k in keys}
     return {"data": _stack_field(list(samples), where=where)}
 
@@ -32,7 +34,9 @@ def _stack_field(values: list[Any], *, where: str) -> np.ndarray:
     shape, dtype = arrays[0].shape, arrays[0].dtype
     for i, a in enumerate(arrays):
         if a.shape != shape or a.dtype != dtype:
-            raise StageError(f"{where}: sample {i} is {a.dtype}{list(a.shape)}, expected {dtype}{list(shape)}")
+            raise StageError(
+                f"{where}: sample {i} is {a.dtype}{list(a.shape)}, expected {dtype}{list(shape)}"
+            )
     return np.stack(arrays)
 
 

@@ -32,7 +32,7 @@ def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str
         return {"~f": value.hex()}
     if isinstance(value, bytes | bytearray | memoryview):
         data = bytes(value)
-        ref = {"~b": [offset[0], len(data)]}
+        ref: dict[str, Any] = {"~b": [offset[0], len(data)]}
         payload.append(data)
         offset[0] += len(data)
         return ref
@@ -58,7 +58,10 @@ def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str
             return {k: _encode_tree(v, payload, offset, f"{where}.{k}") for k, v in value.items()}
         return {
             "~d": [
-                [_encode_tree(k, payload, offset, f"{where} key"), _encode_tree(v, payload, offset, f"{where}[{k!r}]")]
+                [
+                    _encode_tree(k, payload, offset, f"{where} key"),
+                    _encode_tree(v, payload, offset, f"{where}[{k!r}]"),
+                ]
                 for k, v in value.items()
             ]
         }
@@ -74,7 +77,7 @@ def _decode_tree(node: Any, payload: memoryview) -> Any:
     if not isinstance(node, dict):
         return node
     if len(node) == 1:
-        (tag, body), = node.items()
+        ((tag, body),) = node.items()
         if tag == "~f":
             return float.fromhex(body)
         if tag == "~b":
@@ -108,7 +111,7 @@ def decode(data: bytes, *, source: str = "checkpoint") -> Any:
     """Decodes checkpoint bytes; refuses other formats, newer versions and damaged bytes."""
     if len(data) < _HEAD.size + _DIGEST or not data.startswith(MAGIC):
         raise CorruptStateError(f"{source} is not a zephon-flow checkpoint (missing magic header)")
-    magic, version, header_len = _HEAD.unpack_from(data)
+    _magic, version, header_len = _HEAD.unpack_from(data)
     if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{source} uses checkpoint format version {version}, newer than the version "

@@ -168,9 +168,7 @@ def _is_cached(root: Path, params: dict[str, object]) -> bool:
         manifest = json.loads((root / _MANIFEST).read_text(encoding="utf-8"))
         if manifest["params"] != params or sorted(manifest["files"]) != sorted(_FILES):
             return False
-        return all(
-            (root / name).stat().st_size == manifest["files"][name]["bytes"] for name in _FILES
-        )
+        return all((root / name).stat().st_size == manifest["files"][name]["bytes"] for name in _FILES)
     except (OSError, ValueError, KeyError, TypeError):
         # No cache, or a damaged one: either way it is rebuilt.
         return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -45,8 +46,17 @@ class Loader:
     ) -> None:
         if not isinstance(spec, LoaderSpec):
             raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
-        self._slice = RankSlice(rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
-        for name, value in (("prefetch", prefetch), ("chunk_records", chunk_records), ("prefetch_chunks", prefetch_chunks)):
+        self._slice = RankSlice(
+            rank=rank,
+            world_size=world_size,
+            lanes=spec.lanes,
+            global_batch_size=spec.global_batch_size,
+        )
+        for name, value in (
+            ("prefetch", prefetch),
+            ("chunk_records", chunk_records),
+            ("prefetch_chunks", prefetch_chunks),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
         self.spec = spec
@@ -69,14 +79,23 @@ class Loader:
         self._backend = make_backend(backend, workers=workers, segment=plan.front_segment())
         self._lanes = [
             LaneRunner(
-                plan, self._backend, lane=lane, lanes=spec.lanes, seed=spec.seed, window=spec.per_lane,
-                state=restored[lane], chunk_records=chunk_records, depth=prefetch_chunks,
+                plan,
+                self._backend,
+                lane=lane,
+                lanes=spec.lanes,
+                seed=spec.seed,
+                window=spec.per_lane,
+                state=restored[lane],
+                chunk_records=chunk_records,
+                depth=prefetch_chunks,
             )
             for lane in lane_ids
         ]
         self._fingerprint = fingerprint
         self._step = step
-        self._last = LoaderState(step, spec.lanes, fingerprint, {ln.snapshot().lane: ln.snapshot() for ln in self._lanes})
+        self._last = LoaderState(
+            step, spec.lanes, fingerprint, {ln.snapshot().lane: ln.snapshot() for ln in self._lanes}
+        )
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,11 +167,14 @@ class Loader:
     def __enter__(self) -> Loader:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass

@@ -24,7 +24,10 @@ def generator(*words: int) -> np.random.Generator:
     # Philox takes a 128-bit key and a 256-bit counter: seed and stream form the key,
     # lane and position the counter.
     return np.random.Generator(
-        np.random.Philox(key=np.array(key[:2], dtype=np.uint64), counter=np.array(key[2:] + [0, 0], dtype=np.uint64))
+        np.random.Philox(
+            key=np.array(key[:2], dtype=np.uint64),
+            counter=np.array([*key[2:], 0, 0], dtype=np.uint64),
+        )
     )
 
 

@@ -30,7 +30,15 @@ def global_batches(
     with ExitStack() as stack:
         loaders = [
             stack.enter_context(
-                Loader(spec, rank=r, world_size=world_size, backend=backend, workers=workers, state=state, **loader_options)
+                Loader(
+                    spec,
+                    rank=r,
+                    world_size=world_size,
+                    backend=backend,
+                    workers=workers,
+                    state=state,
+                    **loader_options,
+                )
             )
             for r in range(world_size)
         ]

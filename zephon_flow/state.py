@@ -39,7 +39,11 @@ class FeedCursor:
     skip: int = 0
 
     def to_plain(self) -> dict[str, Any]:
-        return {"mix_position": self.mix_position, "sources": [list(s) for s in self.sources], "skip": self.skip}
+        return {
+            "mix_position": self.mix_position,
+            "sources": [list(s) for s in self.sources],
+            "skip": self.skip,
+        }
 
     @classmethod
     def from_plain(cls, plain: Any, where: str) -> FeedCursor:
@@ -156,15 +160,21 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
     digests: dict[int, str] = {}
     for i, st in enumerate(parsed):
         if st.step != first.step:
-            raise StateConflictError(f"cannot merge states of different steps: {first.step} (state 0) and {st.step} (state {i})")
+            raise StateConflictError(
+                f"cannot merge states of different steps: {first.step} (state 0) and {st.step} (state {i})"
+            )
         if st.lanes != first.lanes:
-            raise LaneCountMismatchError(f"cannot merge states for lanes={first.lanes} (state 0) and lanes={st.lanes} (state {i})")
+            raise LaneCountMismatchError(
+                f"cannot merge states for lanes={first.lanes} (state 0) and lanes={st.lanes} (state {i})"
+            )
         if st.fingerprint != first.fingerprint:
             raise FingerprintMismatchError(f"state {i} was written for another pipeline than state 0")
         for lane, ls in st.lane_states.items():
             digest = codec.canonical_digest(ls.to_plain())
             if lane in digests and digests[lane] != digest:
-                raise StateConflictError(f"states disagree about lane {lane} at step {st.step} (state {i} differs)")
+                raise StateConflictError(
+                    f"states disagree about lane {lane} at step {st.step} (state {i} differs)"
+                )
             digests[lane] = digest
             merged[lane] = ls
     return LoaderState(first.step, first.lanes, first.fingerprint, merged).to_plain()

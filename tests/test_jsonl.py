@@ -1,0 +1,305 @@
+"""Tests of ReadJsonl: line-aligned byte splits, compressed files, resume and error messages."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import re
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+import zstandard
+from apache_beam.testing.util import assert_that, equal_to
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators.jsonl import ReadJsonl
+from zephon_flow.operators.splits import START, Record, Split
+
+OP = "ReadJsonl('web')"
+
+
+def write(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def jsonl(*texts: str) -> bytes:
+    return b"".join(json.dumps({"text": t}).encode() + b"\n" for t in texts)
+
+
+def read(source: ReadJsonl, split: Split, position: int = START) -> list[tuple[int, Record]]:
+    return list(source.read_split(split, position))
+
+
+def read_all(source: ReadJsonl) -> list[tuple[int, Record]]:
+    return [item for split in source.splits() for item in read(source, split)]
+
+
+def compress(data: bytes, suffix: str) -> bytes:
+    return gzip.compress(data) if suffix == ".gz" else zstandard.ZstdCompressor().compress(data)
+
+
+def assert_resumes(source: ReadJsonl, split: Split) -> None:
+    """Resuming at every position a read yielded reproduces the rest of the split."""
+    items = read(source, split)
+    for k, (position, _) in enumerate(items):
+        assert read(source, split, position) == items[k + 1 :]
+
+
+# -- byte-range splits of plain files ------------------------------------------------------
+line_bytes = st.one_of(
+    st.binary(max_size=30).map(lambda b: b.replace(b"\n", b"")),
+    st.sampled_from([b"", b" ", b"\t\r", b"{}"]),
+)
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    lines=st.lists(line_bytes, min_size=1, max_size=25),
+    final_newline=st.booleans(),
+    split_bytes=st.sampled_from([1, 2, 3, 7, 16, 64, 4096]),
+)
+def test_byte_splits_lose_and_repeat_no_line(
+    tmp_path: Path, lines: list[bytes], final_newline: bool, split_bytes: int
+) -> None:
+    data = b"\n".join(lines) + (b"\n" if final_newline else b"")
+    if not data:
+        data = b"\n"
+    path = write(tmp_path / "data.jsonl", data)
+    source = ReadJsonl(path, split_bytes=split_bytes)
+
+    starts, offset = [], 0
+    for line in data.split(b"\n"):
+        starts.append(offset)
+        offset += len(line) + 1
+    expected = [
+        (min(start + len(line) + 1, len(data)), Record(line, path, f"byte {start}"))
+        for start, line in zip(starts, data.split(b"\n"), strict=True)
+        if line.strip()
+    ]
+    assert read_all(source) == expected
+    for split in source.splits():
+        assert_resumes(source, split)
+
+
+def test_splits_cover_the_file_in_split_bytes_ranges(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", b"x" * 25)
+    assert ReadJsonl(path, split_bytes=10).splits() == [
+        Split(path, 0, 10),
+        Split(path, 10, 20),
+        Split(path, 20, 25),
+    ]
+
+
+def test_a_split_starting_on_a_line_start_owns_that_line(tmp_path: Path) -> None:
+    data = jsonl("a", "b", "c")
+    first = len(jsonl("a"))
+    path = write(tmp_path / "a.jsonl", data)
+    source = ReadJsonl(path, split_bytes=first)
+    owned = [[r.payload for _, r in read(source, s)] for s in source.splits()]
+    assert owned[0] == [b'{"text": "a"}']
+    assert owned[1] == [b'{"text": "b"}']
+    assert owned[2] == [b'{"text": "c"}']
+    assert all(not o for o in owned[3:])
+
+
+def test_a_line_crossing_the_split_end_belongs_to_the_split_it_starts_in(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", b"aaaaaaaaaa\nb\n")
+    source = ReadJsonl(path, split_bytes=4)
+    assert [[r.payload for _, r in read(source, s)] for s in source.splits()] == [
+        [b"aaaaaaaaaa"],
+        [],
+        [b"b"],
+        [],
+    ]
+
+
+def test_resuming_past_the_split_end_reads_nothing(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", jsonl("a", "b"))
+    split = ReadJsonl(path).splits()[0]
+    assert read(ReadJsonl(path), split, split.stop) == []
+
+
+def test_a_position_before_the_split_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", jsonl("a", "b", "c"))
+    source = ReadJsonl(path, split_bytes=10, label="web")
+    with pytest.raises(
+        DataError, match=re.escape(f"{OP}: position 3 lies before the split [10, 20) of {path}")
+    ):
+        read(source, source.splits()[1], 3)
+
+
+# -- compressed files ------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_compressed_file_is_one_split_positioned_by_lines(tmp_path: Path, suffix: str) -> None:
+    data = jsonl("a", "b") + b"  \n" + jsonl("", "d")
+    path = write(tmp_path / f"a.jsonl{suffix}", compress(data, suffix))
+    source = ReadJsonl(path)
+    assert source.splits() == [Split(path, 0, 0)]
+    items = read_all(source)
+    assert [(pos, r.where) for pos, r in items] == [
+        (1, "line 1"),
+        (2, "line 2"),
+        (4, "line 4"),
+        (5, "line 5"),
+    ]
+    assert [t for _, r in items for t in source.decode(r, OP)] == ["a", "b", "d"]
+    assert_resumes(source, source.splits()[0])
+    # Resuming at the whitespace line's count skips it like a fresh read does.
+    assert read(source, source.splits()[0], 3) == items[2:]
+
+
+def test_zstd_file_of_several_frames_is_read_whole(tmp_path: Path) -> None:
+    frames = [zstandard.ZstdCompressor().compress(jsonl(t)) for t in ("a", "b", "c")]
+    path = write(tmp_path / "a.jsonl.zst", b"".join(frames))
+    source = ReadJsonl(path)
+    assert [t for _, r in read_all(source) for t in source.decode(r, OP)] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_resuming_beyond_a_compressed_file_is_refused(tmp_path: Path, suffix: str) -> None:
+    path = write(tmp_path / f"a.jsonl{suffix}", compress(jsonl("a", "b"), suffix))
+    source = ReadJsonl(path, label="web")
+    message = f"{OP}: cannot resume {path} after line 5: it holds only 2 lines"
+    with pytest.raises(DataError, match=re.escape(message)):
+        read(source, source.splits()[0], 5)
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "reason"),
+    [
+        ("a.jsonl.gz", b"plain text\n", "Not a gzipped file"),
+        ("b.jsonl.gz", gzip.compress(jsonl(*"abcdefgh"))[:-12], "Compressed file ended before"),
+        ("c.jsonl.zst", b"plain text\n", "zstd decompressor error: Unknown frame descriptor"),
+        (
+            "d.jsonl.zst",
+            zstandard.ZstdCompressor().compress(jsonl(*"abcdefgh"))[:-12],
+            "the file ends inside a frame (truncated?)",
+        ),
+    ],
+)
+def test_damaged_compressed_file(tmp_path: Path, name: str, data: bytes, reason: str) -> None:
+    path = write(tmp_path / name, data)
+    source = ReadJsonl(path, label="web")
+    with pytest.raises(DataError, match=re.escape(f"{OP}: cannot read {path}: {reason}")):
+        read_all(source)
+
+
+# -- files that cannot be read ---------------------------------------------------------------
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz", "a.jsonl.zst"])
+def test_zero_byte_file_is_refused(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path / name, b"")
+    with pytest.raises(DataError, match=re.escape(f"{OP}: {path} is empty (0 bytes)")):
+        ReadJsonl(str(tmp_path / "*"), label="web").splits()
+
+
+@pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz"])
+def test_unreadable_file_names_the_os_error(tmp_path: Path, name: str) -> None:
+    path = write(
+        tmp_path / name, compress(jsonl("a"), ".gz") if name.endswith(".gz") else jsonl("a")
+    )
+    source = ReadJsonl(path, label="web")
+    split = source.splits()[0]
+    os.remove(path)
+    message = f"{OP}: cannot read {path}: No such file or directory"
+    with pytest.raises(DataError, match=re.escape(message)):
+        read(source, split)
+
+
+# -- decode ----------------------------------------------------------------------------------
+def record(payload: bytes, where: str = "byte 7") -> Record:
+    return Record(payload, "/d/a.jsonl", where)
+
+
+def test_decode_returns_the_field_and_skips_empty_documents() -> None:
+    source = ReadJsonl("unused", field="body")
+    assert source.decode(record(b'{"body": "hi \\u00e9", "n": 1}'), OP) == ["hi \u00e9"]
+    assert source.decode(record(b'{"body": ""}'), OP) == []
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (
+            b'{"text": "a" "b"}',
+            "malformed JSON in /d/a.jsonl at byte 7: Expecting ',' delimiter (column 14)",
+        ),
+        (b'{"text": "a"} {}', "malformed JSON in /d/a.jsonl at byte 7: Extra data (column 15)"),
+        (
+            b'{"text": "\xff"}',
+            "/d/a.jsonl at byte 7 is not valid UTF-8: invalid start byte "
+            "(0xff, 10 bytes into the line)",
+        ),
+        (
+            b'["text"]',
+            "/d/a.jsonl at byte 7 holds a JSON array, not an object with the field 'text'",
+        ),
+        (
+            b'{"body": "x", "id": 3}',
+            "/d/a.jsonl at byte 7 has no field 'text' (it has 'body', 'id'); "
+            "set field= to the field that holds the text",
+        ),
+        (b"{}", "/d/a.jsonl at byte 7 has no field 'text' (it has no fields)"),
+        (
+            b'{"text": 12}',
+            "the field 'text' in /d/a.jsonl at byte 7 is a JSON number, not a string",
+        ),
+        (
+            b'{"text": null}',
+            "the field 'text' in /d/a.jsonl at byte 7 is a JSON null, not a string",
+        ),
+        (b"[" * 100_000, "malformed JSON in /d/a.jsonl at byte 7: nested too deeply"),
+    ],
+)
+def test_decode_errors_name_the_file_the_place_and_the_operator(
+    payload: bytes, message: str
+) -> None:
+    with pytest.raises(DataError, match=re.escape(f"{OP}: {message}")):
+        ReadJsonl("unused").decode(record(payload), OP)
+
+
+def test_decode_works_on_a_pickled_copy(tmp_path: Path) -> None:
+    path = write(tmp_path / "a.jsonl", jsonl("a", "b"))
+    source = ReadJsonl(path)
+    items = read_all(source)
+    copy = pickle.loads(pickle.dumps(source))
+    assert [t for _, r in items for t in copy.decode(r, OP)] == ["a", "b"]
+
+
+# -- construction and pipelines --------------------------------------------------------------
+def test_params_include_field_and_split_bytes() -> None:
+    assert ReadJsonl("d/*.jsonl", field="body", split_bytes=100, epochs=2).params() == {
+        "pattern": "d/*.jsonl",
+        "epochs": 2,
+        "field": "body",
+        "split_bytes": 100,
+    }
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"field": ""}, "ReadJsonl: field must be a non-empty string, got ''"),
+        ({"split_bytes": 0}, "ReadJsonl: split_bytes must be a positive integer, got 0"),
+        ({"split_bytes": True}, "ReadJsonl: split_bytes must be a positive integer, got True"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(SpecError, match=re.escape(message)):
+        ReadJsonl("d/*.jsonl", **kwargs)  # type: ignore[arg-type]
+
+
+def test_reads_plain_and_compressed_files_in_a_beam_pipeline(tmp_path: Path) -> None:
+    write(tmp_path / "a.jsonl", jsonl("a1", "a2", "", "a3"))
+    write(tmp_path / "b.jsonl.gz", gzip.compress(jsonl("b1")))
+    write(tmp_path / "c.jsonl.zst", compress(jsonl("c1", "c2"), ".zst"))
+    with beam.Pipeline() as p:
+        docs = p | "web" >> ReadJsonl(str(tmp_path / "*.jsonl*"), split_bytes=8)
+        assert_that(docs, equal_to(["a1", "a2", "a3", "b1", "c1", "c2"]))

@@ -1,0 +1,146 @@
+"""The ``zephon`` command line: digests of global batches, digest diffs, and the demo."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from zephon_flow.errors import SpecError, ZephonError
+from zephon_flow.runners.backends.base import BACKENDS
+from zephon_flow.spec import LoaderSpec
+
+
+def load_spec(target: str) -> LoaderSpec:
+    """Resolves ``MODULE:SPEC``: a file path or dotted module, then an attribute that is a
+    ``LoaderSpec`` or a function returning one."""
+    module_name, sep, attr = target.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"expected MODULE:SPEC (e.g. pipeline.py:spec), got {target!r}")
+    if module_name.endswith(".py") or os.sep in module_name:
+        path = os.path.abspath(module_name)
+        if not os.path.isfile(path):
+            raise SpecError(f"no such pipeline file: {module_name}")
+        sys.path.insert(0, os.path.dirname(path))
+        spec_ = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+        assert spec_ is not None and spec_.loader is not None
+        module = importlib.util.module_from_spec(spec_)
+        sys.modules[spec_.name] = module
+        spec_.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise SpecError(f"{module_name} has no attribute {attr!r}")
+    value: Any = getattr(module, attr)
+    if callable(value) and not isinstance(value, LoaderSpec):
+        value = value()
+    if not isinstance(value, LoaderSpec):
+        raise SpecError(f"{target} is a {type(value).__name__}, not a zf.LoaderSpec")
+    return value
+
+
+def _digest(args: argparse.Namespace) -> int:
+    from zephon_flow.simulate import global_digests
+    from zephon_flow.state import load_state, save_state
+
+    spec = load_spec(args.target)
+    state = load_state(args.state) if args.state else None
+    final: list[dict[str, Any]] = []
+    digests = global_digests(
+        spec,
+        steps=args.steps,
+        world_size=args.world_size,
+        backend=args.backend,
+        workers=args.workers,
+        state=state,
+        final_state=final,
+    )
+    for step, digest in digests:
+        print(f"{step} {digest}", flush=True)
+    if args.save_state:
+        save_state(final[0], args.save_state)
+    if len(digests) < args.steps:
+        print(f"input ended after {len(digests)} of {args.steps} steps", file=sys.stderr)
+    return 0
+
+
+def _read_digests(path: str) -> dict[int, str]:
+    out: dict[int, str] = {}
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) != 2 or not parts[0].isdigit():
+                raise SpecError(f"{path}:{n}: expected 'STEP SHA256', got {line.strip()!r}")
+            out[int(parts[0])] = parts[1]
+    return out
+
+
+def _diff(args: argparse.Namespace) -> int:
+    a, b = _read_digests(args.a), _read_digests(args.b)
+    common = sorted(set(a) & set(b))
+    for step in common:
+        if a[step] != b[step]:
+            print(f"first difference at step {step}: {a[step]} != {b[step]}")
+            return 1
+    if not common:
+        print("no step in common")
+        return 1
+    only = sorted(set(a) ^ set(b))
+    extra = f"; steps only in one file: {only[0]}..{only[-1]} ({len(only)})" if only else ""
+    print(f"identical over {len(common)} common steps ({common[0]}..{common[-1]}){extra}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from zephon_flow.demo import run_demo
+
+    return run_demo(steps=args.steps, workers=args.workers, backend=args.backend)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zephon", description="zephon-flow: elastically deterministic data loading"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("digest", help="print STEP SHA256 for each global batch")
+    d.add_argument("target", metavar="MODULE:SPEC")
+    d.add_argument("--steps", type=int, required=True)
+    d.add_argument("--world-size", type=int, default=1, help="simulated ranks whose slices are concatenated")
+    d.add_argument("--backend", choices=BACKENDS, default="inline")
+    d.add_argument("--workers", type=int, default=1)
+    d.add_argument("--state", help="resume from this checkpoint file")
+    d.add_argument("--save-state", help="write the merged checkpoint after the last step here")
+    d.set_defaults(func=_digest)
+
+    f = sub.add_parser("diff", help="name the first step where two digest files differ")
+    f.add_argument("a")
+    f.add_argument("b")
+    f.set_defaults(func=_diff)
+
+    m = sub.add_parser("demo", help="build a small real corpus and show elastic determinism")
+    m.add_argument("--steps", type=int, default=300)
+    m.add_argument("--backend", choices=BACKENDS, default="processes")
+    m.add_argument("--workers", type=int, default=2)
+    m.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ZephonError as exc:
+        print(f"zephon: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
