@@ -1,0 +1,136 @@
+"""The ``zephon`` command line: digests across topologies and resumes, diff, errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from zephon_flow.cli import main
+
+WORDS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    rng = random.Random(3)
+    with open(root / "docs.jsonl", "w") as f:
+        for i in range(120):
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 40)))
+            f.write(json.dumps({"text": f"doc {i} {words}"}) + "\n")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=290,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(WORDS * 5, trainer)
+    tok.save(str(root / "tok.json"))
+    path = root / "pipeline.py"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            import apache_beam as beam
+            import zephon_flow as zf
+            from zephon_flow import operators as ops
+
+            def build(p):
+                docs = p | "docs" >> ops.ReadJsonl({str(root / "docs.jsonl")!r}, split_bytes=700)
+                toks = docs | "tok" >> beam.ParDo(ops.Tokenize({str(root / "tok.json")!r}))
+                seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=32))
+                return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=5))
+
+            spec = zf.LoaderSpec(build, lanes=4, seed=11, global_batch_size=8)
+
+            def make_spec():
+                return spec
+            """
+        )
+    )
+    return path
+
+
+def _digests(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:
+    assert main(["digest", *args]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    return lines
+
+
+def test_digest_is_the_same_across_topologies_and_resume(
+    pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = f"{pipeline_file}:spec"
+    ref = _digests(capsys, target, "--steps", "12")
+    assert len(ref) == 12
+    assert [line.split()[0] for line in ref] == [str(i) for i in range(12)]
+    assert all(len(line.split()[1]) == 64 for line in ref)
+    assert len({line.split()[1] for line in ref}) == 12
+
+    wide = _digests(
+        capsys, target, "--steps", "12", "--world-size", "8", "--backend", "threads", "--workers", "2"
+    )
+    assert wide == ref
+
+    ck = tmp_path / "ck.zfck"
+    first = _digests(capsys, target, "--steps", "5", "--world-size", "2", "--save-state", str(ck))
+    assert ck.stat().st_size > 0
+    rest = _digests(
+        capsys, f"{pipeline_file}:make_spec", "--steps", "7", "--world-size", "4", "--state", str(ck)
+    )
+    assert first + rest == ref
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("\n".join(ref) + "\n")
+    b.write_text("\n".join(first + rest) + "\n")
+    assert main(["diff", str(a), str(b)]) == 0
+    assert "identical over 12 common steps" in capsys.readouterr().out
+
+
+def test_diff_names_the_first_differing_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("0 aaa\n1 bbb\n2 ccc\n3 ddd\n")
+    b.write_text("0 aaa\n1 bbb\n2 xxx\n3 yyy\n")
+    assert main(["diff", str(a), str(b)]) == 1
+    assert capsys.readouterr().out.startswith("first difference at step 2: ccc != xxx")
+
+
+def test_errors_are_reported_with_exit_code_2(
+    pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["digest", f"{pipeline_file}:nope", "--steps", "1"]) == 2
+    assert "has no attribute 'nope'" in capsys.readouterr().err
+    assert main(["digest", "no_colon_here", "--steps", "1"]) == 2
+    assert "expected MODULE:SPEC" in capsys.readouterr().err
+    assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--world-size", "3"]) == 2
+    assert "not divisible by world_size=3" in capsys.readouterr().err
+    bad = tmp_path / "bad.zfck"
+    bad.write_bytes(b"not a checkpoint at all, just some bytes that are long enough" * 2)
+    assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--state", str(bad)]) == 2
+    assert "not a zephon-flow checkpoint" in capsys.readouterr().err
+    garbage = tmp_path / "g.txt"
+    garbage.write_text("zero deadbeef\n")
+    assert main(["diff", str(garbage), str(garbage)]) == 2
+    assert "expected 'STEP SHA256'" in capsys.readouterr().err
+
+
+def test_console_script_runs(pipeline_file: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "zephon_flow.cli", "digest", f"{pipeline_file}:spec", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert len(out.stdout.strip().splitlines()) == 2
+    assert "apitools" not in out.stderr
