@@ -198,6 +198,7 @@ class LaneRunner:
         depth: int,
     ) -> None:
         self._plan, self._lane, self._window = plan, lane, window
+        self.lane = lane
         if state is None:
             state = LaneState(lane, FeedCursor(0, [[0, START] for _ in plan.sources]))
             state.stages = {s.label: DoFnLaneState().to_plain() for s in plan.stateful}

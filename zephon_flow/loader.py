@@ -94,7 +94,7 @@ class Loader:
         self._fingerprint = fingerprint
         self._step = step
         self._last = LoaderState(
-            step, spec.lanes, fingerprint, {ln.snapshot().lane: ln.snapshot() for ln in self._lanes}
+            step, spec.lanes, fingerprint, {ln.lane: ln.snapshot() for ln in self._lanes}
         )
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
@@ -119,7 +119,7 @@ class Loader:
                     windows.append(w)
                 samples = [s for w in windows for s in w][rows]
                 batch = stack(samples, where=f"global batch {step}")
-                snap = {ln.snapshot().lane: ln.snapshot() for ln in self._lanes}
+                snap = {ln.lane: ln.snapshot() for ln in self._lanes}
                 step += 1
                 self._put((step - 1, batch, LoaderState(step, self.spec.lanes, self._fingerprint, snap)))
         except BaseException as exc:  # delivered to the consumer, re-raised there
