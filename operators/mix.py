@@ -24,7 +24,10 @@ class Mix(beam.PTransform):  # type: ignore[misc]
 
     def __init__(self, weights: Sequence[float], label: str | None = None) -> None:
         super().__init__(label)
-        w = [float(x) for x in weights]
+        try:
+            w = [float(x) for x in weights]
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"Mix: weights must be numbers, got {weights!r}") from exc
         if not w or any(not np.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
             raise SpecError(
                 f"Mix: weights must be non-negative, finite and not all zero, got {list(weights)!r}"

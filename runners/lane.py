@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from zephon_flow.errors import CorruptStateError
+from zephon_flow.errors import CorruptStateError, StageError, ZephonError
 from zephon_flow.operators.splits import START, Record, Source, dealt_split
 from zephon_flow.rng import stable_hash
 from zephon_flow.runners.backends.base import Backend, ChunkResult
@@ -43,6 +43,7 @@ class SourceReader:
     def next(self) -> Record | None:
         """The next record, or None once the source's epochs are used up."""
         splits = self._source.splits()
+        entry = (self.item, self.position)
         while not self.exhausted:
             if self._records is None:
                 epoch, index = dealt_split(
@@ -54,6 +55,9 @@ class SourceReader:
                     source=self._label,
                 )
                 if self._source.epochs is not None and epoch >= self._source.epochs:
+                    # Keep the cursor where the last record left it, so the end of the data
+                    # has one canonical position whatever the chunking.
+                    self.item, self.position = entry
                     self.exhausted = True
                     return None
                 self._records = self._source.read_split(splits[index], self.position)
@@ -230,10 +234,18 @@ class LaneRunner:
             self._pending.append(value)
             return
         step = back[index]
-        if isinstance(step, StatefulInvoker):
-            outputs = step.process(self._lane, value, self._stages[step.label])
-        else:
-            outputs = step(value)
+        try:
+            if isinstance(step, StatefulInvoker):
+                outputs = step.process(self._lane, value, self._stages[step.label])
+            else:
+                outputs = step(value)
+        except ZephonError:
+            raise
+        except Exception as exc:
+            raise StageError(
+                f"DoFn {step.label!r} raised {type(exc).__name__}: {exc} (lane {self._lane}, "
+                f"after source cursor {self._cursor.to_plain()})"
+            ) from exc
         for out in outputs:
             self._push(index + 1, out)
 
@@ -241,7 +253,16 @@ class LaneRunner:
         back = self._plan.back
         for i, step in enumerate(back):
             if isinstance(step, StatefulInvoker):
-                for out in step.fire_timers(self._lane, self._stages[step.label], None):
+                try:
+                    outputs = step.fire_timers(self._lane, self._stages[step.label], None)
+                except ZephonError:
+                    raise
+                except Exception as exc:
+                    raise StageError(
+                        f"a timer of DoFn {step.label!r} raised {type(exc).__name__}: {exc} "
+                        f"(lane {self._lane}, at the end of its input)"
+                    ) from exc
+                for out in outputs:
                     self._push(i + 1, out)
         self._ended = True
 

@@ -58,9 +58,7 @@ line_bytes = st.one_of(
 )
 
 
-@settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     lines=st.lists(line_bytes, min_size=1, max_size=25),
     final_newline=st.booleans(),
@@ -202,9 +200,7 @@ def test_zero_byte_file_is_refused(tmp_path: Path, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["a.jsonl", "a.jsonl.gz"])
 def test_unreadable_file_names_the_os_error(tmp_path: Path, name: str) -> None:
-    path = write(
-        tmp_path / name, compress(jsonl("a"), ".gz") if name.endswith(".gz") else jsonl("a")
-    )
+    path = write(tmp_path / name, compress(jsonl("a"), ".gz") if name.endswith(".gz") else jsonl("a"))
     source = ReadJsonl(path, label="web")
     split = source.splits()[0]
     os.remove(path)
@@ -234,8 +230,7 @@ def test_decode_returns_the_field_and_skips_empty_documents() -> None:
         (b'{"text": "a"} {}', "malformed JSON in /d/a.jsonl at byte 7: Extra data (column 15)"),
         (
             b'{"text": "\xff"}',
-            "/d/a.jsonl at byte 7 is not valid UTF-8: invalid start byte "
-            "(0xff, 10 bytes into the line)",
+            "/d/a.jsonl at byte 7 is not valid UTF-8: invalid start byte (0xff, 10 bytes into the line)",
         ),
         (
             b'["text"]',
@@ -258,9 +253,7 @@ def test_decode_returns_the_field_and_skips_empty_documents() -> None:
         (b"[" * 100_000, "malformed JSON in /d/a.jsonl at byte 7: nested too deeply"),
     ],
 )
-def test_decode_errors_name_the_file_the_place_and_the_operator(
-    payload: bytes, message: str
-) -> None:
+def test_decode_errors_name_the_file_the_place_and_the_operator(payload: bytes, message: str) -> None:
     with pytest.raises(DataError, match=re.escape(f"{OP}: {message}")):
         ReadJsonl("unused").decode(record(payload), OP)
 

@@ -82,9 +82,7 @@ def test_nulls_and_empty_strings_give_no_document(tmp_path: Path) -> None:
 
 def test_decode_refuses_a_value_that_is_not_a_string() -> None:
     source = ReadParquet("unused", column="body")
-    message = (
-        f"{OP}: the column 'body' in /d/a.parquet at row group 2 row 5 holds a bytes, not a string"
-    )
+    message = f"{OP}: the column 'body' in /d/a.parquet at row group 2 row 5 holds a bytes, not a string"
     with pytest.raises(DataError, match=re.escape(message)):
         source.decode(Record(b"raw", "/d/a.parquet", "row group 2 row 5"), OP)
 

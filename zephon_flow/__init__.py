@@ -4,9 +4,9 @@ The global batch sequence is a pure function of the pipeline and its data, whate
 size, worker count, backend or resume point. See DESIGN.md for the contract.
 """
 
-from zephon_flow._quiet import quiet_beam_import_warnings
+import zephon_flow._quiet as _quiet
 
-quiet_beam_import_warnings()
+_quiet.quiet_beam_import_warnings()
 
 from zephon_flow.batches import batch_digest  # noqa: E402
 from zephon_flow.errors import (  # noqa: E402

@@ -42,8 +42,11 @@ def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str
     else:
         scalar = False
     if isinstance(value, np.ndarray):
-        if value.dtype.hasobject:
-            raise StateError(f"state at {where} holds an object array; only plain dtypes are allowed")
+        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind == "V":
+            raise StateError(
+                f"state at {where} holds a {value.dtype} array; only plain numeric, bool, "
+                f"string and bytes dtypes are allowed (no object or structured dtypes)"
+            )
         data = np.ascontiguousarray(value).tobytes()
         ref = {"~a": [value.dtype.str, list(value.shape), offset[0], len(data), scalar]}
         payload.append(data)

@@ -38,4 +38,5 @@ def draw_u64(seed: int, stream: int, lane: int, position: int) -> int:
 
 def draw_unit(seed: int, stream: int, lane: int, position: int) -> float:
     """One uniform float in [0, 1) for (seed, stream, lane, position)."""
-    return draw_u64(seed, stream, lane, position) / float(2**63)
+    # 53 bits: every value is exactly representable, so the result is always below 1.0.
+    return (draw_u64(seed, stream, lane, position) >> 10) / float(2**53)

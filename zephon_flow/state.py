@@ -195,6 +195,7 @@ def encode_state(state: Any) -> bytes:
 
 
 def decode_state(data: bytes, *, source: str = "checkpoint") -> dict[str, Any]:
+    """The plain state in checkpoint bytes; ``source`` names them in errors."""
     plain = codec.decode(data, source=source)
     LoaderState.from_plain(plain)  # validate structure now, with the source's name
     return dict(plain)
@@ -218,5 +219,6 @@ def save_state(state: Any, path: str | os.PathLike[str]) -> None:
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a checkpoint file written by ``save_state``; errors name the file."""
     with open(path, "rb") as f:
         return decode_state(f.read(), source=str(path))

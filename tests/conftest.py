@@ -1,0 +1,20 @@
+"""Session fixtures: a tiny corpus with its tokenizer, and the demo corpus, each built once."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import Corpus, make_corpus
+
+from zephon_flow.demo_data import DemoData, build_demo_data
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Corpus:
+    """60 JSONL documents, 40 Parquet rows (row groups of 8) and a 300-token BPE tokenizer."""
+    return make_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoData:
+    """The real demo corpus (stdlib prose and code), small variant: about 6 s to build."""
+    return build_demo_data(str(tmp_path_factory.mktemp("demo")), max_code_files=40, vocab_size=512)
