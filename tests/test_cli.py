@@ -45,9 +45,15 @@ def pipeline_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
             import zephon_flow as zf
             from zephon_flow import operators as ops
 
+            class Shout(beam.DoFn):
+                # Defined in the pipeline file: worker processes must import it from here.
+                def process(self, text):
+                    yield text.upper() if " seven " in text else text
+
             def build(p):
                 docs = p | "docs" >> ops.ReadJsonl({str(root / "docs.jsonl")!r}, split_bytes=700)
-                toks = docs | "tok" >> beam.ParDo(ops.Tokenize({str(root / "tok.json")!r}))
+                loud = docs | "shout" >> beam.ParDo(Shout())
+                toks = loud | "tok" >> beam.ParDo(ops.Tokenize({str(root / "tok.json")!r}))
                 seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=32))
                 return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=5))
 
@@ -134,3 +140,15 @@ def test_console_script_runs(pipeline_file: Path) -> None:
     )
     assert len(out.stdout.strip().splitlines()) == 2
     assert "apitools" not in out.stderr
+
+
+def test_digest_with_worker_processes_loads_a_pipeline_file(
+    pipeline_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The DoFns of a pipeline loaded by path must import in the worker processes too.
+    target = f"{pipeline_file}:spec"
+    ref = _digests(capsys, target, "--steps", "6")
+    procs = _digests(
+        capsys, target, "--steps", "6", "--world-size", "2", "--backend", "processes", "--workers", "2"
+    )
+    assert procs == ref

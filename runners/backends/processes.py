@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sys
 from concurrent.futures import Future, ProcessPoolExecutor
 
 from apache_beam.internal import pickler
@@ -13,8 +14,11 @@ from zephon_flow.runners.segment import Chunk, FrontSegment
 _SEGMENT: FrontSegment | None = None
 
 
-def _install(payload: bytes) -> None:
+def _install(payload: bytes, sys_path: list[str]) -> None:
     global _SEGMENT
+    # The forkserver may predate the parent's current sys.path (a pipeline file loaded by
+    # path, a test directory); DoFns pickled by reference must import the same way here.
+    sys.path[:] = sys_path + [p for p in sys.path if p not in sys_path]
     _SEGMENT = pickler.loads(payload)
 
 
@@ -42,7 +46,7 @@ class ProcessBackend:
             max_workers=workers,
             mp_context=_context(),
             initializer=_install,
-            initargs=(payload,),
+            initargs=(payload, list(sys.path)),
         )
 
     def submit(self, chunk: Chunk) -> Future[ChunkResult]:
