@@ -134,7 +134,8 @@ def test_objects_are_refused_with_their_place_in_the_tree() -> None:
     with pytest.raises(StateError, match=r"state at state is a builtins\.set"):
         codec.encode({1, 2})
     with pytest.raises(
-        StateError, match=r"state at state\.a holds a object array; only plain numeric, bool, string and bytes dtypes"
+        StateError,
+        match=r"state at state\.a holds a object array; only plain numeric, bool, string and bytes dtypes",
     ):
         codec.encode({"a": np.array([1, None], dtype=object)})
 
