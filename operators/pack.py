@@ -67,34 +67,28 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         else:
             c_ids, c_pos, c_seg = held["ids"], held["pos"], held["seg"]
             next_seg = int(c_seg[-1]) + 1 if c_seg.size else 0
+        # Position and segment ids of the whole document at once: the part that fits the
+        # open sequence continues it; every later piece starts a sequence, at position 0
+        # and segment 0.
         n = ids.size
+        room = self.seq_len - c_ids.size
+        t = np.arange(n, dtype=np.int32)
+        later = t >= room
+        pos = np.where(later, (t - room) % self.seq_len, t).astype(np.int32, copy=False)
+        seg = np.where(later, 0, next_seg).astype(np.int32, copy=False)
         all_ids = np.concatenate([c_ids, ids.astype(np.int32, copy=False)])
-        all_pos = np.concatenate([c_pos, np.arange(n, dtype=np.int32)])
-        all_seg = np.concatenate([c_seg, np.full(n, next_seg, dtype=np.int32)])
-        start = 0
-        while all_ids.size - start >= self.seq_len:
+        all_pos = np.concatenate([c_pos, pos])
+        all_seg = np.concatenate([c_seg, seg])
+        full = all_ids.size // self.seq_len * self.seq_len
+        for start in range(0, full, self.seq_len):
             stop = start + self.seq_len
             yield {
                 "input_ids": all_ids[start:stop].copy(),
                 "position_ids": all_pos[start:stop].copy(),
                 "segment_ids": all_seg[start:stop].copy(),
             }
-            start = stop
-            if start < all_ids.size:
-                # The rest starts a new sequence: re-base the continued document's positions
-                # and renumber segments from 0.
-                first_seg = all_seg[start]
-                cont = all_seg[start:] == first_seg
-                all_pos = all_pos.copy()
-                all_pos[start:][cont] -= all_pos[start]
-                all_seg = all_seg.copy()
-                all_seg[start:] -= first_seg
         carry.write(
-            {
-                "ids": all_ids[start:].copy(),
-                "pos": all_pos[start:].copy(),
-                "seg": all_seg[start:].copy(),
-            }
+            {"ids": all_ids[full:].copy(), "pos": all_pos[full:].copy(), "seg": all_seg[full:].copy()}
         )
 
     @on_timer(FLUSH)

@@ -18,7 +18,11 @@ from zephon_flow.runners.userstate import (
     copy_plain,
     runtime_state,
     runtime_timer,
+    snapshot_value,
 )
+
+#: Positions are timestamps in whole seconds (Beam timestamps count microseconds).
+_MICROS = 1_000_000
 
 
 class _SeedParam:
@@ -96,10 +100,12 @@ class DoFnLaneState:
     values: StateValues = field(default_factory=dict)
     timers: TimerDeadlines = field(default_factory=dict)
     position: int = 0
+    # Runtime state and timer objects bound to ``values``/``timers``, built once per method.
+    bound: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
     def to_plain(self) -> dict[str, Any]:
         return {
-            "values": copy_plain(self.values),
+            "values": {name: snapshot_value(v) for name, v in self.values.items()},
             "timers": dict(self.timers),
             "position": self.position,
         }
@@ -133,16 +139,17 @@ class _Binding:
                 f"and zephon_flow.SeedParam"
             )
 
-    def kwargs(self, label: str, lane: int, seed: int, st: DoFnLaneState, ts: Timestamp) -> dict[str, Any]:
-        kw: dict[str, Any] = {
-            n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()
-        }
-        kw.update({n: runtime_timer(t, st.timers) for n, t in self.timers.items()})
-        kw.update({n: seed for n in self.seed})
+    def kwargs(self, label: str, lane: int, seed: int, st: DoFnLaneState, micros: int) -> dict[str, Any]:
+        kw = st.bound.get(id(self))
+        if kw is None:
+            kw = {n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()}
+            kw.update({n: runtime_timer(t, st.timers) for n, t in self.timers.items()})
+            kw.update({n: seed for n in self.seed})
+            if self.key:
+                kw[self.key] = lane
+            st.bound[id(self)] = kw
         if self.timestamp:
-            kw[self.timestamp] = ts
-        if self.key:
-            kw[self.key] = lane
+            return {**kw, self.timestamp: Timestamp(micros=micros)}
         return kw
 
 
@@ -167,12 +174,13 @@ class StatefulInvoker:
 
     def process(self, lane: int, value: Any, st: DoFnLaneState) -> list[Any]:
         """Feeds the element at ``st.position``; returns outputs, then fires timers now due."""
-        ts = Timestamp.of(st.position)
-        out = self._process.method((lane, value), **self._process.kwargs(self.label, lane, self.seed, st, ts))
+        kw = self._process.kwargs(self.label, lane, self.seed, st, st.position * _MICROS)
+        out = self._process.method((lane, value), **kw)
         results = [] if out is None else list(out)
         st.position += 1
         # The watermark is now ``st.position``: timers strictly below it fire, in deadline order.
-        results.extend(self.fire_timers(lane, st, Timestamp.of(st.position).micros))
+        if st.timers:
+            results.extend(self.fire_timers(lane, st, st.position * _MICROS))
         return results
 
     def fire_timers(self, lane: int, st: DoFnLaneState, watermark_micros: int | None) -> list[Any]:
@@ -189,6 +197,5 @@ class StatefulInvoker:
             deadline, name = min(due)
             del st.timers[name]
             binding = self._on_timer[name]
-            ts = Timestamp(micros=deadline)
-            out = binding.method(**binding.kwargs(self.label, lane, self.seed, st, ts))
+            out = binding.method(**binding.kwargs(self.label, lane, self.seed, st, deadline))
             results.extend([] if out is None else list(out))

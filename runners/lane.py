@@ -16,7 +16,6 @@ from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_seed
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.reorder import ReorderBuffer
 from zephon_flow.runners.segment import Chunk, Failure
-from zephon_flow.runners.userstate import copy_plain
 from zephon_flow.state import FeedCursor, LaneState
 
 
@@ -291,7 +290,7 @@ class LaneRunner:
                 self._cursor.skip,
             ),
             stages={label: st.to_plain() for label, st in self._stages.items()},
-            pending=copy_plain(self._pending),
+            pending=list(self._pending),  # outputs are never changed after they are made
             ended=self._ended,
         )
 

@@ -102,6 +102,21 @@ def runtime_timer(spec: userstate.TimerSpec, deadlines: TimerDeadlines) -> Any:
     return _Timer(deadlines, spec.name)
 
 
+def snapshot_value(value: Any) -> Any:
+    """Copies the top level of one state value (a list or dict); its contents are shared.
+
+    The contract for stateful DoFns: a list or dict read from state may be changed at its
+    top level (append, assign an index or key) before it is written back; anything nested
+    in it, and every array, must not be changed in place once stored. So a window-close
+    snapshot costs one shallow copy per state value, whatever the state holds.
+    """
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
 def copy_plain(value: Any) -> Any:
     """Copies the containers of a plain-data tree; arrays, bytes and scalars are shared.
 

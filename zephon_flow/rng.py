@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import struct
 
 import numpy as np
 
@@ -31,9 +32,18 @@ def generator(*words: int) -> np.random.Generator:
     )
 
 
+_WORDS = struct.Struct("<4Q")
+_MASK = 0xFFFF_FFFF_FFFF_FFFF
+
+
 def draw_u64(seed: int, stream: int, lane: int, position: int) -> int:
-    """One uniformly distributed 64-bit integer for (seed, stream, lane, position)."""
-    return int(generator(seed, stream, lane, position).integers(0, 2**63, dtype=np.int64))
+    """One uniformly distributed integer in [0, 2**63) for (seed, stream, lane, position).
+
+    A keyed hash (BLAKE2b) of the four words: about 2 µs, against about 45 µs for building
+    a Philox generator per draw. Used on per-element paths (Mix, Shuffle).
+    """
+    words = _WORDS.pack(seed & _MASK, stream & _MASK, lane & _MASK, position & _MASK)
+    return int.from_bytes(hashlib.blake2b(words, digest_size=8).digest(), "little") >> 1
 
 
 def draw_unit(seed: int, stream: int, lane: int, position: int) -> float:
