@@ -102,6 +102,12 @@ class LaneFeed:
         self._inflight: deque[tuple[list[FeedCursor], FeedCursor]] = deque()
         self._futures: list[Future[ChunkResult]] = []
         self._ended = False
+        # Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows
+        # by one per chunk taken, so the first outputs after a (re)start need one small
+        # chunk, not the full read-ahead; steady state is ``depth`` chunks of
+        # ``chunk_records`` records (or ``CHUNK_BYTES``).
+        self._submitted = 0
+        self._taken = 0
 
     def _cursor(self) -> FeedCursor:
         return FeedCursor(self._mix_position, [r.cursor for r in self._readers])
@@ -122,7 +128,8 @@ class LaneFeed:
             return False
         chunk: Chunk = []
         befores: list[FeedCursor] = []
-        for _ in range(self._chunk_records):
+        size = 0
+        for _ in range(min(self._chunk_records, 1 << min(self._submitted, 30))):
             before = self._cursor()
             item = self._read()
             if item is None:
@@ -130,8 +137,12 @@ class LaneFeed:
                 break
             befores.append(before)
             chunk.append(item)
+            size += _payload_size(item[1])
+            if size >= CHUNK_BYTES:
+                break
         if not chunk:
             return False
+        self._submitted += 1
         seq = self._reorder.expect()
         self._inflight.append((befores, self._cursor()))
         future = self._backend.submit(chunk)
@@ -142,13 +153,22 @@ class LaneFeed:
     def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
         self._reorder.put(seq, _result(future))
 
+    def prime(self) -> None:
+        """Submits the first chunk(s) now, so lanes start their stateless work together."""
+        self._top_up()
+
+    def _top_up(self) -> None:
+        budget = min(self._depth, 1 + self._taken)
+        while self._reorder.in_flight() < budget and self._submit_one():
+            pass
+
     def __iter__(self) -> Iterator[tuple[Any, FeedCursor]]:
         while True:
-            while self._reorder.in_flight() < self._depth and self._submit_one():
-                pass
+            self._top_up()
             if self._reorder.in_flight() == 0:
                 return
             result = self._reorder.take()
+            self._taken += 1
             self._futures = [f for f in self._futures if not f.done()]
             befores, after = self._inflight.popleft()
             if isinstance(result, Failure):
@@ -167,6 +187,15 @@ class LaneFeed:
     def close(self) -> None:
         for f in self._futures:
             f.cancel()
+
+
+#: A chunk is closed once its records' payloads reach this many bytes (long documents).
+CHUNK_BYTES = 256 * 1024
+
+
+def _payload_size(record: Record) -> int:
+    payload = record.payload
+    return len(payload) if isinstance(payload, str | bytes) else 1024
 
 
 def _result(future: Future[ChunkResult]) -> ChunkResult:
@@ -293,6 +322,9 @@ class LaneRunner:
             pending=list(self._pending),  # outputs are never changed after they are made
             ended=self._ended,
         )
+
+    def prime(self) -> None:
+        self._feed.prime()
 
     def close(self) -> None:
         self._feed.close()

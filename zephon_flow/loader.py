@@ -109,6 +109,8 @@ class Loader:
         step = self._step
         rows = self._slice.rows_of_lanes()
         try:
+            for lane in self._lanes:
+                lane.prime()
             while not self._stop.is_set():
                 windows = []
                 for lane in self._lanes:
