@@ -1,36 +1,228 @@
-"""``Tokenize``: text to token ids with a local HF ``tokenizer.json`` (stateless, runs in parallel)."""
+"""``Tokenize``: text to token ids with a local HF ``tokenizer.json`` (stateless, runs in parallel).
+
+Two engines give the same ids: HF ``tokenizers`` (the reference; any tokenizer.json) and
+tiktoken (byte-level BPE only, several times faster). With ``engine="auto"`` tiktoken is used
+when ``bpe_engines.plan_tiktoken`` maps the file onto it *and* both engines give the same ids
+on the fixed verification sample (``bpe_sample``); otherwise HF, and the reason is logged once.
+``engine="tiktoken"`` raises ``SpecError`` instead of falling back; ``engine="hf"`` never tries.
+
+Each process then re-checks its own tiktoken against the digest of HF's ids for the sample, and
+encodes the first ``STREAM_CHECK_DOCS`` documents it sees with both engines, emitting HF's ids;
+a disagreement there switches that process to HF (``"auto"``) or raises (``"tiktoken"``). The
+engine is not part of the fingerprint: the ids are the same, so a checkpoint taken with one
+engine resumes with the other.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
+from tokenizers import Tokenizer
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators.bpe_engines import (
+    HfEngine,
+    NotExpressible,
+    TiktokenEngine,
+    TiktokenPlan,
+    mergeable_ranks,
+    plan_tiktoken,
+    vocabulary_bytes,
+)
+from zephon_flow.operators.bpe_sample import verification_sample
 
+logger = logging.getLogger(__name__)
+
+ENGINES = ("auto", "hf", "tiktoken")
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+#: Documents each process encodes with both engines before it trusts tiktoken alone.
+STREAM_CHECK_DOCS = 16
 
 
-def _load_tokenizer(path: str) -> Any:
-    from tokenizers import Tokenizer
+@dataclass(frozen=True, kw_only=True)
+class _Verdict:
+    """Whether a file runs on tiktoken, and the digest of HF's ids for its verification sample."""
 
+    plan: TiktokenPlan | None
+    reason: str | None
+    disagreed: bool
+    digest: str
+
+
+# Per process, keyed by the file's sha256: HF tokenizers, verdicts (made once, where the
+# pipeline is defined) and tiktoken engines checked in this process (a str: why not).
+_HF: dict[str, Any] = {}
+_VERDICTS: dict[str, _Verdict] = {}
+_TIKTOKEN: dict[str, TiktokenEngine | str] = {}
+_SAID: set[tuple[str, str]] = set()
+_CACHE = threading.RLock()
+
+
+def _read(path: str, sha256: str | None = None) -> bytes:
     try:
-        return Tokenizer.from_file(path)
-    except Exception as exc:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise SpecError(f"Tokenize: cannot read tokenizer file {path}: {exc.strerror}") from exc
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
         raise SpecError(
-            f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load: {exc}"
-        ) from exc
+            f"Tokenize: tokenizer file {path} changed since the pipeline was defined (its sha256 "
+            f"is part of the fingerprint); define the pipeline again"
+        )
+    return raw
+
+
+def _parse(path: str, raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise SpecError(f"Tokenize: tokenizer file {path} is not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict) or "model" not in doc:
+        raise SpecError(
+            f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load: it is JSON "
+            f'without a "model" (save one with tokenizers.Tokenizer.save)'
+        )
+    return doc
+
+
+def _hf_tokenizer(path: str, raw: bytes, sha256: str) -> Any:
+    with _CACHE:
+        if sha256 not in _HF:
+            try:
+                _HF[sha256] = Tokenizer.from_buffer(raw)
+            except Exception as exc:
+                raise SpecError(
+                    f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load "
+                    f"(unsupported model or damaged file): {exc}"
+                ) from exc
+        return _HF[sha256]
+
+
+def _say_once(sha256: str, level: int, message: str) -> None:
+    with _CACHE:
+        if (sha256, message) in _SAID:
+            return
+        _SAID.add((sha256, message))
+    logger.log(level, message)
+
+
+def _sample(doc: dict[str, Any], plan: TiktokenPlan) -> list[str]:
+    by_id = sorted(vocabulary_bytes(doc["model"]["vocab"]).items())
+    added = [t for t, _ in (*plan.raw_added, *plan.normalized_added)]
+    return verification_sample([data for _, data in by_id], added)
+
+
+def _attempt(engine: TiktokenEngine, text: str) -> list[int] | str:
+    """tiktoken's ids, or what it raised (a Rust panic is a BaseException)."""
+    try:
+        return engine.encode(text)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _disagreement(what: str, text: str, want: list[int], got: list[int] | str) -> str:
+    if isinstance(got, str):
+        return f"tiktoken raised {got} on {what} ({text[:60]!r})"
+    k = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
+    return (
+        f"tiktoken and HF disagree on {what} ({text[:60]!r}): first at token {k}, HF "
+        f"{want[k : k + 4]} vs tiktoken {got[k : k + 4]}"
+    )
+
+
+def _digest(ids: Sequence[list[int]]) -> str:
+    h = hashlib.sha256()
+    for row in ids:
+        h.update(np.asarray(row, dtype=np.int64).tobytes() + b"|")
+    return h.hexdigest()
+
+
+class _Disagreement(NotExpressible):
+    """tiktoken was built but does not give HF's ids."""
+
+
+def _build(sha256: str, doc: dict[str, Any], plan: TiktokenPlan) -> TiktokenEngine:
+    try:
+        return TiktokenEngine(f"zephon-{sha256[:16]}", plan, mergeable_ranks(doc, plan))
+    except ValueError as exc:  # fancy-regex refused the translated pattern
+        raise NotExpressible(f"tiktoken cannot build it: {exc}") from exc
+
+
+def _verdict(path: str, sha256: str, raw: bytes, hf: Any, doc: dict[str, Any] | None) -> _Verdict:
+    with _CACHE:
+        if sha256 in _VERDICTS:
+            return _VERDICTS[sha256]
+        try:
+            doc = doc if doc is not None else _parse(path, raw)
+            plan = plan_tiktoken(doc, raw, hf)
+            fast = _build(sha256, doc, plan)
+            reference, want = HfEngine(hf), []
+            for i, text in enumerate(_sample(doc, plan)):
+                want.append(reference.encode(text))
+                got = _attempt(fast, text)
+                if got != want[-1]:
+                    raise _Disagreement(_disagreement(f"verification text #{i}", text, want[-1], got))
+            verdict = _Verdict(plan=plan, reason=None, disagreed=False, digest=_digest(want))
+            _TIKTOKEN[sha256] = fast
+        except NotExpressible as exc:
+            disagreed = isinstance(exc, _Disagreement)
+            verdict = _Verdict(plan=None, reason=str(exc), disagreed=disagreed, digest="")
+        _VERDICTS[sha256] = verdict
+        return verdict
+
+
+def _checked_tiktoken(path: str, sha256: str, plan: TiktokenPlan, digest: str) -> TiktokenEngine | str:
+    """This process's tiktoken engine for the file, checked against the sample's digest."""
+    with _CACHE:
+        if sha256 not in _TIKTOKEN:
+            doc = _parse(path, _read(path, sha256))
+            try:
+                fast = _build(sha256, doc, plan)
+            except NotExpressible as exc:
+                _TIKTOKEN[sha256] = str(exc)
+                return _TIKTOKEN[sha256]
+            got = [_attempt(fast, text) for text in _sample(doc, plan)]
+            failed = next((g for g in got if isinstance(g, str)), None)
+            if failed is not None:
+                _TIKTOKEN[sha256] = f"tiktoken raised {failed} on the verification sample"
+            elif _digest([g for g in got if not isinstance(g, str)]) != digest:
+                _TIKTOKEN[sha256] = (
+                    "tiktoken in this process does not reproduce HF's ids for the verification "
+                    "sample (another tiktoken version?)"
+                )
+            else:
+                _TIKTOKEN[sha256] = fast
+        return _TIKTOKEN[sha256]
+
+
+def _eos_id(tok: Any, path: str, eos_token: str | None) -> int:
+    names = (eos_token,) if eos_token else EOS_CANDIDATES
+    found = [i for i in (tok.token_to_id(n) for n in names) if i is not None]
+    if not found:
+        raise SpecError(
+            f"Tokenize: no EOS token {' or '.join(map(repr, names))} in {path}; pass "
+            f"eos_token=... naming the tokenizer's end-of-text token, or append_eos=False"
+        )
+    return int(found[0])
 
 
 class Tokenize(beam.DoFn):  # type: ignore[misc]
     """Encodes each text into an ``int32`` array of ids, with the EOS id appended if asked.
 
     The tokenizer file's sha256 is part of the pipeline's fingerprint, so a checkpoint never
-    resumes under another vocabulary.
+    resumes under another vocabulary. ``engine`` (``"auto"``, ``"hf"`` or ``"tiktoken"``) is
+    not: every engine gives HF's ids (see the module's doc).
     """
 
     def __init__(
@@ -39,57 +231,123 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         *,
         append_eos: bool = True,
         eos_token: str | None = None,
+        engine: str = "auto",
     ) -> None:
         super().__init__()
+        if engine not in ENGINES:
+            raise SpecError(
+                f"Tokenize: engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}"
+            )
         path = os.fspath(tokenizer_json_path)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as exc:
-            raise SpecError(f"Tokenize: cannot read tokenizer file {path}: {exc.strerror}") from exc
-        try:
-            json.loads(raw)
-        except ValueError as exc:
-            raise SpecError(f"Tokenize: tokenizer file {path} is not valid JSON ({exc})") from exc
-        tok = _load_tokenizer(path)
+        raw = _read(path)
         self.path = path
         self.sha256 = hashlib.sha256(raw).hexdigest()
+        with _CACHE:  # a file HF has loaded in this process (same sha256) is known to be JSON
+            doc = None if self.sha256 in _HF else _parse(path, raw)
+        tok = _hf_tokenizer(path, raw, self.sha256)
         self.append_eos = bool(append_eos)
-        self.eos_id: int | None = None
-        if append_eos:
-            names = (eos_token,) if eos_token else EOS_CANDIDATES
-            ids = [tok.token_to_id(n) for n in names]
-            found = [i for i in ids if i is not None]
-            if not found:
-                raise SpecError(
-                    f"Tokenize: no EOS token {' or '.join(map(repr, names))} in {path}; pass "
-                    f"eos_token=... naming the tokenizer's end-of-text token, or append_eos=False"
-                )
-            self.eos_id = int(found[0])
-        self._tokenizer: Any = None
+        self.eos_id = _eos_id(tok, path, eos_token) if append_eos else None
+        self.engine = engine
+        self.fallback_reason: str | None = None
+        self._plan: TiktokenPlan | None = None
+        self._digest = ""
+        if engine != "hf":
+            self._choose(_verdict(path, self.sha256, raw, tok, doc))
+        self._init_runtime()
+
+    def _choose(self, verdict: _Verdict) -> None:
+        if verdict.plan is None:
+            assert verdict.reason is not None
+            if self.engine == "tiktoken":
+                raise SpecError(f"Tokenize: engine='tiktoken' cannot run {self.path}: {verdict.reason}")
+            self.fallback_reason = verdict.reason
+            level = logging.WARNING if verdict.disagreed else logging.INFO
+            message = f"Tokenize: HF tokenizers runs {self.path}, not tiktoken: {verdict.reason}"
+            _say_once(self.sha256, level, message)
+        self._plan, self._digest = verdict.plan, verdict.digest
+
+    def _init_runtime(self) -> None:
+        self._tokenizer: HfEngine | TiktokenEngine | None = None
+        self._unchecked = 0
+        self._lock = threading.Lock()
+
+    @property
+    def selected_engine(self) -> str:
+        """The engine chosen where the pipeline was defined: ``"tiktoken"`` or ``"hf"``."""
+        return "hf" if self._plan is None else "tiktoken"
+
+    @property
+    def active_engine(self) -> str | None:
+        """The engine this copy runs: None before ``setup``, ``"hf"`` after a fall-back."""
+        return None if self._tokenizer is None else self._tokenizer.name
 
     def params(self) -> dict[str, Any]:
-        return {
-            "tokenizer_sha256": self.sha256,
-            "append_eos": self.append_eos,
-            "eos_id": self.eos_id,
-        }
+        return {"tokenizer_sha256": self.sha256, "append_eos": self.append_eos, "eos_id": self.eos_id}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_tokenizer"] = None  # each process loads its own
+        for key in ("_tokenizer", "_unchecked", "_lock"):  # each process loads and checks its own
+            state.pop(key)
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    def _hf(self) -> HfEngine:
+        with _CACHE:
+            tok = _HF.get(self.sha256)
+        return HfEngine(
+            tok if tok is not None else _hf_tokenizer(self.path, _read(self.path, self.sha256), self.sha256)
+        )
+
     def setup(self) -> None:
-        if self._tokenizer is None:
-            self._tokenizer = _load_tokenizer(self.path)
+        with self._lock:
+            if self._tokenizer is not None:
+                return
+            if self._plan is None:
+                self._tokenizer = self._hf()
+                return
+            fast = _checked_tiktoken(self.path, self.sha256, self._plan, self._digest)
+            if isinstance(fast, str):
+                self._fall_back(fast)
+            else:
+                self._tokenizer, self._unchecked = fast, STREAM_CHECK_DOCS
+
+    def _fall_back(self, reason: str) -> None:
+        """Called with the lock held: HF from now on in this process, or SpecError."""
+        if self.engine == "tiktoken":
+            raise SpecError(f"Tokenize: engine='tiktoken' does not give HF's ids for {self.path}: {reason}")
+        self.fallback_reason = reason
+        _say_once(
+            self.sha256, logging.WARNING, f"Tokenize: falling back to HF tokenizers for {self.path}: {reason}"
+        )
+        with _CACHE:
+            _TIKTOKEN[self.sha256] = reason
+        self._tokenizer, self._unchecked = self._hf(), 0
+
+    def _encode_checked(self, text: str) -> list[int]:
+        """One of the first documents: HF's ids, after checking that tiktoken gives the same."""
+        with self._lock:
+            assert self._tokenizer is not None
+            if not self._unchecked or not isinstance(self._tokenizer, TiktokenEngine):
+                return self._tokenizer.encode(text)
+            want = self._hf().encode(text)
+            got = _attempt(self._tokenizer, text)
+            if got != want:
+                seen = STREAM_CHECK_DOCS - self._unchecked
+                self._fall_back(_disagreement(f"document #{seen} of this process", text, want, got))
+            else:
+                self._unchecked -= 1
+            return want
 
     def process(self, text: Any) -> Any:
         if not isinstance(text, str):
             raise DataError(f"Tokenize: expected a str document, got {type(text).__name__}")
         if self._tokenizer is None:
             self.setup()
-        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        assert self._tokenizer is not None
+        ids = self._encode_checked(text) if self._unchecked else self._tokenizer.encode(text)
         if self.eos_id is not None:
             ids.append(self.eos_id)
         yield np.asarray(ids, dtype=np.int32)

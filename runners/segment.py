@@ -52,8 +52,11 @@ class FrontSegment:
             for value in values:
                 try:
                     nxt.extend(step(value))
-                except DataError:
-                    raise
+                except DataError as exc:
+                    raise DataError(
+                        f"{exc} (DoFn {step.label!r}, on the record at {record.path} {record.where}, "
+                        f"via {source.operator_name})"
+                    ) from exc
                 except Exception as exc:
                     raise StageError(
                         f"DoFn {step.label!r} raised {type(exc).__name__}: {exc} (on the record at "
