@@ -91,6 +91,20 @@ def _parse(path: str, raw: bytes) -> dict[str, Any]:
             f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load: it is JSON "
             f'without a "model" (save one with tokenizers.Tokenizer.save)'
         )
+    # Whatever the engine: a packing pipeline needs every token of every document, always
+    # the same ones.
+    for key, why in (("truncation", "would cut documents"), ("padding", "would add pad tokens")):
+        if doc.get(key) is not None:
+            raise SpecError(
+                f'Tokenize: {path} sets "{key}", which {why}; save the tokenizer with '
+                f"tokenizer.no_{key}() (Pack cuts documents into sequences itself)"
+            )
+    model = doc["model"]
+    if isinstance(model, dict) and model.get("dropout") not in (None, 0, 0.0):
+        raise SpecError(
+            f'Tokenize: {path} sets BPE "dropout" ({model["dropout"]}), which makes token ids '
+            f"random; save the tokenizer without dropout"
+        )
     return doc
 
 

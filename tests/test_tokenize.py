@@ -106,3 +106,39 @@ def test_a_tokenizer_without_eos_token_is_refused_with_the_way_out(tmp_path: Pat
 def test_a_non_text_document_is_refused(corpus: Corpus) -> None:
     with pytest.raises(DataError, match=r"Tokenize: expected a str document, got bytes"):
         list(ops.Tokenize(corpus.tokenizer_json).process(b"bytes"))
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        (
+            "truncation",
+            r'sets "truncation", which would cut documents; save the tokenizer with tokenizer\.no_truncation\(\)',
+        ),
+        (
+            "padding",
+            r'sets "padding", which would add pad tokens; save the tokenizer with tokenizer\.no_padding\(\)',
+        ),
+        ("dropout", r'sets BPE "dropout" \(0\.1\), which makes token ids random'),
+    ],
+)
+def test_settings_that_change_ids_or_lengths_are_refused(tmp_path: Path, setting: str, message: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(
+        models.BPE(
+            vocab={"a": 0, "b": 1, "<|endoftext|>": 2},
+            merges=[],
+            dropout=0.1 if setting == "dropout" else None,
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if setting == "truncation":
+        tok.enable_truncation(max_length=8)
+    if setting == "padding":
+        tok.enable_padding(length=8)
+    path = tmp_path / "tok.json"
+    tok.save(str(path))
+    for engine in ("hf", "auto", "tiktoken"):
+        with pytest.raises(SpecError, match=message):
+            ops.Tokenize(str(path), engine=engine)

@@ -454,13 +454,7 @@ REFUSED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
         lambda d: d["added_tokens"].append(_added(_next_id(d), "<mask>", normalized=False, lstrip=True)),
         r"its added token '<mask>' has lstrip set",
     ),
-    "truncation": (
-        lambda d: d.update(
-            truncation={"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
-        ),
-        r"it sets truncation",
-    ),
-    "dropout": (lambda d: d["model"].update(dropout=0.1), r"its BPE has dropout"),
+    # truncation, padding and dropout are refused for every engine: tests/test_tokenize.py
     "metaspace": (
         lambda d: d.update(
             pre_tokenizer={"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True}
