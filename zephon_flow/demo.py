@@ -40,7 +40,9 @@ def demo_spec(root: str | None = None) -> LoaderSpec:
 def _run(spec: LoaderSpec, desc: str, steps: int, **kwargs: object) -> tuple[list[str], float]:
     digests: list[str] = []
     start = first = time.perf_counter()
-    with tqdm(total=steps, desc=desc, unit="step", file=sys.stdout, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=steps, desc=desc, unit="step", file=sys.stdout, dynamic_ncols=True, mininterval=0.5
+    ) as bar:
         for i, (_, batch) in enumerate(global_batches(spec, steps=steps, **kwargs)):  # type: ignore[arg-type]
             if i == 0:
                 first = time.perf_counter()
