@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +12,7 @@ from apache_beam.transforms import userstate
 from apache_beam.transforms.core import get_function_arguments
 from apache_beam.utils.timestamp import Timestamp
 
-from zephon_flow.errors import SpecError
+from zephon_flow.errors import DataError, SpecError, StageError, ZephonError
 from zephon_flow.rng import stable_hash
 from zephon_flow.runners.userstate import (
     StateValues,
@@ -23,6 +25,23 @@ from zephon_flow.runners.userstate import (
 
 #: Positions are timestamps in whole seconds (Beam timestamps count microseconds).
 _MICROS = 1_000_000
+
+
+@contextmanager
+def dofn_errors(label: str, where: str) -> Iterator[None]:
+    """Names the DoFn and the place in the stream in any error it raises.
+
+    Data errors stay ``DataError`` (with the place appended); other exceptions become
+    ``StageError``; zephon-flow's own errors pass through unchanged.
+    """
+    try:
+        yield
+    except DataError as exc:
+        raise DataError(f"{exc} (DoFn {label!r}, {where})") from exc
+    except ZephonError:
+        raise
+    except Exception as exc:
+        raise StageError(f"DoFn {label!r} raised {type(exc).__name__}: {exc} ({where})") from exc
 
 
 class _SeedParam:

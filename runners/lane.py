@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
-from zephon_flow.errors import CorruptStateError, StageError, ZephonError
+from zephon_flow.errors import CorruptStateError
 from zephon_flow.operators.splits import START, Record, Source, dealt_split
-from zephon_flow.rng import stable_hash
 from zephon_flow.runners.backends.base import Backend, ChunkResult
-from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_seed
+from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.reorder import ReorderBuffer
 from zephon_flow.runners.segment import Chunk, Failure
@@ -89,7 +88,7 @@ class LaneFeed:
         depth: int,
     ) -> None:
         self._plan, self._backend = plan, backend
-        self._lane, self._seed = lane, seed
+        self._lane = lane
         self._mix_seed = dofn_seed(seed, plan.mix_label or "")
         self._readers = [
             SourceReader(sp.source, sp.label, lane=lane, lanes=lanes, seed=seed, item=item, position=pos)
@@ -99,8 +98,9 @@ class LaneFeed:
         self._skip = cursor.skip
         self._chunk_records, self._depth = chunk_records, depth
         self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(f"lane {lane} stateless results")
-        self._inflight: deque[tuple[list[FeedCursor], FeedCursor]] = deque()
-        self._futures: list[Future[ChunkResult]] = []
+        # Per chunk in flight, in order: cursors before each record, the cursor after the
+        # last one, and the backend's future (cancelled on close).
+        self._inflight: deque[tuple[list[FeedCursor], FeedCursor, Future[ChunkResult]]] = deque()
         self._ended = False
         # Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows
         # by one per chunk taken, so the first outputs after a (re)start need one small
@@ -144,10 +144,10 @@ class LaneFeed:
             return False
         self._submitted += 1
         seq = self._reorder.expect()
-        self._inflight.append((befores, self._cursor()))
+        after = self._cursor()
         future = self._backend.submit(chunk)
+        self._inflight.append((befores, after, future))
         future.add_done_callback(functools.partial(self._deliver, seq))
-        self._futures.append(future)
         return True
 
     def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
@@ -169,8 +169,7 @@ class LaneFeed:
                 return
             result = self._reorder.take()
             self._taken += 1
-            self._futures = [f for f in self._futures if not f.done()]
-            befores, after = self._inflight.popleft()
+            befores, after, _ = self._inflight.popleft()
             if isinstance(result, Failure):
                 result.reraise()
             assert isinstance(result, list)
@@ -185,8 +184,8 @@ class LaneFeed:
                     yield outputs[j], resume
 
     def close(self) -> None:
-        for f in self._futures:
-            f.cancel()
+        for _, _, future in self._inflight:
+            future.cancel()
 
 
 #: A chunk is closed once its records' payloads reach this many bytes (long documents).
@@ -203,13 +202,7 @@ def _result(future: Future[ChunkResult]) -> ChunkResult:
         return Failure(False, "stateless work was cancelled (the loader is closing)", "")
     exc = future.exception()
     if exc is not None:  # the backend itself failed (a worker process died, ...)
-        import traceback
-
-        return Failure(
-            False,
-            f"stateless backend failed: {type(exc).__name__}: {exc}",
-            "".join(traceback.format_exception(exc)),
-        )
+        return Failure.of(exc, f"stateless backend failed: {type(exc).__name__}: {exc}")
     return future.result()
 
 
@@ -229,7 +222,7 @@ class LaneRunner:
         chunk_records: int,
         depth: int,
     ) -> None:
-        self._plan, self._lane, self._window = plan, lane, window
+        self._plan, self._window = plan, window
         self.lane = lane
         if state is None:
             state = LaneState(lane, FeedCursor(0, [[0, START] for _ in plan.sources]))
@@ -262,18 +255,11 @@ class LaneRunner:
             self._pending.append(value)
             return
         step = back[index]
-        try:
+        with dofn_errors(step.label, f"lane {self.lane}, after source cursor {self._cursor.to_plain()}"):
             if isinstance(step, StatefulInvoker):
-                outputs = step.process(self._lane, value, self._stages[step.label])
+                outputs = step.process(self.lane, value, self._stages[step.label])
             else:
                 outputs = step(value)
-        except ZephonError:
-            raise
-        except Exception as exc:
-            raise StageError(
-                f"DoFn {step.label!r} raised {type(exc).__name__}: {exc} (lane {self._lane}, "
-                f"after source cursor {self._cursor.to_plain()})"
-            ) from exc
         for out in outputs:
             self._push(index + 1, out)
 
@@ -281,15 +267,8 @@ class LaneRunner:
         back = self._plan.back
         for i, step in enumerate(back):
             if isinstance(step, StatefulInvoker):
-                try:
-                    outputs = step.fire_timers(self._lane, self._stages[step.label], None)
-                except ZephonError:
-                    raise
-                except Exception as exc:
-                    raise StageError(
-                        f"a timer of DoFn {step.label!r} raised {type(exc).__name__}: {exc} "
-                        f"(lane {self._lane}, at the end of its input)"
-                    ) from exc
+                with dofn_errors(step.label, f"lane {self.lane}, in a timer at the end of its input"):
+                    outputs = step.fire_timers(self.lane, self._stages[step.label], None)
                 for out in outputs:
                     self._push(i + 1, out)
         self._ended = True
@@ -312,7 +291,7 @@ class LaneRunner:
     def snapshot(self) -> LaneState:
         """The lane's state now: only valid between windows (a quiescent point)."""
         return LaneState(
-            lane=self._lane,
+            lane=self.lane,
             cursor=FeedCursor(
                 self._cursor.mix_position,
                 [list(s) for s in self._cursor.sources],
@@ -328,6 +307,3 @@ class LaneRunner:
 
     def close(self) -> None:
         self._feed.close()
-
-
-__all__ = ["LaneFeed", "LaneRunner", "SourceReader", "stable_hash"]

@@ -8,7 +8,7 @@ from typing import Any
 
 from zephon_flow.errors import DataError, StageError
 from zephon_flow.operators.splits import Record, Source
-from zephon_flow.runners.dofns import StatelessInvoker
+from zephon_flow.runners.dofns import StatelessInvoker, dofn_errors
 
 #: A unit of work for a backend: (source index, raw record) pairs, in lane order.
 Chunk = list[tuple[int, Record]]
@@ -21,6 +21,14 @@ class Failure:
     data_error: bool
     message: str
     worker_traceback: str
+
+    @classmethod
+    def of(cls, exc: BaseException, message: str | None = None) -> Failure:
+        return cls(
+            isinstance(exc, DataError),
+            str(exc) if message is None else message,
+            "".join(traceback.format_exception(exc)),
+        )
 
     def reraise(self) -> None:
         text = f"{self.message}\n\n-- traceback on the worker --\n{self.worker_traceback}"
@@ -39,29 +47,20 @@ class FrontSegment:
         common: list[StatelessInvoker],
     ) -> None:
         self.sources = sources
-        self.source_chains = source_chains
-        self.common = common
+        # Each source's full stateless chain, built once rather than per record.
+        self.chains = [[*chain, *common] for chain in source_chains]
 
     def run_record(self, source_index: int, record: Record) -> list[Any]:
         source = self.sources[source_index]
         values = source.decode(record, source.operator_name)
-        for step in [*self.source_chains[source_index], *self.common]:
+        for step in self.chains[source_index]:
             if not values:
                 break
             nxt: list[Any] = []
+            where = f"on the record at {record.path} {record.where}, via {source.operator_name}"
             for value in values:
-                try:
+                with dofn_errors(step.label, where):
                     nxt.extend(step(value))
-                except DataError as exc:
-                    raise DataError(
-                        f"{exc} (DoFn {step.label!r}, on the record at {record.path} {record.where}, "
-                        f"via {source.operator_name})"
-                    ) from exc
-                except Exception as exc:
-                    raise StageError(
-                        f"DoFn {step.label!r} raised {type(exc).__name__}: {exc} (on the record at "
-                        f"{record.path} {record.where}, via {source.operator_name})"
-                    ) from exc
             values = nxt
         return values
 
@@ -70,4 +69,4 @@ class FrontSegment:
         try:
             return [self.run_record(i, rec) for i, rec in chunk]
         except Exception as exc:  # carried back to the consumer with the worker's traceback
-            return Failure(isinstance(exc, DataError), str(exc), traceback.format_exc())
+            return Failure.of(exc)
