@@ -55,15 +55,23 @@ class LoaderSpec:
         return self.global_batch_size // self.lanes
 
     def compile(self) -> Plan:
-        """A fresh plan (DoFn instances of its own); the graph is built and checked each time."""
-        return self._compile().plan
+        """The plan, built and checked once per spec and shared by its loaders.
+
+        A plan holds definitions only (DoFns, sources and their split tables); every loader
+        keeps its own runtime state. Sharing it also keeps the split tables and the
+        fingerprint from one and the same look at the data files.
+        """
+        return self._compiled_once().plan
 
     @property
     def fingerprint(self) -> dict[str, str]:
         """Digests of the parts that define the stream; ``total`` covers them all."""
+        return self._compiled_once().fingerprint
+
+    def _compiled_once(self) -> _Compiled:
         if not self._compiled:
             self._compiled.append(self._compile())
-        return self._compiled[0].fingerprint
+        return self._compiled[0]
 
     def _compile(self) -> _Compiled:
         runner = DeterministicRunner(seed=self.seed)
