@@ -43,9 +43,10 @@ class ReadJsonl(Source):
         field: str = "text",
         split_bytes: int = 4 * 1024 * 1024,
         epochs: int | None = None,
+        on_error: str = "raise",
         label: str | None = None,
     ) -> None:
-        super().__init__(pattern, epochs=epochs, label=label)
+        super().__init__(pattern, epochs=epochs, on_error=on_error, label=label)
         name = type(self).__name__
         if not isinstance(field, str) or not field:
             raise SpecError(f"{name}: field must be a non-empty string, got {field!r}")
@@ -109,7 +110,7 @@ class ReadJsonl(Source):
                 for line in fh:
                     offset, pos = pos, pos + len(line)
                     if line.strip():
-                        yield pos, Record(line.removesuffix(b"\n"), split.path, f"byte {offset}")
+                        yield pos, Record(line.removesuffix(b"\n"), split.path, f"byte {offset}", offset)
                     if pos >= split.stop:
                         return
         except OSError as exc:
@@ -126,7 +127,7 @@ class ReadJsonl(Source):
                 for line in fh:
                     n += 1
                     if n > skip and line.strip():
-                        yield n, Record(line.removesuffix(b"\n"), path, f"line {n}")
+                        yield n, Record(line.removesuffix(b"\n"), path, f"line {n}", n)
         except _DECOMPRESSION_ERRORS as exc:
             raise self._unreadable(path, exc) from exc
         if n < skip:

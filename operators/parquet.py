@@ -29,9 +29,10 @@ class ReadParquet(Source):
         *,
         column: str = "text",
         epochs: int | None = None,
+        on_error: str = "raise",
         label: str | None = None,
     ) -> None:
-        super().__init__(pattern, epochs=epochs, label=label)
+        super().__init__(pattern, epochs=epochs, on_error=on_error, label=label)
         if not isinstance(column, str) or not column:
             raise SpecError(f"{type(self).__name__}: column must be a non-empty string, got {column!r}")
         self.column = column
@@ -99,7 +100,7 @@ class ReadParquet(Source):
     def _rows(path: str, group: int, values: pa.ChunkedArray, first: int) -> Iterator[tuple[int, Record]]:
         for begin in range(first, len(values), _BATCH_ROWS):
             for row, value in enumerate(values.slice(begin, _BATCH_ROWS).to_pylist(), begin):
-                yield row + 1, Record(value, path, f"row group {group} row {row}")
+                yield row + 1, Record(value, path, f"row group {group} row {row}", row)
 
     # -- decoding (runs in workers on a pickled copy of this transform) ------------------
     def decode(self, record: Record, operator: str) -> list[Any]:

@@ -26,6 +26,9 @@ from zephon_flow.rng import generator, stable_hash
 #: record number). ``START`` means "at the beginning of the split".
 START = -1
 
+#: What a source does with a record it cannot read or decode.
+ON_ERROR = ("raise", "skip")
+
 
 @dataclass(frozen=True)
 class Split:
@@ -43,6 +46,11 @@ class Record:
     payload: Any
     path: str
     where: str  # human-readable location for errors: "byte 1234", "line 7", "row group 2 row 5"
+    #: Where the record is inside its split, as the source counts it (the byte offset of a
+    #: JSONL line, the line number in a compressed file, the row in a row group, the sample
+    #: number in a tar shard). With the source and the split index it identifies the
+    #: document in provenance.
+    offset: int
 
 
 def expand_glob(pattern: str, *, operator: str) -> list[str]:
@@ -73,12 +81,25 @@ class Source(beam.PTransform):  # type: ignore[misc]
     parallel: parse, validate, extract). Errors name the file, the location and the operator.
     """
 
-    def __init__(self, pattern: str, *, epochs: int | None = None, label: str | None = None) -> None:
+    def __init__(
+        self,
+        pattern: str,
+        *,
+        epochs: int | None = None,
+        on_error: str = "raise",
+        label: str | None = None,
+    ) -> None:
         super().__init__(label)
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
             raise SpecError(f"{type(self).__name__}: epochs must be a positive integer or None")
+        if on_error not in ON_ERROR:
+            raise SpecError(f"{type(self).__name__}: on_error must be one of {ON_ERROR}, got {on_error!r}")
         self.pattern = pattern
         self.epochs = epochs
+        #: ``"raise"``: a ``DataError`` in reading or decoding a record stops the lane.
+        #: ``"skip"``: the runner drops that record (or, for an error while reading, the rest
+        #: of its split), counts it in the lane state and reports it.
+        self.on_error = on_error
         self._paths: list[str] | None = None
         self._splits: list[Split] | None = None
 
@@ -96,7 +117,7 @@ class Source(beam.PTransform):  # type: ignore[misc]
 
     def params(self) -> dict[str, Any]:
         """Parameters that change the data produced (part of the pipeline fingerprint)."""
-        return {"pattern": self.pattern, "epochs": self.epochs}
+        return {"pattern": self.pattern, "epochs": self.epochs, "on_error": self.on_error}
 
     # -- shared ------------------------------------------------------------------------
     @property

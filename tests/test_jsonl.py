@@ -78,7 +78,7 @@ def test_byte_splits_lose_and_repeat_no_line(
         starts.append(offset)
         offset += len(line) + 1
     expected = [
-        (min(start + len(line) + 1, len(data)), Record(line, path, f"byte {start}"))
+        (min(start + len(line) + 1, len(data)), Record(line, path, f"byte {start}", start))
         for start, line in zip(starts, data.split(b"\n"), strict=True)
         if line.strip()
     ]
@@ -211,7 +211,7 @@ def test_unreadable_file_names_the_os_error(tmp_path: Path, name: str) -> None:
 
 # -- decode ----------------------------------------------------------------------------------
 def record(payload: bytes, where: str = "byte 7") -> Record:
-    return Record(payload, "/d/a.jsonl", where)
+    return Record(payload, "/d/a.jsonl", where, 7)
 
 
 def test_decode_returns_the_field_and_skips_empty_documents() -> None:
@@ -271,6 +271,7 @@ def test_params_include_field_and_split_bytes() -> None:
     assert ReadJsonl("d/*.jsonl", field="body", split_bytes=100, epochs=2).params() == {
         "pattern": "d/*.jsonl",
         "epochs": 2,
+        "on_error": "raise",
         "field": "body",
         "split_bytes": 100,
     }

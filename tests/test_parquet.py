@@ -42,9 +42,9 @@ def test_reads_each_row_group_in_order(tmp_path: Path) -> None:
     source = ReadParquet(path)
     split = source.splits()[1]
     assert read(source, split) == [
-        (1, Record("doc 3", path, "row group 1 row 0")),
-        (2, Record("doc 4", path, "row group 1 row 1")),
-        (3, Record("doc 5", path, "row group 1 row 2")),
+        (1, Record("doc 3", path, "row group 1 row 0", 0)),
+        (2, Record("doc 4", path, "row group 1 row 1", 1)),
+        (3, Record("doc 5", path, "row group 1 row 2", 2)),
     ]
     values = [r.payload for s in source.splits() for _, r in read(source, s)]
     assert values == texts(7)
@@ -84,7 +84,7 @@ def test_decode_refuses_a_value_that_is_not_a_string() -> None:
     source = ReadParquet("unused", column="body")
     message = f"{OP}: the column 'body' in /d/a.parquet at row group 2 row 5 holds a bytes, not a string"
     with pytest.raises(DataError, match=re.escape(message)):
-        source.decode(Record(b"raw", "/d/a.parquet", "row group 2 row 5"), OP)
+        source.decode(Record(b"raw", "/d/a.parquet", "row group 2 row 5", 5), OP)
 
 
 def test_non_string_column_fails_in_decode_with_the_row(tmp_path: Path) -> None:
@@ -146,6 +146,7 @@ def test_params_include_the_column() -> None:
     assert ReadParquet("d/*.parquet", column="content").params() == {
         "pattern": "d/*.parquet",
         "epochs": None,
+        "on_error": "raise",
         "column": "content",
     }
 
