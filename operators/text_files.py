@@ -24,8 +24,8 @@ class ReadTextFiles(Source):
     Meant for corpora of many small files (one article, one source file each). Files ending in
     ``.gz`` are decompressed. The text is decoded with ``encoding`` (strictly; no replacement).
 
-    - **Splits**: one per file, ``Split(path, 0, 1)``, listed once from the sorted glob; nothing
-      is opened or stat-ed to list them.
+    - **Splits**: one per file, ``Split(path, 0, 1)``, listed once from the sorted glob; listing
+      opens no file (the glob and the pipeline fingerprint stat each file once, at start).
     - **Positions**: ``START`` (the file is still to read) or ``1`` (it was read); a record's
       ``offset`` is always 0.
     - **Reading**: ``read_split`` only names the file; ``decode``, which runs in parallel on the
