@@ -36,6 +36,11 @@ class TarSample:
     #: ``(member name, extension, data)``; data is None for a member no field asks for.
     members: tuple[tuple[str, str, bytes | None], ...]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of member data it carries (what a chunk of records weighs)."""
+        return sum(len(data) for _, _, data in self.members if data is not None)
+
 
 class ReadWebDataset(Source):
     """Samples of WebDataset tar shards: consecutive members sharing a key form one sample.
@@ -112,12 +117,12 @@ class ReadWebDataset(Source):
     # -- listing -----------------------------------------------------------------------
     def make_splits(self, paths: Sequence[str]) -> list[Split]:
         splits: list[Split] = []
-        self._offsets = {}
+        index: dict[str, list[int]] = {}
         step = self.samples_per_split
         for path in paths:
-            offsets, n = self._index(path)
-            self._offsets[path] = offsets
+            index[path], n = self._index(path)
             splits.extend(Split(path, s, min(s + step, n)) for s in range(0, n, step))
+        self._offsets = index  # assigned whole: lanes' feeds may list concurrently
         return splits
 
     def _index(self, path: str) -> tuple[list[int], int]:
@@ -155,8 +160,9 @@ class ReadWebDataset(Source):
             )
         if self._offsets is None:
             self.splits()
-        assert self._offsets is not None
-        starts = self._offsets.get(split.path, [])
+        index = self._offsets
+        assert index is not None
+        starts = index.get(split.path, [])
         k = split.start // self.samples_per_split
         if split.start % self.samples_per_split or k >= len(starts):
             raise DataError(

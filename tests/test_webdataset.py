@@ -102,6 +102,7 @@ def test_samples_are_runs_of_members_sharing_a_key(tmp_path: Path) -> None:
             ("000003.txt", "txt", b"caption 3"),
         ),
     )
+    assert items[0][1].payload.nbytes == 103 + len(b"caption 3")  # the unread json weighs nothing
     got = elements(source)
     assert [e["__key__"] for e in got] == [f"{i:06d}" for i in range(10)]
     assert got[7] == {"__key__": "000007", "jpg": bytes([7]) * 107, "txt": "caption 7"}
