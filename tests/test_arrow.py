@@ -13,7 +13,7 @@ import pyarrow.ipc as ipc
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 from checkpointing import assert_equal_output_after_checkpoint
-from helpers import Corpus, source_epochs
+from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
@@ -251,3 +251,18 @@ def test_checkpoint_at_every_step_across_an_epoch(tmp_path: Path, corpus: Corpus
     spec = zf.LoaderSpec(build, lanes=2, seed=5, global_batch_size=4)
     ref = assert_equal_output_after_checkpoint(spec, 14)
     assert min(source_epochs(spec, ref.final_state)["books"]) >= 1  # every lane is past epoch 0
+
+
+def test_one_epoch_on_three_lanes_delivers_every_row_once(tmp_path: Path) -> None:
+    docs = tagged_texts("web", 12, seed=4)
+    write(tmp_path / "0.arrow", [{"text": docs[0:2]}, {"text": docs[2:4]}, {"text": docs[4:6]}])
+    write(
+        tmp_path / "1.arrows", [{"text": docs[6:8]}, {"text": docs[8:10]}, {"text": docs[10:12]}], stream=True
+    )
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        books = p | "books" >> ops.ReadArrow(str(tmp_path / "*.arrow*"), epochs=1)
+        return books | "key" >> beam.ParDo(DocKey())
+
+    batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
+    assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))

@@ -11,7 +11,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 from checkpointing import assert_equal_output_after_checkpoint
-from helpers import Corpus, source_epochs
+from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
@@ -188,3 +188,15 @@ def test_checkpoint_at_every_step_across_an_epoch(tmp_path: Path, corpus: Corpus
     spec = zf.LoaderSpec(build, lanes=2, seed=5, global_batch_size=4)
     ref = assert_equal_output_after_checkpoint(spec, 14, world_size=2, backend="threads", workers=2)
     assert min(source_epochs(spec, ref.final_state)["notes"]) >= 1
+
+
+def test_one_epoch_on_three_lanes_delivers_every_file_once(tmp_path: Path) -> None:
+    for i, text in enumerate(tagged_texts("web", 12, seed=4)):
+        write(tmp_path / f"{i:02d}.txt", text.encode())
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        notes = p | "notes" >> ops.ReadTextFiles(str(tmp_path / "*"), epochs=1)
+        return notes | "key" >> beam.ParDo(DocKey())
+
+    batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
+    assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))

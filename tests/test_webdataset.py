@@ -15,7 +15,7 @@ import apache_beam as beam
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 from checkpointing import assert_equal_output_after_checkpoint
-from helpers import Corpus, source_epochs
+from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
@@ -420,3 +420,22 @@ def test_checkpoint_at_every_step_across_an_epoch(tmp_path: Path, corpus: Corpus
     spec = zf.LoaderSpec(build, lanes=2, seed=5, global_batch_size=4)
     ref = assert_equal_output_after_checkpoint(spec, 14)
     assert min(source_epochs(spec, ref.final_state)["pics"]) >= 1
+
+
+def test_one_epoch_on_three_lanes_delivers_every_sample_once(tmp_path: Path) -> None:
+    captions = tagged_texts("web", 12, seed=4)
+    for shard in range(2):
+        members = [
+            (f"{i:04d}.{ext}", captions[i].encode())
+            for i in range(shard * 6, shard * 6 + 6)
+            for ext in ("jpg", "txt")
+        ]
+        write_tar(tmp_path / f"{shard}.tar", members)
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        pics = p | "pics" >> ops.ReadWebDataset(str(tmp_path / "*.tar"), samples_per_split=2, epochs=1)
+        caps = pics | "caption" >> beam.ParDo(Caption())
+        return caps | "key" >> beam.ParDo(DocKey())
+
+    batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
+    assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))
