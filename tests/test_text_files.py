@@ -144,10 +144,10 @@ def test_a_glob_matching_nothing_is_refused(tmp_path: Path) -> None:
 
 # -- construction and pipelines --------------------------------------------------------------
 def test_params_and_option_checks() -> None:
-    assert ReadTextFiles("d/*.txt", encoding="latin-1", epochs=1).params() == {
+    assert ReadTextFiles("d/*.txt", encoding="latin-1", epochs=1, on_error="skip").params() == {
         "pattern": "d/*.txt",
         "epochs": 1,
-        "on_error": "raise",
+        "on_error": "skip",
         "encoding": "latin-1",
     }
     message = "ReadTextFiles: encoding 'klingon' is not a text encoding Python knows"

@@ -343,11 +343,13 @@ def test_a_sample_without_its_pair_in_a_real_shard(tmp_path: Path) -> None:
 
 # -- construction and pipelines --------------------------------------------------------------
 def test_params() -> None:
-    source = ReadWebDataset("d/*.tar", fields=["JPG;png", "json"], text_fields=["json"], samples_per_split=8)
+    source = ReadWebDataset(
+        "d/*.tar", fields=["JPG;png", "json"], text_fields=["json"], samples_per_split=8, on_error="skip"
+    )
     assert source.params() == {
         "pattern": "d/*.tar",
         "epochs": None,
-        "on_error": "raise",
+        "on_error": "skip",
         "fields": ["jpg;png", "json"],
         "text_fields": ["json"],
         "samples_per_split": 8,
