@@ -13,13 +13,15 @@ The rules, all deterministic:
 1. A document of ``n >= seq_len`` tokens is cut into ``n // seq_len`` full pieces, each emitted at
    once as a sequence of its own, and a remainder (``n % seq_len`` tokens, if any) that is packed
    like a document. No other document is ever split.
-2. A piece waits in ``pending``. When more than ``buffer`` pieces wait, the longest (ties: the
-   earliest arrival) is placed: into the open bin with the least room that still fits it (ties:
-   the oldest bin), else into a new bin.
-3. A bin that is exactly full is emitted at once. While more than ``open_bins`` bins are open,
-   the fullest (ties: the oldest) is emitted.
-4. At the end of a finite input every pending piece is placed, longest first, and then every
-   open bin is emitted, oldest first.
+2. A piece waits in ``pending``. When more than ``buffer`` pieces wait, all of them are placed,
+   longest first (ties: the earliest arrival), each into the open bin with the least room that
+   still fits it (ties: the oldest bin), else into a new bin. (Placing the whole buffer, not
+   only its longest piece, matters: the short pieces are the fillers of the long ones' bins;
+   a buffer that kept them would pad more the larger it is.)
+3. A bin that is exactly full is emitted at once. Then, while more than ``open_bins`` bins are
+   open, the fullest (ties: the oldest) is emitted.
+4. At the end of a finite input every pending piece is placed the same way, and then every open
+   bin is emitted, oldest first.
 
 Each emitted sequence is ``(ids, lens, docs)``: its tokens (at most ``seq_len``), the length of
 each piece in it, and each piece's document id; ``Pack`` pads it and adds the other fields.
@@ -54,34 +56,32 @@ def add(
     bins: list[dict[str, Any]] = list(state["bins"])
     if full < ids.size:
         pending.append({"ids": ids[full:].copy(), "doc": doc})
-    while len(pending) > buffer:
-        _place(pending.pop(_longest(pending)), bins, out, seq_len=seq_len, open_bins=open_bins)
+    if len(pending) > buffer:
+        _place_all(pending, bins, out, seq_len=seq_len)
+        pending = []
+        _bound(bins, out, open_bins=open_bins)
     return {"pending": pending, "bins": bins}, out
 
 
-def drain(state: dict[str, Any], *, seq_len: int, open_bins: int) -> list[Packed]:
+def drain(state: dict[str, Any], *, seq_len: int) -> list[Packed]:
     """Everything the state still holds, as sequences: the end of a finite input."""
     pending: list[dict[str, Any]] = list(state["pending"])
     bins: list[dict[str, Any]] = list(state["bins"])
     out: list[Packed] = []
-    while pending:
-        _place(pending.pop(_longest(pending)), bins, out, seq_len=seq_len, open_bins=open_bins)
+    _place_all(pending, bins, out, seq_len=seq_len)
     out.extend(_packed(b) for b in bins)
     return out
 
 
-def _longest(pending: list[dict[str, Any]]) -> int:
-    """Index of the longest pending piece; the earliest of equals."""
-    best = 0
-    for i in range(1, len(pending)):
-        if pending[i]["ids"].size > pending[best]["ids"].size:
-            best = i
-    return best
-
-
-def _place(
-    piece: dict[str, Any], bins: list[dict[str, Any]], out: list[Packed], *, seq_len: int, open_bins: int
+def _place_all(
+    pending: list[dict[str, Any]], bins: list[dict[str, Any]], out: list[Packed], *, seq_len: int
 ) -> None:
+    """Places every pending piece, longest first; ``sorted`` is stable, so equals keep arrival order."""
+    for piece in sorted(pending, key=lambda p: -int(p["ids"].size)):
+        _place(piece, bins, out, seq_len=seq_len)
+
+
+def _place(piece: dict[str, Any], bins: list[dict[str, Any]], out: list[Packed], *, seq_len: int) -> None:
     n = int(piece["ids"].size)
     best, best_room = -1, seq_len + 1
     for i, b in enumerate(bins):
@@ -106,6 +106,10 @@ def _place(
         }
     if bins[best]["ids"].size == seq_len:
         out.append(_packed(bins.pop(best)))
+
+
+def _bound(bins: list[dict[str, Any]], out: list[Packed], *, open_bins: int) -> None:
+    """Emits the fullest bins (the oldest of equals) until at most ``open_bins`` are open."""
     while len(bins) > open_bins:
         fullest = 0
         for i in range(1, len(bins)):

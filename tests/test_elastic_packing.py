@@ -48,7 +48,14 @@ def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
 
 def test_best_fit_pads_and_labels(spec: zf.LoaderSpec) -> None:
     batches = run_batches(spec, STEPS)
-    assert sorted(batches[0]) == ["input_ids", "labels", "position_ids", "segment_ids"]
+    assert sorted(batches[0]) == [
+        "documents",
+        "documents_count",
+        "input_ids",
+        "labels",
+        "position_ids",
+        "segment_ids",
+    ]
     pads = sum(int((b["segment_ids"] == -1).sum()) for b in batches)
     assert pads > 0, "best_fit pads the sequences it cannot fill"
 

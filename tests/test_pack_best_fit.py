@@ -43,8 +43,10 @@ def pack_direct(pack: ops.Pack, docs: list[list[int]], *, finish: bool = True) -
     """Calls Pack's process for each document, then its end-of-input timer, without a runner."""
     cell = _Cell()
     out: list[dict[str, np.ndarray]] = []
-    for doc in docs:
-        out += list(pack.process((0, np.asarray(doc, dtype=np.int32)), carry=cell, flush=cell))
+    for i, doc in enumerate(docs):  # document i comes from the record at offset 10 * i
+        out += list(
+            pack.process((0, np.asarray(doc, dtype=np.int32)), carry=cell, flush=cell, doc=(0, 1, 10 * i))
+        )
     if finish:
         out += list(pack.flush_tail(carry=cell))
     return out
@@ -72,10 +74,10 @@ def test_online_best_fit_picks_the_tightest_bin_and_splits_only_long_documents()
     ]
 
 
-def test_the_buffer_places_the_longest_document_first() -> None:
+def test_a_full_buffer_is_placed_longest_first() -> None:
     docs = [[1], [2, 3, 4], [5, 6], [7, 8, 9, 10, 11]]
-    # The fourth document overflows the buffer of 3: the longest ([7..11]) is placed; at the
-    # end the rest go longest first: [2, 3, 4] opens a bin, [5, 6] joins it, [1] fills the first.
+    # The fourth document overflows the buffer of 3: all four are placed, longest first:
+    # [7..11] opens a bin, [2, 3, 4] another, [5, 6] joins it, [1] fills the first.
     assert table(pack_direct(best_fit(6, buffer=3, open_bins=4), docs)) == [
         ([7, 8, 9, 10, 11, 1], [0, 1, 2, 3, 4, 0], [0, 0, 0, 0, 0, 1]),
         ([2, 3, 4, 5, 6, 99], [0, 1, 2, 0, 1, 0], [0, 0, 0, 1, 1, -1]),
@@ -130,7 +132,12 @@ def test_labels_with_best_fit() -> None:
 
 
 def test_without_labels_there_is_no_labels_field() -> None:
-    assert sorted(pack_direct(best_fit(4), [[1, 2]])[0]) == ["input_ids", "position_ids", "segment_ids"]
+    assert sorted(pack_direct(best_fit(4), [[1, 2]])[0]) == [
+        "documents",
+        "input_ids",
+        "position_ids",
+        "segment_ids",
+    ]
 
 
 # -- properties ----------------------------------------------------------------------------
@@ -207,7 +214,14 @@ def test_the_loader_runs_best_fit_to_the_end_of_a_finite_input(tmp_path: Path) -
     batches = run_batches(chain_spec(path, ("ids", ParseIds()), ("pack", pack), epochs=1))
     got = sorted(t for b in batches for t in b["input_ids"][b["segment_ids"] >= 0].tolist())
     assert got == list(range(1, 26))
-    assert sorted(batches[0]) == ["input_ids", "labels", "position_ids", "segment_ids"]
+    assert sorted(batches[0]) == [
+        "documents",
+        "documents_count",
+        "input_ids",
+        "labels",
+        "position_ids",
+        "segment_ids",
+    ]
 
 
 def test_resume_at_every_step_with_open_bins_across_an_epoch(tmp_path: Path) -> None:
