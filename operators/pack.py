@@ -199,9 +199,12 @@ class Pack(beam.DoFn):  # type: ignore[misc]
     def _bin_output(self, packed: _best_fit.Packed) -> dict[str, np.ndarray]:
         ids, lens, docs = packed
         ids = ids.copy()  # never hand out a view of the input or of the state
-        starts = np.repeat(np.cumsum(lens) - lens, lens)
-        pos = (np.arange(ids.size, dtype=np.int32) - starts).astype(np.int32, copy=False)
-        seg = np.repeat(np.arange(lens.size, dtype=np.int32), lens)
+        pos = np.arange(ids.size, dtype=np.int32)
+        if lens.size == 1:  # a piece of a long document, or a lone document
+            seg = np.zeros(ids.size, dtype=np.int32)
+        else:
+            pos -= np.repeat(np.cumsum(lens, dtype=np.int32) - lens, lens)
+            seg = np.repeat(np.arange(lens.size, dtype=np.int32), lens)
         return self._output(ids, pos, seg, docs)
 
     def _output(
