@@ -68,13 +68,20 @@ class _Cell:
         pass
 
 
-def load_documents(data_root: str | None, *, limit: int | None, **build: int) -> list[np.ndarray]:
-    """Every prose document and code file of the demo corpus as int32 ids with EOS, in one
-    seeded order that interleaves the two sources (the first ``limit`` of them)."""
+def load_documents(
+    data_root: str | None, *, limit: int | None, sources: str = "all", **build: int
+) -> list[np.ndarray]:
+    """Every prose document and code file of the demo corpus (or only those of ``sources``) as
+    int32 ids with EOS, in one seeded order that interleaves the two (the first ``limit``)."""
     data = build_demo_data(data_root, **build)
-    with open(data.docs_jsonl, encoding="utf-8") as f:
-        texts = [json.loads(line)["text"] for line in f if line.strip()]
-    texts += [t for t in pq.read_table(data.code_parquet, columns=["content"])["content"].to_pylist() if t]
+    texts: list[str] = []
+    if sources in ("all", "prose"):
+        with open(data.docs_jsonl, encoding="utf-8") as f:
+            texts += [json.loads(line)["text"] for line in f if line.strip()]
+    if sources in ("all", "code"):
+        texts += [
+            t for t in pq.read_table(data.code_parquet, columns=["content"])["content"].to_pylist() if t
+        ]
     random.Random(SEED).shuffle(texts)
     texts = texts[:limit]
     tok = Tokenizer.from_file(data.tokenizer_json)
@@ -150,17 +157,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--max-code-files", type=int, default=600, help="of a corpus built in --data-root")
     parser.add_argument("--vocab-size", type=int, default=4096, help="of a corpus built in --data-root")
+    parser.add_argument("--sources", choices=("all", "prose", "code"), default="all")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     seq_lens, buffers, repeats, limit = SEQ_LENS, BUFFERS, args.repeats, None
     if args.quick:
         seq_lens, buffers, repeats, limit = (512,), (0, 16), 1, 200
     docs = load_documents(
-        args.data_root, limit=limit, max_code_files=args.max_code_files, vocab_size=args.vocab_size
+        args.data_root,
+        limit=limit,
+        sources=args.sources,
+        max_code_files=args.max_code_files,
+        vocab_size=args.vocab_size,
     )
     lengths = [int(d.size) for d in docs]
     results: dict[str, Any] = {
         "config": {
+            "sources": args.sources,
             "documents": len(docs),
             "tokens": sum(lengths),
             "open_bins": OPEN_BINS,
