@@ -101,3 +101,19 @@ def test_pack_matches_beam() -> None:
         return tuple(sample[k].tobytes() for k in ("input_ids", "position_ids", "segment_ids"))  # type: ignore[return-value]
 
     _beams(ops.Pack(seq_len=16), docs, as_key=as_key)
+
+
+def test_best_fit_pack_with_labels_matches_beam() -> None:
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 100, size=int(n), dtype=np.int32) for n in rng.integers(1, 40, size=50)]
+
+    def pack() -> ops.Pack:
+        return ops.Pack(seq_len=16, strategy="best_fit", buffer=5, open_bins=3, labels=True)
+
+    ours = _ours(pack(), docs)
+    assert sum(int((s["segment_ids"] >= 0).sum()) for s in ours) == sum(len(d) for d in docs)
+
+    def as_key(sample: dict[str, np.ndarray]) -> tuple[bytes, ...]:
+        return tuple(sample[k].tobytes() for k in sorted(sample))
+
+    _beams(pack(), docs, as_key=as_key)
