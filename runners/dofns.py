@@ -55,6 +55,25 @@ class _SeedParam:
 SeedParam: Any = _SeedParam()
 
 
+class _ProvenanceParam:
+    """Default-value marker: the runner passes the id of the source record the element came from."""
+
+    def __repr__(self) -> str:
+        return "zephon_flow.ProvenanceParam"
+
+
+#: Declare ``doc=zf.ProvenanceParam`` in a stateful DoFn's ``process`` to receive the id of the
+#: source record its element came from: ``(source index, split index, record offset)``, where the
+#: source index counts the pipeline's sources in the order the runner lists them, the split index
+#: is the source's split table entry and the offset is ``Record.offset``. Elements made by an
+#: earlier stateful DoFn carry the id of the record whose arrival produced them; outputs of timers
+#: carry none (``None``).
+ProvenanceParam: Any = _ProvenanceParam()
+
+#: The id ``ProvenanceParam`` passes: (source index, split index, record offset).
+DocId = tuple[int, int, int]
+
+
 def dofn_seed(spec_seed: int, label: str) -> int:
     """The seed a DoFn labelled ``label`` receives: distinct per transform, fixed per spec."""
     return stable_hash(f"{spec_seed}/{label}")
@@ -72,7 +91,9 @@ def _marked(dofn: beam.DoFn, method: str) -> list[tuple[str, Any]]:
 
 
 def _is_marker(default: Any) -> bool:
-    return isinstance(default, beam.DoFn.StateParam | beam.DoFn.TimerParam | _SeedParam) or any(
+    return isinstance(
+        default, beam.DoFn.StateParam | beam.DoFn.TimerParam | _SeedParam | _ProvenanceParam
+    ) or any(
         default == p
         for p in (
             beam.DoFn.TimestampParam,
@@ -149,16 +170,19 @@ class _Binding:
         self.timestamp = next((n for n, d in marked if d == beam.DoFn.TimestampParam), None)
         self.key = next((n for n, d in marked if d == beam.DoFn.KeyParam), None)
         self.seed = [n for n, d in marked if isinstance(d, _SeedParam)]
-        known = set(self.states) | set(self.timers) | set(self.seed) | {self.timestamp, self.key}
+        self.doc = next((n for n, d in marked if isinstance(d, _ProvenanceParam)), None)
+        known = set(self.states) | set(self.timers) | set(self.seed) | {self.timestamp, self.key, self.doc}
         unknown = [n for n, _ in marked if n not in known]
         if unknown:
             raise SpecError(
                 f"stateful DoFn {label!r}: parameter(s) {', '.join(unknown)} of {method}() are not "
                 f"supported; the runner provides StateParam, TimerParam, TimestampParam, KeyParam "
-                f"and zephon_flow.SeedParam"
+                f"zephon_flow.SeedParam and zephon_flow.ProvenanceParam"
             )
 
-    def kwargs(self, label: str, lane: int, seed: int, st: DoFnLaneState, micros: int) -> dict[str, Any]:
+    def kwargs(
+        self, label: str, lane: int, seed: int, st: DoFnLaneState, micros: int, doc: DocId | None = None
+    ) -> dict[str, Any]:
         kw = st.bound.get(id(self))
         if kw is None:
             kw = {n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()}
@@ -167,8 +191,12 @@ class _Binding:
             if self.key:
                 kw[self.key] = lane
             st.bound[id(self)] = kw
-        if self.timestamp:
-            return {**kw, self.timestamp: Timestamp(micros=micros)}
+        if self.timestamp or self.doc:
+            kw = dict(kw)
+            if self.timestamp:
+                kw[self.timestamp] = Timestamp(micros=micros)
+            if self.doc:
+                kw[self.doc] = doc
         return kw
 
 
@@ -191,9 +219,9 @@ class StatefulInvoker:
         }
         dofn.setup()
 
-    def process(self, lane: int, value: Any, st: DoFnLaneState) -> list[Any]:
+    def process(self, lane: int, value: Any, st: DoFnLaneState, doc: DocId | None = None) -> list[Any]:
         """Feeds the element at ``st.position``; returns outputs, then fires timers now due."""
-        kw = self._process.kwargs(self.label, lane, self.seed, st, st.position * _MICROS)
+        kw = self._process.kwargs(self.label, lane, self.seed, st, st.position * _MICROS, doc)
         out = self._process.method((lane, value), **kw)
         results = [] if out is None else list(out)
         st.position += 1
