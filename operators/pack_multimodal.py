@@ -18,6 +18,7 @@ from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
 from zephon_flow.errors import DataError, SpecError
 from zephon_flow.operators.image_decode import sample_name
+from zephon_flow.runners.dofns import ProvenanceParam
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _NO_DOCS = np.zeros((0, 3), dtype=np.int64)
@@ -48,7 +49,8 @@ class PackMultimodal(beam.DoFn):  # type: ignore[misc]
     ``segment_ids`` (0, 1, ... per sample; -1 on padding), all int32 ``[seq_len]``;
     ``images`` ``[max_images, H, W, C]`` (the images in order of their placeholders, zeros in
     unused slots, the images' dtype); ``image_count`` and ``truncated_tokens`` (int32
-    scalars); and ``documents`` (int64 ``[k, 3]``: the provenance of the sequence's samples).
+    scalars); and ``documents`` (int64 ``[k, 3]``: per sample, in order, the
+    ``(source, split, offset)`` id of its source record, from ``zf.ProvenanceParam``).
     Every image must have the same shape and dtype (put ``ResizeImage`` first). At the end of
     a finite input the last open sequence is padded and emitted. The open sequence is the
     lane state.
@@ -103,10 +105,12 @@ class PackMultimodal(beam.DoFn):  # type: ignore[misc]
         element: tuple[int, Any],
         open_: Any = beam.DoFn.StateParam(OPEN),
         flush: Any = beam.DoFn.TimerParam(FLUSH),
+        doc: Any = ProvenanceParam,
     ) -> Any:
         _lane, sample = element
         caption, image, name = self._fields(sample)
-        doc = np.zeros((1, 3), dtype=np.int64)
+        # The sample's source record, (source, split, offset); -1s when called outside the runner.
+        row = np.asarray([doc if isinstance(doc, tuple) else (-1, -1, -1)], dtype=np.int64).reshape(1, 3)
         held = open_.read()
         if held is None:
             flush.set(MAX_TIMESTAMP)
@@ -132,7 +136,7 @@ class PackMultimodal(beam.DoFn):  # type: ignore[misc]
             "pos": np.concatenate([held["pos"], np.arange(ids.size, dtype=np.int32)]),
             "seg": np.concatenate([held["seg"], np.full(ids.size, len(held["images"]), dtype=np.int32)]),
             "images": [*held["images"], image],
-            "docs": np.concatenate([held["docs"], doc]),
+            "docs": np.concatenate([held["docs"], row]),
             "truncated": held["truncated"] + truncated,
         }
         if held["ids"].size == self.seq_len or len(held["images"]) == self.max_images:

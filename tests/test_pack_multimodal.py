@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from helpers import Corpus, chain_spec, run_batches, write_jsonl
 from vlm_helpers import ParseSample, vlm_spec, write_captioned_images
 
 from zephon_flow import operators as ops
+from zephon_flow.batches import split_ragged
 from zephon_flow.errors import DataError, SpecError
 
 # key | caption ids | image fill value
@@ -50,6 +52,14 @@ def test_packs_hand_made_samples_greedily_without_splitting_them(tmp_path: Path)
     assert [fills(b) for b in batches] == [[10, 20], [30, 0], [40, 0]]
     assert [int(b["image_count"][0]) for b in batches] == [2, 1, 1]
     assert [int(b["truncated_tokens"][0]) for b in batches] == [0, 0, 0]
+    # Provenance: (source 0, split 0, byte offset of the sample's JSONL line), one row per sample.
+    starts = np.cumsum([0] + [len(json.dumps({"text": t})) + 1 for t in HAND]).tolist()
+    assert [b["documents"].tolist() for b in batches] == [
+        [[0, 0, starts[0]], [0, 0, starts[1]]],
+        [[0, 0, starts[2]]],
+        [[0, 0, starts[3]]],
+    ]
+    assert [b["documents_count"].tolist() for b in batches] == [[2], [1], [1]]
     b = batches[0]
     assert b["images"].shape == (1, 2, 2, 2, 1) and b["images"].dtype == np.uint8
     assert {k: b[k].dtype for k in ("input_ids", "position_ids", "segment_ids", "image_count")} == {
@@ -150,6 +160,22 @@ def test_every_image_of_a_finite_run_is_packed_once(images: str, corpus: Corpus)
     assert sum(int(b["image_count"].sum()) for b in batches) == 14
     first = batches[0]
     assert first["images"].shape == (2, 3, 8, 8, 3) and first["input_ids"].shape == (2, 24)
+    # Every image file (one split each) is named by exactly one provenance row, and the image
+    # slots hold exactly what DecodeImage and ResizeImage make of those files, in order.
+    splits = spec.compile().sources[0].source.splits()
+    decode, resize = ops.DecodeImage(draft_size=8), ops.ResizeImage(8)
+    seen = []
+    for b in batches:
+        for i, docs in enumerate(split_ragged(b)):
+            assert int(b["image_count"][i]) == len(docs)
+            for slot, (source, split, offset) in enumerate(docs.tolist()):
+                assert (source, offset) == (0, 0)
+                seen.append(split)
+                with open(splits[split].path, "rb") as f:
+                    want = resize.resize(decode.decode(f.read(), "file"), "file")
+                np.testing.assert_array_equal(b["images"][i, slot], want)
+            assert not b["images"][i, len(docs) :].any()
+    assert sorted(seen) == list(range(14))
 
 
 def test_resuming_at_every_step_continues_exactly(images: str, corpus: Corpus) -> None:
