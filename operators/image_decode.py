@@ -8,12 +8,15 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import ExifTags, Image, ImageOps
 
 from zephon_flow.errors import DataError, SpecError
 
 #: Output modes: ``"RGB"`` gives ``H x W x 3``, ``"L"`` (grey) gives ``H x W x 1``.
 MODES = ("RGB", "L")
+#: Formats opened by default: the common raster formats whose decoders are built into Pillow
+#: (never, e.g., EPS, which Pillow hands to Ghostscript).
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 #: Pillow modes holding 16 (or more) bits per sample: scaled to 8 bits as ``v * 255 / 65535``.
 _WIDE = ("I", "I;16", "I;16B", "I;16L", "I;16N")
 
@@ -56,6 +59,9 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
     smallest scale that still gives at least ``h x w`` pixels: several times faster when a
     ``ResizeImage`` to that size follows (pass it the same size). It changes the pixels, so
     it is part of the fingerprint; other formats ignore it.
+
+    Only ``formats`` are opened (Pillow's names; by default ``FORMATS``); anything else is a
+    ``DataError`` like bytes that are not an image. Of an animated image, the first frame.
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         exif_transpose: bool = True,
         background: tuple[int, int, int] = (255, 255, 255),
         keep_input: bool = False,
+        formats: tuple[str, ...] = FORMATS,
     ) -> None:
         super().__init__()
         for name, value in (("field", field), ("output", output)):
@@ -81,6 +88,9 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         bg = tuple(background)
         if len(bg) != 3 or not all(isinstance(v, int) and 0 <= v <= 255 for v in bg):
             raise SpecError(f"DecodeImage: background must be three ints in 0..255, got {background!r}")
+        if isinstance(formats, str) or not formats or not all(isinstance(f, str) and f for f in formats):
+            raise SpecError(f"DecodeImage: formats must be a tuple of Pillow format names, got {formats!r}")
+        self.formats = tuple(f.upper() for f in formats)
         self.field = field
         self.output = output
         self.max_pixels = max_pixels
@@ -100,6 +110,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
             "exif_transpose": self.exif_transpose,
             "background": list(self.background),
             "keep_input": self.keep_input,
+            "formats": list(self.formats),
         }
 
     def process(self, element: Any) -> Any:
@@ -130,7 +141,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         """The pixels of one encoded image; ``name`` says which sample in errors."""
         where = f"field {self.field!r} of {name}"
         try:
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(io.BytesIO(data), formats=self.formats) as im:
                 pixels = im.size[0] * im.size[1]
                 if pixels > self.max_pixels:
                     raise DataError(
@@ -154,7 +165,8 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
             ) from exc
 
     def _convert(self, im: Image.Image, where: str) -> np.ndarray:
-        if self.exif_transpose:
+        # exif_transpose copies the image even when there is nothing to turn: ask first.
+        if self.exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
             im = ImageOps.exif_transpose(im)
         if im.mode in _WIDE:
             wide = np.asarray(im).astype(np.int64)

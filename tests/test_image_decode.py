@@ -132,6 +132,17 @@ def test_bytes_that_are_not_an_image_are_a_data_error() -> None:
     )
 
 
+def test_only_the_allowed_formats_are_opened() -> None:
+    data = encode(gradient(4, 4), "PNG")
+    with pytest.raises(
+        DataError,
+        match=r"DecodeImage: cannot decode the image in field 'jpg' of sample 'p' \(\d+ bytes\): cannot identify image file",
+    ):
+        decode(data, key="p", formats=("JPEG",))
+    assert decode(data, formats=("png",)).shape == (4, 4, 3)
+    assert decode(encode(gradient(4, 4), "WEBP", lossless=True)).shape == (4, 4, 3)
+
+
 def test_samples_without_the_field_or_with_the_wrong_type_are_data_errors() -> None:
     fn = ops.DecodeImage(field="png")
     with pytest.raises(
@@ -152,6 +163,7 @@ def test_samples_without_the_field_or_with_the_wrong_type_are_data_errors() -> N
         ({"draft_size": (0, 4)}, r"DecodeImage: draft_size must be a positive int or \(height, width\)"),
         ({"field": ""}, "DecodeImage: field must be a non-empty string"),
         ({"background": (0, 0)}, "DecodeImage: background must be three ints in 0..255"),
+        ({"formats": "JPEG"}, "DecodeImage: formats must be a tuple of Pillow format names, got 'JPEG'"),
     ],
 )
 def test_invalid_options_are_refused_up_front(options: dict[str, Any], message: str) -> None:
