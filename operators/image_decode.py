@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -40,6 +40,9 @@ def _size_option(name: str, value: Any) -> tuple[int, int] | None:
 class DecodeImage(beam.DoFn):  # type: ignore[misc]
     """Decodes ``element[field]`` (bytes) and stores the pixels under ``element[output]``.
 
+    ``field`` may list several names (``("jpg", "jpeg", "png", "webp")``): the first one the
+    sample has is decoded.
+
     The element is a dict (e.g. a WebDataset sample ``{"__key__", "jpg", "txt"}``); the output
     is a new dict without ``field`` (unless ``keep_input``) and with ``output`` holding a
     C-contiguous ``uint8`` array ``[H, W, 3]`` (``mode="RGB"``) or ``[H, W, 1]`` (``"L"``).
@@ -67,7 +70,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        field: str = "jpg",
+        field: str | Sequence[str] = "jpg",
         output: str = "image",
         max_pixels: int = 64_000_000,
         draft_size: int | tuple[int, int] | None = None,
@@ -78,9 +81,11 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         formats: tuple[str, ...] = FORMATS,
     ) -> None:
         super().__init__()
-        for name, value in (("field", field), ("output", output)):
-            if not isinstance(value, str) or not value:
-                raise SpecError(f"DecodeImage: {name} must be a non-empty string, got {value!r}")
+        fields = (field,) if isinstance(field, str) else tuple(field)
+        if not fields or not all(isinstance(f, str) and f for f in fields):
+            raise SpecError(f"DecodeImage: field must be a non-empty string or strings, got {field!r}")
+        if not isinstance(output, str) or not output:
+            raise SpecError(f"DecodeImage: output must be a non-empty string, got {output!r}")
         if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
             raise SpecError(f"DecodeImage: max_pixels must be a positive integer, got {max_pixels!r}")
         if mode not in MODES:
@@ -91,7 +96,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         if isinstance(formats, str) or not formats or not all(isinstance(f, str) and f for f in formats):
             raise SpecError(f"DecodeImage: formats must be a tuple of Pillow format names, got {formats!r}")
         self.formats = tuple(f.upper() for f in formats)
-        self.field = field
+        self.fields = fields
         self.output = output
         self.max_pixels = max_pixels
         self.draft_size = _size_option("draft_size", draft_size)
@@ -102,7 +107,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
 
     def params(self) -> dict[str, Any]:
         return {
-            "field": self.field,
+            "field": list(self.fields),
             "output": self.output,
             "max_pixels": self.max_pixels,
             "draft_size": None if self.draft_size is None else list(self.draft_size),
@@ -117,29 +122,29 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         if isinstance(element, bytes | bytearray | memoryview):
             yield self.decode(bytes(element), "the sample")
             return
+        wanted = " or ".join(map(repr, self.fields))
         if not isinstance(element, Mapping):
             raise DataError(
-                f"DecodeImage: expected a dict sample with a {self.field!r} field (or bytes), "
+                f"DecodeImage: expected a dict sample with a {wanted} field (or bytes), "
                 f"got {type(element).__name__}"
             )
         name = sample_name(element)
-        if self.field not in element:
+        field = next((f for f in self.fields if f in element), None)
+        if field is None:
             raise DataError(
-                f"DecodeImage: {name} has no field {self.field!r} (it has {sorted(element)}); "
+                f"DecodeImage: {name} has no field {wanted} (it has {sorted(element)}); "
                 f"set DecodeImage(field=...)"
             )
-        data = element[self.field]
+        data = element[field]
         if not isinstance(data, bytes | bytearray | memoryview):
-            raise DataError(
-                f"DecodeImage: field {self.field!r} of {name} holds {type(data).__name__}, not bytes"
-            )
-        out = {k: v for k, v in element.items() if self.keep_input or k != self.field}
-        out[self.output] = self.decode(bytes(data), name)
+            raise DataError(f"DecodeImage: field {field!r} of {name} holds {type(data).__name__}, not bytes")
+        out = {k: v for k, v in element.items() if self.keep_input or k != field}
+        out[self.output] = self.decode(bytes(data), name, field)
         yield out
 
-    def decode(self, data: bytes, name: str) -> np.ndarray:
-        """The pixels of one encoded image; ``name`` says which sample in errors."""
-        where = f"field {self.field!r} of {name}"
+    def decode(self, data: bytes, name: str, field: str | None = None) -> np.ndarray:
+        """The pixels of one encoded image; ``name`` and ``field`` say where in errors."""
+        where = f"field {field or self.fields[0]!r} of {name}"
         try:
             with Image.open(io.BytesIO(data), formats=self.formats) as im:
                 pixels = im.size[0] * im.size[1]

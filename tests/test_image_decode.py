@@ -143,6 +143,18 @@ def test_only_the_allowed_formats_are_opened() -> None:
     assert decode(encode(gradient(4, 4), "WEBP", lossless=True)).shape == (4, 4, 3)
 
 
+def test_the_first_present_of_several_fields_is_decoded() -> None:
+    fn = ops.DecodeImage(field=("jpg", "png"))
+    (out,) = fn.process({"__key__": "a", "png": encode(gradient(3, 2), "PNG"), "txt": b""})
+    assert sorted(out) == ["__key__", "image", "txt"] and out["image"].shape == (2, 3, 3)
+    with pytest.raises(DataError, match="DecodeImage: cannot decode the image in field 'png' of sample 'b'"):
+        list(fn.process({"__key__": "b", "png": b"nope"}))
+    with pytest.raises(
+        DataError, match=r"DecodeImage: sample 'c' has no field 'jpg' or 'png' \(it has \['__key__'\]\)"
+    ):
+        list(fn.process({"__key__": "c"}))
+
+
 def test_samples_without_the_field_or_with_the_wrong_type_are_data_errors() -> None:
     fn = ops.DecodeImage(field="png")
     with pytest.raises(
@@ -161,7 +173,8 @@ def test_samples_without_the_field_or_with_the_wrong_type_are_data_errors() -> N
         ({"max_pixels": 0}, "DecodeImage: max_pixels must be a positive integer, got 0"),
         ({"mode": "CMYK"}, "DecodeImage: mode must be one of 'RGB', 'L', got 'CMYK'"),
         ({"draft_size": (0, 4)}, r"DecodeImage: draft_size must be a positive int or \(height, width\)"),
-        ({"field": ""}, "DecodeImage: field must be a non-empty string"),
+        ({"field": ""}, "DecodeImage: field must be a non-empty string or strings"),
+        ({"field": ()}, r"DecodeImage: field must be a non-empty string or strings, got \(\)"),
         ({"background": (0, 0)}, "DecodeImage: background must be three ints in 0..255"),
         ({"formats": "JPEG"}, "DecodeImage: formats must be a tuple of Pillow format names, got 'JPEG'"),
     ],
