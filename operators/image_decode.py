@@ -17,6 +17,8 @@ MODES = ("RGB", "L")
 #: Formats opened by default: the common raster formats whose decoders are built into Pillow
 #: (never, e.g., EPS, which Pillow hands to Ghostscript).
 FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+#: The fields read by default: WebDataset's usual image extensions, the first one present.
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 #: Pillow modes holding 16 (or more) bits per sample: scaled to 8 bits as ``v * 255 / 65535``.
 _WIDE = ("I", "I;16", "I;16B", "I;16L", "I;16N")
 
@@ -40,8 +42,8 @@ def _size_option(name: str, value: Any) -> tuple[int, int] | None:
 class DecodeImage(beam.DoFn):  # type: ignore[misc]
     """Decodes ``element[field]`` (bytes) and stores the pixels under ``element[output]``.
 
-    ``field`` may list several names (``("jpg", "jpeg", "png", "webp")``): the first one the
-    sample has is decoded.
+    ``field`` may list several names (by default ``IMAGE_FIELDS``: ``"jpg"``, ``"jpeg"``,
+    ``"png"``, ``"webp"``): the first one the sample has is decoded.
 
     The element is a dict (e.g. a WebDataset sample ``{"__key__", "jpg", "txt"}``); the output
     is a new dict without ``field`` (unless ``keep_input``) and with ``output`` holding a
@@ -70,7 +72,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
     def __init__(
         self,
         *,
-        field: str | Sequence[str] = "jpg",
+        field: str | Sequence[str] = IMAGE_FIELDS,
         output: str = "image",
         max_pixels: int = 64_000_000,
         draft_size: int | tuple[int, int] | None = None,

@@ -143,6 +143,15 @@ def test_only_the_allowed_formats_are_opened() -> None:
     assert decode(encode(gradient(4, 4), "WEBP", lossless=True)).shape == (4, 4, 3)
 
 
+def test_by_default_the_usual_webdataset_image_fields_are_tried() -> None:
+    (out,) = ops.DecodeImage().process({"__key__": "w", "webp": encode(gradient(3, 2), "WEBP")})
+    assert sorted(out) == ["__key__", "image"] and out["image"].shape == (2, 3, 3)
+    with pytest.raises(
+        DataError, match="DecodeImage: sample 'x' has no field 'jpg' or 'jpeg' or 'png' or 'webp'"
+    ):
+        list(ops.DecodeImage().process({"__key__": "x", "txt": b""}))
+
+
 def test_the_first_present_of_several_fields_is_decoded() -> None:
     fn = ops.DecodeImage(field=("jpg", "png"))
     (out,) = fn.process({"__key__": "a", "png": encode(gradient(3, 2), "PNG"), "txt": b""})
