@@ -34,6 +34,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
+from bench._per_element import PerElementTokenize
 from zephon_flow import operators as ops
 from zephon_flow.operators.splits import Record, Source
 from zephon_flow.runners.dofns import StatelessInvoker
@@ -60,12 +61,6 @@ class PerElement(beam.DoFn):  # type: ignore[misc]
 
     def process(self, x: int) -> Any:
         yield work(x)
-
-
-class PerElementTokenize(ops.Tokenize):
-    """``Tokenize`` without its batched path: the runner calls ``process`` per document."""
-
-    process_batch = beam.DoFn.process_batch
 
 
 def _segment(label: str, dofn: beam.DoFn) -> FrontSegment:
@@ -121,12 +116,9 @@ def overhead(elements: int, chunk: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def tokenize(texts: list[str], chunk: int, repeats: int, engine: str) -> dict[str, Any]:
-    from zephon_flow.demo_data import build_demo_data
-
-    data = build_demo_data()
-    batched = ops.Tokenize(data.tokenizer_json, engine=engine)
-    per_element = PerElementTokenize(data.tokenizer_json, engine=engine)
+def tokenize(texts: list[str], tokenizer_json: str, chunk: int, repeats: int, engine: str) -> dict[str, Any]:
+    batched = ops.Tokenize(tokenizer_json, engine=engine)
+    per_element = PerElementTokenize(tokenizer_json, engine=engine)
     chunks = _chunks(texts, chunk)
     segs = {"per element": _segment("tok", per_element), "batched": _segment("tok", batched)}
     a, b = (_run(s, chunks) for s in segs.values())  # also past the engines' checked first documents
@@ -149,14 +141,15 @@ def tokenize(texts: list[str], chunk: int, repeats: int, engine: str) -> dict[st
     }
 
 
-def _demo_texts(limit: int) -> list[str]:
+def _demo_texts(data_root: str | None, limit: int) -> tuple[list[str], str]:
+    """The first ``limit`` demo documents, prose and code alternating, and the tokenizer."""
     from bench.throughput import load_texts
     from zephon_flow.demo_data import build_demo_data
 
-    data = build_demo_data(progress=True)
+    data = build_demo_data(data_root, progress=True)
     prose, code = load_texts(data.docs_jsonl, data.code_parquet)
     mixed = [t for pair in zip(prose, code, strict=False) for t in pair]
-    return mixed[:limit]
+    return mixed[:limit], data.tokenizer_json
 
 
 def _table(title: str, rows: dict[str, dict[str, float]]) -> str:
@@ -173,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--documents", type=int, default=2000, help="demo documents to tokenize")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", default="hf,auto")
+    parser.add_argument("--data-root", default=None, help="demo corpus directory (default: its cache)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
@@ -181,9 +175,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     result: dict[str, Any] = {"args": vars(args)}
     result["overhead"] = overhead(args.elements, args.chunk, args.repeats)
     print(_table(f"overhead: {args.elements} elements, chunks of {args.chunk}", result["overhead"]))
-    texts = _demo_texts(args.documents)
+    texts, tokenizer_json = _demo_texts(args.data_root, args.documents)
     for engine in args.engines.split(","):
-        rows = tokenize(texts, args.chunk, args.repeats, engine)
+        rows = tokenize(texts, tokenizer_json, args.chunk, args.repeats, engine)
         result[f"tokenize_{engine}"] = rows
         print()
         print(

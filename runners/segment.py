@@ -56,19 +56,17 @@ class FrontSegment:
         self.sources = sources
         self.source_chains = source_chains
         self.common = common
+        # Sources are labelled by now (the runner binds labels when it compiles the plan).
+        self._names = [s.operator_name for s in sources]
 
     def _where(self, source_index: int, record: Record) -> str:
-        return (
-            f"on the record at {record.path} {record.where}, via {self.sources[source_index].operator_name}"
-        )
+        return f"on the record at {record.path} {record.where}, via {self._names[source_index]}"
 
     def run_chunk(self, chunk: Chunk) -> list[list[Any]] | Failure:
         """Outputs per record, or the first failure (never raises: failures travel as data)."""
         try:
-            values = []
-            for index, record in chunk:
-                source = self.sources[index]
-                values.append(source.decode(record, source.operator_name))
+            sources, names = self.sources, self._names
+            values = [sources[index].decode(record, names[index]) for index, record in chunk]
             for index, chain in enumerate(self.source_chains):
                 if chain:
                     members = [k for k, (i, _) in enumerate(chunk) if i == index]
