@@ -133,6 +133,25 @@ def function_identity(fn: Callable[..., Any]) -> dict[str, str]:
     return {"fn": function_name(fn), "code": hasher.h.hexdigest()[:16]}
 
 
+def beam_function_identity(dofn: Any) -> dict[str, str]:
+    """``function_identity`` of the user's function in Beam's ``beam.Map``/``Filter``/``FlatMap``.
+
+    Beam wraps ``fn`` in a lambda of its own (``Map.<locals>.<lambda>``) for all but
+    ``FlatMap``; the user's function is that lambda's closure variable ``fn``.
+    """
+    wrapper = dofn._fn
+    code = getattr(wrapper, "__code__", None)
+    if (
+        code is not None
+        and getattr(wrapper, "__module__", "").startswith("apache_beam.")
+        and "fn" in code.co_freevars
+    ):
+        kind = wrapper.__qualname__.split(".")[0]
+        fn = wrapper.__closure__[code.co_freevars.index("fn")].cell_contents
+        return {"beam": kind, **function_identity(fn)}
+    return {"beam": "FlatMap", **function_identity(wrapper)}
+
+
 class _FunctionDoFn(beam.DoFn):  # type: ignore[misc]
     """Shared by Map, Filter and FlatMap: validation, naming, fingerprint, both paths."""
 

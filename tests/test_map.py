@@ -338,3 +338,17 @@ def test_a_function_s_identity_does_not_depend_on_the_process() -> None:
         for seed in ("1", "2")
     }
     assert len(seen) == 1 and "'fn': 'm.clean'" in seen.pop()
+
+
+def test_beam_s_own_helpers_are_identified_by_the_user_s_function(records: str) -> None:
+    def spec(step: beam.PTransform) -> zf.LoaderSpec:
+        def build(p: beam.Pipeline) -> beam.PCollection:
+            return p | "src" >> ops.ReadJsonl(records) | "step" >> step
+
+        return zf.LoaderSpec(build, lanes=1, seed=0, global_batch_size=1)
+
+    parts = [
+        spec(t).fingerprint["operator step"] for t in (beam.Map(parse), beam.Map(boom), beam.Filter(parse))
+    ]
+    assert len(set(parts)) == 3  # Beam wraps each function in the same lambda: look through it
+    assert spec(beam.Map(parse)).fingerprint["operator step"] == parts[0]
