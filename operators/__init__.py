@@ -1,9 +1,10 @@
-"""Built-in operators: sources, tokenization, mixing, packing and shuffling, images, as Beam transforms."""
+"""Built-in operators: sources, tokenization, mixing, packing, shuffling, images, function wrappers."""
 
 from zephon_flow.operators.arrow import ReadArrow
 from zephon_flow.operators.image_decode import DecodeImage
 from zephon_flow.operators.image_resize import ResizeImage
 from zephon_flow.operators.jsonl import ReadJsonl
+from zephon_flow.operators.map import Filter, FlatMap, Map
 from zephon_flow.operators.mix import Mix
 from zephon_flow.operators.pack import Pack
 from zephon_flow.operators.pack_multimodal import PackMultimodal
@@ -17,6 +18,9 @@ from zephon_flow.operators.webdataset import ReadWebDataset
 
 __all__ = [
     "DecodeImage",
+    "Filter",
+    "FlatMap",
+    "Map",
     "Mix",
     "Pack",
     "PackMultimodal",

@@ -108,29 +108,76 @@ def _is_marker(default: Any) -> bool:
     )
 
 
+def _defines(dofn: beam.DoFn, method: str) -> bool:
+    """Whether the DoFn overrides ``beam.DoFn.<method>`` (on its class or as an attribute)."""
+    impl = getattr(dofn, method)
+    return getattr(impl, "__func__", impl) is not getattr(beam.DoFn, method)
+
+
 class StatelessInvoker:
-    """Runs one stateless DoFn on single elements; picklable, set up lazily once per process."""
+    """Runs one stateless DoFn on single elements or, if it defines ``process_batch``, on lists;
+    picklable, set up lazily once per process.
+
+    zephon-flow's ``process_batch(batch)`` contract: called with a list of elements, it returns
+    (or yields) one list of outputs per element, in order, so outputs stay attributable to the
+    record they came from (a lane's resume cursor counts outputs per record). This differs from
+    Beam's ``process_batch``, which yields output batches; a DoFn written for Beam's batched
+    path is refused at run time by the length and type checks here.
+    """
 
     def __init__(self, label: str, dofn: beam.DoFn) -> None:
-        extra = [n for n, _ in _marked(dofn, "process")]
-        if extra:
-            raise SpecError(
-                f"stateless DoFn {label!r} asks for {', '.join(extra)}; the deterministic runner "
-                f"passes stateless DoFns only the element"
-            )
+        self.has_process = _defines(dofn, "process")
+        self.batched = _defines(dofn, "process_batch")
+        if not (self.has_process or self.batched):
+            raise SpecError(f"stateless DoFn {label!r} defines neither process() nor process_batch()")
+        for method in ("process", "process_batch"):
+            if not _defines(dofn, method):
+                continue
+            extra = [n for n, _ in _marked(dofn, method)]
+            if extra:
+                raise SpecError(
+                    f"stateless DoFn {label!r} asks for {', '.join(extra)} in {method}(); the "
+                    f"deterministic runner passes stateless DoFns only the element (or the batch)"
+                )
         self.label = label
         self.dofn = dofn
         self._ready = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"label": self.label, "dofn": self.dofn, "_ready": False}
+        return {**self.__dict__, "_ready": False}
+
+    def _setup(self) -> None:
+        self.dofn.setup()
+        self._ready = True
 
     def __call__(self, value: Any) -> list[Any]:
         if not self._ready:
-            self.dofn.setup()
-            self._ready = True
+            self._setup()
+        if not self.has_process:
+            return self.call_batch([value])[0]
         out = self.dofn.process(value)
         return [] if out is None else list(out)
+
+    def call_batch(self, values: list[Any]) -> list[list[Any]]:
+        """``process_batch(values)``, checked: one list of outputs per value, in order."""
+        if not self._ready:
+            self._setup()
+        out = self.dofn.process_batch(values)
+        results = out if isinstance(out, list) else [] if out is None else list(out)
+        if len(results) != len(values):
+            raise StageError(
+                f"DoFn {self.label!r}: process_batch returned {len(results)} output lists for "
+                f"{len(values)} elements; zephon-flow's process_batch must return one list of "
+                f"outputs per element, in order"
+            )
+        for i, outputs in enumerate(results):
+            if not isinstance(outputs, list | tuple):
+                raise StageError(
+                    f"DoFn {self.label!r}: process_batch returned a {type(outputs).__name__} for "
+                    f"element {i}; zephon-flow's process_batch must return one list of outputs "
+                    f"per element (not Beam-style output batches)"
+                )
+        return [o if isinstance(o, list) else list(o) for o in results]
 
 
 @dataclass

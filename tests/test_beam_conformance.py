@@ -3,7 +3,9 @@
 The deterministic runner calls stateful DoFns directly with state it owns. These tests run the
 same DoFns, on the same keyed input in the same order, under Beam's FnApiRunner and under our
 ``StatefulInvoker``, and compare what comes out (as multisets: Beam promises no output order,
-but every output here depends on the order and content of what came before it).
+but every output here depends on the order and content of what came before it). The
+stateless helpers, which define zephon-flow's ``process_batch``, must run on Beam through
+``process`` and give what our front segment gives.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from apache_beam.transforms.userstate import (
     on_timer,
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
+from helpers import Corpus
 
 from zephon_flow import operators as ops
-from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker
+from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, StatelessInvoker
 
 
 class Ledger(beam.DoFn):
@@ -117,3 +120,40 @@ def test_best_fit_pack_with_labels_matches_beam() -> None:
         return tuple(sample[k].tobytes() for k in sorted(sample))
 
     _beams(pack(), docs, as_key=as_key)
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def _short(word: str) -> bool:
+    return len(word) <= 4
+
+
+def _upper_all(words: list[str]) -> list[str]:
+    return [w.upper() for w in words]
+
+
+def test_map_filter_flat_map_and_tokenize_run_on_beam_through_process(corpus: Corpus) -> None:
+    # Each defines zephon-flow's process_batch (one output list per element); Beam must still
+    # accept them and call process, giving what our front segment gives.
+    texts = ["the quick brown fox", "jumps over", "", "the lazy dog alpha omega"]
+    steps = [
+        ops.FlatMap(_words),
+        ops.Filter(_short),
+        ops.Map(_upper_all, batched=True),
+        ops.Map(str.lower),
+        ops.Tokenize(corpus.tokenizer_json),
+    ]
+    values: list[Any] = list(texts)
+    for i, dofn in enumerate(steps):
+        outputs = StatelessInvoker(f"step {i}", dofn).call_batch(values)
+        values = [out for outs in outputs for out in outs]
+    assert 0 < len(values) < sum(len(t.split()) for t in texts)
+
+    with beam.Pipeline(runner=FnApiRunner()) as p:
+        pcoll = p | beam.Create(texts)
+        for i, dofn in enumerate(steps):
+            pcoll = pcoll | f"step {i}" >> beam.ParDo(dofn)
+        assert_that(
+            pcoll | beam.Map(lambda a: tuple(a.tolist())), equal_to([tuple(v.tolist()) for v in values])
+        )
