@@ -121,6 +121,7 @@ def test_best_fit_pack_with_labels_matches_beam() -> None:
 
     _beams(pack(), docs, as_key=as_key)
 
+
 def _words(text: str) -> list[str]:
     return text.split()
 
