@@ -10,10 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# isort: off
+import zephon_flow as zf  # first: it quiets notices Beam logs when imported
+
 import apache_beam as beam
 from tokenizers import Tokenizer
 
-import zephon_flow as zf
+# isort: on
 from zephon_flow import operators as ops
 from zephon_flow.demo_data import DemoData, build_demo_data
 

@@ -220,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
+    if args.world_size == 1:  # no need for a second process
+        train(0, 1, args)
+        return 0
     mp.spawn(train, args=(args.world_size, args), nprocs=args.world_size, join=True)
     return 0
 
