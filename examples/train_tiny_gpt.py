@@ -97,10 +97,13 @@ def token_losses(model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torc
 
 # -- one rank ----------------------------------------------------------------------------------
 def make_dataset(args: argparse.Namespace, rank: int, world: int) -> ZephonDataset:
-    if args.data == "service":
-        return ZephonDataset.from_client(args.address, rank=rank, world_size=world)
+    spec = example_spec(args.data_dir)
+    if args.data == "service":  # the server checks that it serves this very pipeline
+        return ZephonDataset.from_client(
+            args.address, rank=rank, world_size=world, fingerprint=spec.fingerprint
+        )
     return ZephonDataset.from_loader(
-        example_spec(args.data_dir), rank=rank, world_size=world, backend=args.backend, workers=args.workers
+        spec, rank=rank, world_size=world, backend=args.backend, workers=args.workers
     )
 
 
@@ -136,8 +139,11 @@ def global_digest(batch: dict[str, torch.Tensor]) -> str | None:
 def train(rank: int, world: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    if rank == 0:  # builds the corpus the first time; the other ranks wait and reuse it
+        example_data(args.data_dir)
+    dist.barrier()
     torch.manual_seed(0)
-    model = DistributedDataParallel(TinyGPT(args.vocab, seq_len=SEQ_LEN))
+    model = DistributedDataParallel(TinyGPT(vocab_size(example_data(args.data_dir)), seq_len=SEQ_LEN))
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ds = make_dataset(args, rank, world)
     start = 0
@@ -214,7 +220,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    args.vocab = vocab_size(example_data(args.data_dir))  # also builds the corpus once, before the ranks
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         train(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return 0
