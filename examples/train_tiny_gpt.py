@@ -112,7 +112,10 @@ def save_checkpoint(args: argparse.Namespace, step: int, state: dict[str, Any], 
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
     meta: dict[str, Any] = {"step": step, "world_size": dist.get_world_size(), "data": args.data}
     if args.data == "service" and dist.get_rank() == 0:
-        meta["server_checkpoint"] = ds.checkpoint_on_server(step)
+        try:
+            meta["server_checkpoint"] = ds.checkpoint_on_server(step)
+        except zf.ZephonError as exc:  # the trainer's own checkpoint stays usable
+            print(f"warning: the server wrote no checkpoint for step {step}: {exc}", flush=True)
     dist.barrier()  # every rank has written its part before the checkpoint is named the latest
     if dist.get_rank() == 0:
         (path / "zephon.json").write_text(json.dumps(meta) + "\n")

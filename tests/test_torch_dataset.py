@@ -128,6 +128,21 @@ def test_bad_states_are_refused_with_a_reason(corpus: Corpus) -> None:
         ZephonDataset.from_loader(spec_of(corpus, seed=5)).load_state_dict(state)
 
 
+def test_options_are_checked_up_front(corpus: Corpus) -> None:
+    with pytest.raises(
+        SpecError, match=r"from_loader: backend must be one of inline, threads, processes, got 'gpu'"
+    ):
+        ZephonDataset.from_loader(spec_of(corpus), backend="gpu")
+    with pytest.raises(SpecError, match=r"from_loader: workers must be a positive integer, got 0"):
+        ZephonDataset.from_loader(spec_of(corpus), workers=0)
+    with pytest.raises(SpecError, match=r"world_size=3: every rank must get the same number of rows"):
+        ZephonDataset.from_loader(spec_of(corpus), rank=0, world_size=3)
+    with pytest.raises(SpecError, match=r"pass a state with load_state_dict, not state="):
+        ZephonDataset.from_loader(spec_of(corpus), state=b"")
+    with pytest.raises(SpecError, match=r"from_client: rank must be in \[0, 2\), got 2"):
+        ZephonDataset.from_client("x:1", rank=2, world_size=2, client_factory=FakeClient)
+
+
 def test_dataloader_workers_are_refused(corpus: Corpus) -> None:
     ds = ZephonDataset.from_loader(spec_of(corpus))
     loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")

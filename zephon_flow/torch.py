@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from zephon_flow.errors import CorruptStateError, SpecError, StateConflictError, StateError
 from zephon_flow.lanes import RankSlice
 from zephon_flow.loader import Loader
+from zephon_flow.runners.backends.base import BACKENDS
 from zephon_flow.spec import LoaderSpec
 from zephon_flow.state import encode_state, merge_states, to_loader_state
 
@@ -119,6 +120,12 @@ class ZephonDataset(IterableDataset[Item]):
                 f"ZephonDataset.from_loader: spec must be a zf.LoaderSpec, got {type(spec).__name__}"
             )
         rank, world_size = _topology(rank, world_size)
+        if backend not in BACKENDS:
+            raise SpecError(
+                f"ZephonDataset.from_loader: backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
+            )
+        if not isinstance(workers, int) or workers < 1:
+            raise SpecError(f"ZephonDataset.from_loader: workers must be a positive integer, got {workers!r}")
         options = {"backend": backend, "workers": workers, **loader_options}
         if "state" in options:
             raise SpecError("ZephonDataset.from_loader: pass a state with load_state_dict, not state=")
@@ -140,6 +147,8 @@ class ZephonDataset(IterableDataset[Item]):
         ``client_factory`` replaces ``zf.Client`` (tests use a fake with the same interface).
         """
         rank, world_size = _topology(rank, world_size)
+        if not 0 <= rank < world_size:
+            raise SpecError(f"ZephonDataset.from_client: rank must be in [0, {world_size}), got {rank}")
         if "start_step" in client_options:
             raise SpecError(
                 "ZephonDataset.from_client: pass a start step with load_state_dict, not start_step="
