@@ -19,6 +19,7 @@ from helpers import Corpus, example_spec
 from torch.utils.data import DataLoader
 
 import zephon_flow as zf
+from zephon_flow.batches import split_ragged
 from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError
 from zephon_flow.simulate import global_batches, global_digests
 from zephon_flow.torch import ZephonDataset, gather_states
@@ -67,10 +68,14 @@ def test_batches_are_the_loaders_rows_as_tensors(corpus: Corpus) -> None:
     ds.close()
     expected = [b for _, b in global_batches(spec, steps=3)]
     for (_, batch), whole in zip(got, expected, strict=True):
-        assert sorted(batch) == ["input_ids", "position_ids", "segment_ids"]
-        for key, tensor in batch.items():
+        assert sorted(batch) == ["documents", "documents_count", "input_ids", "position_ids", "segment_ids"]
+        for key in ("input_ids", "position_ids", "segment_ids", "documents_count"):
+            tensor = batch[key]
             assert isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int32
             np.testing.assert_array_equal(tensor.numpy(), whole[key][BATCH // 2 :])
+        # Provenance is ragged: this rank's sequences' document rows, in order.
+        rows = split_ragged(whole)[BATCH // 2 :]
+        np.testing.assert_array_equal(batch["documents"].numpy(), np.concatenate(rows))
     assert [int(step) for step, _ in got] == [0, 1, 2]
 
 
