@@ -46,7 +46,9 @@ def function_name(fn: Callable[..., Any]) -> str:
     if isinstance(fn, functools.partial):
         return f"partial({function_name(fn.func)})"
     target = fn if hasattr(fn, "__qualname__") else type(fn)
-    module = getattr(target, "__module__", None) or "?"
+    module = getattr(target, "__module__", None) or getattr(
+        getattr(fn, "__objclass__", None), "__module__", "?"
+    )
     return f"{module}.{getattr(target, '__qualname__', repr(target))}"
 
 
@@ -124,7 +126,11 @@ def function_identity(fn: Callable[..., Any]) -> dict[str, str]:
         inner = inner.__func__
     if isinstance(inner, types.FunctionType):
         hasher.function(inner)
-    elif not isinstance(inner, types.BuiltinFunctionType | types.MethodDescriptorType | type):
+    elif " at 0x" not in repr(inner):  # e.g. operator.itemgetter('text'): its repr says it all
+        hasher.h.update(repr(inner).encode())
+    if not isinstance(
+        inner, types.FunctionType | types.BuiltinFunctionType | types.MethodDescriptorType | type
+    ):
         call = type(inner).__call__  # a callable object: its class's code
         if isinstance(call, types.FunctionType):
             hasher.function(call)

@@ -170,6 +170,8 @@ class StatelessInvoker:
                 f"{len(values)} elements; zephon-flow's process_batch must return one list of "
                 f"outputs per element, in order"
             )
+        if all(type(outputs) is list for outputs in results):
+            return results
         for i, outputs in enumerate(results):
             if not isinstance(outputs, list | tuple):
                 raise StageError(
@@ -177,7 +179,7 @@ class StatelessInvoker:
                     f"element {i}; zephon-flow's process_batch must return one list of outputs "
                     f"per element (not Beam-style output batches)"
                 )
-        return [o if isinstance(o, list) else list(o) for o in results]
+        return [list(outputs) for outputs in results]
 
 
 @dataclass

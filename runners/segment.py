@@ -101,6 +101,10 @@ class FrontSegment:
             results = step.call_batch(flat)
         except Exception as exc:
             self._blame_record(step, chunk, values, live, exc)
+        if len(flat) == len(live):  # one value per record, the common case: no regrouping
+            for k, outputs in zip(live, results, strict=True):
+                values[k] = outputs
+            return
         start = 0
         for k in live:
             stop = start + len(values[k])

@@ -22,6 +22,7 @@ def test_overhead_and_tokenize_report_every_contender(
     rows = bench.overhead(200, 16, 1)
     assert set(rows) == {
         "plain loop",
+        "no DoFn (decode only)",
         "DoFn.process per element",
         "beam.Map(fn)",
         "ops.Map(fn)",

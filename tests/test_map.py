@@ -307,10 +307,13 @@ def test_closure_values_and_partials_count() -> None:
     assert function_identity(adder(1)) == function_identity(adder(1))
     assert function_identity(adder(1)) != function_identity(adder(2))
     import functools
+    import operator
 
     assert function_identity(functools.partial(int, base=2)) != function_identity(
         functools.partial(int, base=8)
     )
+    assert function_identity(operator.itemgetter("a")) != function_identity(operator.itemgetter("b"))
+    assert function_identity(str.upper)["fn"] == "builtins.str.upper"
 
 
 def test_the_fingerprint_names_the_function_and_changes_with_it(records: str) -> None:
