@@ -15,6 +15,17 @@ Chunk = list[tuple[int, Record]]
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A record dropped because its source has ``on_error="skip"``: the ``DataError``'s message."""
+
+    message: str
+
+
+#: What one record gives: its outputs, or the note that it was skipped.
+RecordResult = list[Any] | Skipped
+
+
+@dataclass(frozen=True)
 class Failure:
     """An exception raised on a worker, carried back with its formatted traceback."""
 
@@ -64,9 +75,17 @@ class FrontSegment:
             values = nxt
         return values
 
-    def run_chunk(self, chunk: Chunk) -> list[list[Any]] | Failure:
+    def run_chunk(self, chunk: Chunk) -> list[RecordResult] | Failure:
         """Outputs per record, or the first failure (never raises: failures travel as data)."""
         try:
-            return [self.run_record(i, rec) for i, rec in chunk]
+            return [self._run_or_skip(i, rec) for i, rec in chunk]
         except Exception as exc:  # carried back to the consumer with the worker's traceback
             return Failure.of(exc)
+
+    def _run_or_skip(self, source_index: int, record: Record) -> RecordResult:
+        if self.sources[source_index].on_error != "skip":
+            return self.run_record(source_index, record)
+        try:
+            return self.run_record(source_index, record)
+        except DataError as exc:  # bad data only: any other exception is a bug and still raises
+            return Skipped(str(exc))
