@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -84,7 +85,7 @@ class Mix(beam.PTransform):  # type: ignore[misc]
         self.interpolation = interpolation
         self.exhausted = exhausted
         self._normalised = np.array([np.asarray(r) / sum(r) for r in rows], dtype=np.float64)
-        self._cumulatives = np.cumsum(self._normalised, axis=1)
+        self._cumulatives = [tuple(float(x) for x in row) for row in np.cumsum(self._normalised, axis=1)]
         self._cumulative = self._cumulatives[0]
 
     @property
@@ -120,16 +121,16 @@ class Mix(beam.PTransform):  # type: ignore[misc]
         """The source at ``position`` with the first point's weights and no source exhausted."""
         return pick(draw_unit(seed, 0, lane, position), self._cumulative)
 
-    def cumulative_at(self, step: int, exhausted: Sequence[int] = ()) -> np.ndarray | None:
+    def cumulative_at(self, step: int, exhausted: Sequence[int] = ()) -> tuple[float, ...] | None:
         """Cumulative normalised weights at ``step`` without the ``exhausted`` sources, or None
         when none of the others has weight there."""
         if not exhausted and self.interpolation == "constant":
             i = int(np.searchsorted(self.steps, step, side="right")) - 1
-            return np.asarray(self._cumulatives[i])
+            return self._cumulatives[i]
         w = self.weights_at(step)
         w[list(exhausted)] = 0.0
         total = float(w.sum())
-        return None if total <= 0 else np.cumsum(w / total)
+        return None if total <= 0 else tuple(float(x) for x in np.cumsum(w / total))
 
     def expand(self, pcolls: Any) -> Any:
         inputs = tuple(pcolls)
@@ -162,11 +163,13 @@ class Mixture:
         return self.entries[int(np.searchsorted(self._starts, step, side="right")) - 1][1]
 
 
-def pick(u: float, cumulative: np.ndarray) -> int:
+def pick(u: float, cumulative: Sequence[float]) -> int:
     """The index whose cumulative-weight interval holds ``u``, never one of weight zero."""
-    i = int(np.searchsorted(cumulative, u, side="right"))
+    i = bisect.bisect_right(cumulative, u)
     if i >= len(cumulative):  # rounding: u at or past the last sum; take the last positive weight
-        i = int(np.flatnonzero(np.diff(cumulative, prepend=0.0) > 0)[-1])
+        i = len(cumulative) - 1
+        while i > 0 and cumulative[i] <= cumulative[i - 1]:
+            i -= 1
     return i
 
 

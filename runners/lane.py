@@ -6,8 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from zephon_flow.errors import CorruptStateError
 from zephon_flow.operators.mix import Mixture, pick
 from zephon_flow.operators.splits import START
@@ -30,7 +28,7 @@ class FedRecord:
     outputs: list[Any]
     start: int
     source: int
-    before: FeedCursor  # the cursor at this record (the resume point while it is partly consumed)
+    before: FeedCursor | None  # the cursor at this record (to resume inside it); None: one output
     after: FeedCursor  # the cursor past it
     doc: DocId
 
@@ -74,7 +72,7 @@ class LaneFeed:
         self._cursor.skip, self._cursor.source = 0, -1
         # A record partly consumed at the checkpoint comes from the source it came from then.
         self._resume = (cursor.source, cursor.skip) if cursor.skip > 0 else None
-        self._cached: tuple[int, int, np.ndarray | None] = (-1, -1, None)
+        self._cached: tuple[int, int, tuple[float, ...] | None] = (-1, -1, None)
 
     @property
     def cursor(self) -> FeedCursor:
@@ -111,15 +109,21 @@ class LaneFeed:
                     return None
                 self._cursor.exhausted = sorted({*self._cursor.exhausted, index})
                 continue
-            before = self._cursor.copy()
+            at = self._cursor.sources[index]
             self._cursor.mix_position += 1
-            self._cursor.sources[index] = list(taken.after)
+            self._cursor.sources[index] = taken.after
             if isinstance(taken.result, Skipped):
                 self._cursor.skipped[index] += 1
                 self._on_skip(index, taken.result.message)
                 continue
             if len(taken.result) > start:
-                return FedRecord(taken.result, start, index, before, self._cursor.copy(), taken.doc)
+                after = self._cursor.copy()
+                before = None
+                if len(taken.result) - start > 1:  # the lane may stop inside this record
+                    before = after.copy()
+                    before.mix_position -= 1
+                    before.sources[index] = at
+                return FedRecord(taken.result, start, index, before, after, taken.doc)
 
     def prime(self) -> None:
         """Submits each source's first chunk now, so lanes start their stateless work together."""
@@ -233,6 +237,7 @@ class LaneRunner:
         j = self._next
         self._next += 1
         if j + 1 < len(record.outputs):
+            assert record.before is not None
             resume = record.before.copy()
             resume.skip, resume.source = j + 1, record.source
         else:

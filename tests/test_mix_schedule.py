@@ -14,7 +14,7 @@ from helpers import CODE, WEB, DocKey, run_batches, tagged_texts, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import FingerprintMismatchError, SpecError, StateConflictError
+from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateConflictError
 from zephon_flow.simulate import global_digests
 
 
@@ -240,3 +240,17 @@ def test_a_mixture_change_on_resume_is_recorded_and_replayed(files: tuple[str, s
     assert [zf.batch_digest(b) for b in fresh[3:6]] != [zf.batch_digest(b) for b in changed[:3]]
     with pytest.raises(StateConflictError, match=r"states disagree about the mixture history"):
         zf.merge_states([fresh_states[5], states[2]])
+
+
+def test_a_damaged_mixture_history_is_a_corrupt_checkpoint(files: tuple[str, str]) -> None:
+    spec = spec_of(*files, weights=[0.5, 0.5])
+    _, states = run_from(spec, None, 2)
+    assert states[-1]["mix_history"] == [[0, spec.compile().mixer.params()]]  # type: ignore[union-attr]
+    late = {**states[-1], "mix_history": [[1, states[-1]["mix_history"][0][1]]]}
+    with pytest.raises(CorruptStateError, match=r"mix_history .* does not start at step 0"):
+        zf.Loader(spec, state=late)
+    missing = {k: v for k, v in states[-1].items() if k != "mix_history"}
+    with pytest.raises(CorruptStateError, match=r"checkpoint is missing 'mix_history'"):
+        zf.Loader(spec, state=missing)
+    with pytest.raises(SpecError, match=r"allow_mix_change must be True or False, got 'yes'"):
+        zf.Loader(spec, allow_mix_change="yes")  # type: ignore[arg-type]

@@ -69,6 +69,8 @@ class Loader:
         ):
             if not isinstance(value, int) or value < 1:
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(allow_mix_change, bool):
+            raise SpecError(f"allow_mix_change must be True or False, got {allow_mix_change!r}")
         self.spec = spec
         fingerprint = spec.fingerprint
         plan = spec.compile()
@@ -94,7 +96,7 @@ class Loader:
             restored = {lane: loaded.lane_states[lane] for lane in lane_ids}
             step = loaded.step
         self._mix_history = history
-        mixture = None if plan.mixer is None else Mixture([(s, Mix.from_params(p)) for s, p in history])
+        mixture = None if plan.mixer is None else _mixture(history)
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
@@ -249,3 +251,10 @@ def _mix_history(
             f"{old.get('exhausted')!r}; only weights, schedule and interpolation may change on resume"
         )
     return [(s, p) for s, p in stored if s < step] + [(step, new)]
+
+
+def _mixture(history: list[tuple[int, dict[str, Any]]]) -> Mixture:
+    try:
+        return Mixture([(step, Mix.from_params(params)) for step, params in history])
+    except (SpecError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptStateError(f"the checkpoint's mix_history {history!r} is not valid: {exc}") from exc

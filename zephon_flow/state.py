@@ -46,9 +46,11 @@ class FeedCursor:
     skipped: list[int] = field(default_factory=list)
 
     def copy(self) -> FeedCursor:
+        """A copy; the per-source ``[item, position]`` pairs are shared: replace them, never
+        mutate them in place."""
         return FeedCursor(
             self.mix_position,
-            [list(s) for s in self.sources],
+            list(self.sources),
             self.skip,
             self.source,
             list(self.exhausted),
