@@ -54,6 +54,9 @@ class LaneFeed:
     ) -> None:
         self._lane, self._mixture, self._on_skip = lane, mixture, on_skip
         self._mix_seed = dofn_seed(seed, plan.mix_label or "")
+        # The lane's read-ahead budget of ``depth`` chunks is shared by its sources, so a mix
+        # holds about as much in flight as a single source does.
+        per_source = max(1, -(-depth // len(plan.sources)))
         self._streams = [
             SourceStream(
                 i,
@@ -64,7 +67,7 @@ class LaneFeed:
                 seed=seed,
                 cursor=list(pos),
                 chunk_records=chunk_records,
-                depth=depth,
+                depth=per_source,
             )
             for i, (sp, pos) in enumerate(zip(plan.sources, cursor.sources, strict=True))
         ]

@@ -104,6 +104,7 @@ def test_skips_are_the_same_on_every_topology_and_resume_point(bad_jsonl: str, t
     for options in (
         {"world_size": 2, "backend": "threads", "workers": 2},
         {"world_size": 4, "chunk_records": 1, "prefetch_chunks": 1},
+        {"world_size": 1, "backend": "processes", "workers": 2},
     ):
         final: list[dict[str, Any]] = []
         assert global_digests(spec, steps=16, final_state=final, **options) == ref.digests
