@@ -200,7 +200,8 @@ class SourceStream:
         return self._ready.popleft()
 
     def close(self) -> None:
-        for _, future in self._inflight:
+        # Called from another thread than the lane's: copy the deque in one step (atomic).
+        for _, future in tuple(self._inflight):
             future.cancel()
 
 
