@@ -64,6 +64,7 @@ def test_a_scheduled_renormalizing_mix_is_elastic(
     assert run_in_segments(spec, STEPS, cuts, plan) == reference
 
 
+@pytest.mark.slow
 def test_processes_backend_with_a_schedule(spec: zf.LoaderSpec, reference: list[tuple[int, str]]) -> None:
     plan = [Segment(WORLD_SIZES[-1], "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 4, 3)]
     assert run_in_segments(spec, STEPS, [9], plan) == reference
