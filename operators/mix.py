@@ -1,7 +1,10 @@
-"""``Mix``: interleave several sources by weight, deterministically per lane and position."""
+"""``Mix``: interleave several sources by weight or by a schedule over steps, per lane and position."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,42 +14,128 @@ import numpy as np
 from zephon_flow.errors import SpecError
 from zephon_flow.rng import draw_unit
 
+#: How weights between two schedule points are found.
+INTERPOLATIONS = ("constant", "linear")
+#: What a lane does when a source with finite ``epochs`` runs out.
+EXHAUSTED = ("stop", "renormalize")
+
 
 class Mix(beam.PTransform):  # type: ignore[misc]
     """Mixes a tuple of PCollections: ``(web, code) | "mix" >> Mix(weights=[0.7, 0.3])``.
 
-    In every lane, the source of the record at mix position ``i`` is drawn from the weights
-    with randomness that is a pure function of (seed, lane, i): the mixture does not depend
-    on timing, workers or ranks. Weights are normalised; when any source runs out of data
-    (only with finite ``epochs``), the lane's stream ends. The inputs must come straight from
-    sources, optionally through stateless DoFns.
+    In every lane, the source of the record at mix position ``i`` is drawn with a uniform
+    ``u`` that is a pure function of (seed, lane, i): the mixture does not depend on timing,
+    workers or ranks. Weights are normalised per point.
+
+    **Schedules.** ``Mix(schedule=[(0, [0.7, 0.3]), (1000, [0.5, 0.5])])`` gives the weights
+    from global step 0, then from step 1000 (steps strictly increasing, the first one 0).
+    With ``interpolation="constant"`` a point's weights hold until the next point; with
+    ``"linear"`` the (normalised) weights move linearly between points and hold after the
+    last one. *The step is the lane's own*: a record is drawn when the lane's ordered back
+    asks for it, and the step used is the window the lane is then filling (windows it has
+    closed, plus its pending outputs over the window size). So a lane's mixture follows its
+    own windows: a record drawn at step ``s`` enters batch ``s`` or, after buffering by a
+    stateful DoFn such as ``Pack`` or ``Shuffle``, a later one.
+
+    **Running out.** A source with finite ``epochs`` runs out in a lane when the draw picks
+    it and it has no record left. ``exhausted="stop"`` (the default) then ends the lane's
+    stream (and the loader's when the lane is needed). ``exhausted="renormalize"`` drops the
+    source from that lane's mix: the same ``u`` is used again with the remaining sources'
+    weights renormalised, and from then on that lane never draws the source again (the lane
+    state records it). When no remaining source has weight at the lane's step, the lane ends.
+
+    **Changing the mixture on resume.** ``zf.Loader(spec, state=..., allow_mix_change=True)``
+    accepts a checkpoint whose pipeline differs only in this Mix's ``weights``, ``schedule``
+    or ``interpolation``; the new schedule applies from the checkpoint's step on and the
+    change is recorded in the state, so replays from later checkpoints repeat it.
+
+    The inputs must come straight from sources, optionally through stateless DoFns.
     """
 
-    def __init__(self, weights: Sequence[float], label: str | None = None) -> None:
+    def __init__(
+        self,
+        weights: Sequence[float] | None = None,
+        *,
+        schedule: Sequence[tuple[int, Sequence[float]]] | None = None,
+        interpolation: str = "constant",
+        exhausted: str = "stop",
+        label: str | None = None,
+    ) -> None:
         super().__init__(label)
-        try:
-            w = [float(x) for x in weights]
-        except (TypeError, ValueError) as exc:
-            raise SpecError(f"Mix: weights must be numbers, got {weights!r}") from exc
-        if not w or any(not np.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        if (weights is None) == (schedule is None):
+            raise SpecError("Mix: give either weights=[...] or schedule=[(step, weights), ...], not both")
+        if interpolation not in INTERPOLATIONS:
+            raise SpecError(f"Mix: interpolation must be one of {INTERPOLATIONS}, got {interpolation!r}")
+        if exhausted not in EXHAUSTED:
+            raise SpecError(f"Mix: exhausted must be one of {EXHAUSTED}, got {exhausted!r}")
+        points = [(0, weights)] if weights is not None else _points(schedule)
+        steps: list[int] = []
+        rows: list[list[float]] = []
+        for step, w in points:
+            rows.append(_weights(w, "weights" if weights is not None else f"schedule weights at step {step}"))
+            steps.append(step)
+        if len({len(r) for r in rows}) != 1:
             raise SpecError(
-                f"Mix: weights must be non-negative, finite and not all zero, got {list(weights)!r}"
+                f"Mix: every schedule point needs as many weights, got lengths {[len(r) for r in rows]}"
             )
-        self.weights = w
-        total = sum(w)
-        self._cumulative = np.cumsum([x / total for x in w])
+        self.steps = steps
+        #: The weights as given (first point); kept for ``weights=`` users and error messages.
+        self.weights = rows[0]
+        self.schedule = [(s, r) for s, r in zip(steps, rows, strict=True)]
+        self.interpolation = interpolation
+        self.exhausted = exhausted
+        self._normalised = np.array([np.asarray(r) / sum(r) for r in rows], dtype=np.float64)
+        self._cumulatives = [tuple(float(x) for x in row) for row in np.cumsum(self._normalised, axis=1)]
+        self._cumulative = self._cumulatives[0]
+
+    @property
+    def n_inputs(self) -> int:
+        return len(self.weights)
 
     def params(self) -> dict[str, Any]:
-        return {"weights": self.weights}
+        return {
+            "schedule": [[s, list(r)] for s, r in self.schedule],
+            "interpolation": self.interpolation,
+            "exhausted": self.exhausted,
+        }
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Mix:
+        """The Mix that ``params()`` describes (for mixture histories stored in checkpoints)."""
+        return cls(
+            schedule=[(int(s), [float(x) for x in w]) for s, w in params["schedule"]],
+            interpolation=str(params["interpolation"]),
+            exhausted=str(params["exhausted"]),
+        )
+
+    def weights_at(self, step: int) -> np.ndarray:
+        """The normalised weights at global step ``step`` (a new array)."""
+        i = int(np.searchsorted(self.steps, step, side="right")) - 1
+        if self.interpolation == "linear" and i + 1 < len(self.steps):
+            s0, s1 = self.steps[i], self.steps[i + 1]
+            t = (step - s0) / (s1 - s0)
+            return np.asarray((1.0 - t) * self._normalised[i] + t * self._normalised[i + 1])
+        return np.array(self._normalised[i])
 
     def choose(self, seed: int, lane: int, position: int) -> int:
-        u = draw_unit(seed, 0, lane, position)
-        return min(int(np.searchsorted(self._cumulative, u, side="right")), len(self.weights) - 1)
+        """The source at ``position`` with the first point's weights and no source exhausted."""
+        return pick(draw_unit(seed, 0, lane, position), self._cumulative)
+
+    def cumulative_at(self, step: int, exhausted: Sequence[int] = ()) -> tuple[float, ...] | None:
+        """Cumulative normalised weights at ``step`` without the ``exhausted`` sources, or None
+        when none of the others has weight there."""
+        if not exhausted and self.interpolation == "constant":
+            i = int(np.searchsorted(self.steps, step, side="right")) - 1
+            return self._cumulatives[i]
+        w = self.weights_at(step)
+        w[list(exhausted)] = 0.0
+        total = float(w.sum())
+        return None if total <= 0 else tuple(float(x) for x in np.cumsum(w / total))
 
     def expand(self, pcolls: Any) -> Any:
         inputs = tuple(pcolls)
-        if len(inputs) != len(self.weights):
-            raise SpecError(f"Mix: {len(self.weights)} weights for {len(inputs)} inputs")
+        if len(inputs) != self.n_inputs:
+            raise SpecError(f"Mix: {self.n_inputs} weights for {len(inputs)} inputs")
         # On Beam's own runners: a plain union (Beam gives no order; zephon-flow's runner does).
         return inputs | "Union" >> beam.Flatten()
 
@@ -54,3 +143,56 @@ class Mix(beam.PTransform):  # type: ignore[misc]
         state = dict(self.__dict__)
         state["pipeline"] = None
         return state
+
+
+class Mixture:
+    """The mixtures a run used, by global step: ``[(from_step, Mix), ...]`` from step 0.
+
+    A checkpoint stores it (``LoaderState.mix_history``); each entry's schedule is read at
+    absolute global steps and applies from its ``from_step`` until the next entry's.
+    """
+
+    def __init__(self, entries: Sequence[tuple[int, Mix]]) -> None:
+        if not entries or entries[0][0] != 0:
+            raise SpecError("a mixture history starts at step 0")
+        self.entries = list(entries)
+        self._starts = [s for s, _ in self.entries]
+        self.exhausted = self.entries[-1][1].exhausted
+
+    def at(self, step: int) -> Mix:
+        return self.entries[int(np.searchsorted(self._starts, step, side="right")) - 1][1]
+
+
+def pick(u: float, cumulative: Sequence[float]) -> int:
+    """The index whose cumulative-weight interval holds ``u``, never one of weight zero."""
+    i = bisect.bisect_right(cumulative, u)
+    if i >= len(cumulative):  # rounding: u at or past the last sum; take the last positive weight
+        i = len(cumulative) - 1
+        while i > 0 and cumulative[i] <= cumulative[i - 1]:
+            i -= 1
+    return i
+
+
+def _points(schedule: Any) -> list[tuple[int, Any]]:
+    try:
+        points = [(step, w) for step, w in schedule]
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"Mix: schedule must be a list of (step, weights) pairs, got {schedule!r}") from exc
+    if not points:
+        raise SpecError("Mix: schedule needs at least one (step, weights) point")
+    steps = [s for s, _ in points]
+    if any(not isinstance(s, int) or isinstance(s, bool) for s in steps):
+        raise SpecError(f"Mix: schedule steps must be integers, got {steps!r}")
+    if steps[0] != 0 or any(b <= a for a, b in itertools.pairwise(steps)):
+        raise SpecError(f"Mix: schedule steps must start at 0 and strictly increase, got {steps!r}")
+    return points
+
+
+def _weights(weights: Any, what: str) -> list[float]:
+    try:
+        w = [float(x) for x in weights]
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"Mix: {what} must be numbers, got {weights!r}") from exc
+    if not w or any(not math.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
+        raise SpecError(f"Mix: {what} must be non-negative, finite and not all zero, got {list(weights)!r}")
+    return w

@@ -1,82 +1,42 @@
-"""One lane: its feed (sources, mix, chunks on a backend, reorder buffer) and its ordered back."""
+"""One lane: its feed (per-source read-ahead, the mix drawn at consumption) and its ordered back."""
 
 from __future__ import annotations
 
-import functools
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from zephon_flow.errors import CorruptStateError
-from zephon_flow.operators.splits import START, Record, Source, dealt_split
-from zephon_flow.runners.backends.base import Backend, ChunkResult
+from zephon_flow.operators.mix import Mixture, pick
+from zephon_flow.operators.splits import START
+from zephon_flow.rng import draw_unit
+from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DocId, DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
-from zephon_flow.runners.reorder import ReorderBuffer
-from zephon_flow.runners.segment import Chunk, Failure
+from zephon_flow.runners.segment import Skipped
+from zephon_flow.runners.streams import SourceStream
 from zephon_flow.state import FeedCursor, LaneState
 
+#: Called once per record dropped by ``on_error="skip"``: (source index, the error's message).
+SkipHook = Callable[[int, str], None]
 
-class SourceReader:
-    """One source as seen by one lane: its dealt splits in order, from a cursor."""
 
-    def __init__(
-        self,
-        source: Source,
-        label: str,
-        *,
-        lane: int,
-        lanes: int,
-        seed: int,
-        item: int,
-        position: int,
-    ) -> None:
-        self._source, self._label = source, label
-        self._lane, self._lanes, self._seed = lane, lanes, seed
-        self.item, self.position = item, position
-        self._records: Iterator[tuple[int, Record]] | None = None
-        self.exhausted = False
-        #: The index (in the source's split table) of the split being read.
-        self.split_index = -1
+@dataclass(frozen=True)
+class FedRecord:
+    """One consumed record with outputs: ``outputs[start:]`` are still to be pushed."""
 
-    def next(self) -> Record | None:
-        """The next record, or None once the source's epochs are used up."""
-        splits = self._source.splits()
-        entry = (self.item, self.position)
-        while not self.exhausted:
-            if self._records is None:
-                epoch, index = dealt_split(
-                    n_splits=len(splits),
-                    lanes=self._lanes,
-                    lane=self._lane,
-                    item=self.item,
-                    seed=self._seed,
-                    source=self._label,
-                )
-                if self._source.epochs is not None and epoch >= self._source.epochs:
-                    # Keep the cursor where the last record left it, so the end of the data
-                    # has one canonical position whatever the chunking.
-                    self.item, self.position = entry
-                    self.exhausted = True
-                    return None
-                self._records = self._source.read_split(splits[index], self.position)
-                self.split_index = index
-            step = next(self._records, None)
-            if step is not None:
-                self.position, record = step
-                return record
-            self._records, self.item, self.position = None, self.item + 1, START
-        return None
-
-    @property
-    def cursor(self) -> list[int]:
-        return [self.item, self.position]
+    outputs: list[Any]
+    start: int
+    source: int
+    before: FeedCursor | None  # the cursor at this record (to resume inside it); None: one output
+    after: FeedCursor  # the cursor past it
+    doc: DocId
 
 
 class LaneFeed:
-    """Reads a lane's records in order, runs the stateless front ahead on the backend, and
-    yields outputs in sequence order with the cursor to resume *after* each of them."""
+    """A lane's records in mix order. Each source is read ahead on its own stream; the source
+    of the record at mix position ``i`` is drawn only when the lane's back asks for it, with
+    the weights at the lane's step *then*, so a schedule over steps is deterministic."""
 
     def __init__(
         self,
@@ -87,134 +47,107 @@ class LaneFeed:
         lanes: int,
         seed: int,
         cursor: FeedCursor,
+        mixture: Mixture | None,
         chunk_records: int,
         depth: int,
+        on_skip: SkipHook,
     ) -> None:
-        self._plan, self._backend = plan, backend
-        self._lane = lane
+        self._lane, self._mixture, self._on_skip = lane, mixture, on_skip
         self._mix_seed = dofn_seed(seed, plan.mix_label or "")
-        self._readers = [
-            SourceReader(sp.source, sp.label, lane=lane, lanes=lanes, seed=seed, item=item, position=pos)
-            for sp, (item, pos) in zip(plan.sources, cursor.sources, strict=True)
+        # The lane's read-ahead budget of ``depth`` chunks is shared by its sources, so a mix
+        # holds about as much in flight as a single source does.
+        per_source = max(1, -(-depth // len(plan.sources)))
+        self._streams = [
+            SourceStream(
+                i,
+                sp,
+                backend,
+                lane=lane,
+                lanes=lanes,
+                seed=seed,
+                cursor=list(pos),
+                chunk_records=chunk_records,
+                depth=per_source,
+            )
+            for i, (sp, pos) in enumerate(zip(plan.sources, cursor.sources, strict=True))
         ]
-        self._mix_position = cursor.mix_position
-        self._skip = cursor.skip
-        self._chunk_records, self._depth = chunk_records, depth
-        self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(f"lane {lane} stateless results")
-        # Per chunk in flight, in order: cursors before each record, the cursor after the
-        # last one, each record's provenance id, and the backend's future (cancelled on close).
-        self._inflight: deque[tuple[list[FeedCursor], FeedCursor, list[DocId], Future[ChunkResult]]] = deque()
-        self._ended = False
-        # Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows
-        # by one per chunk taken, so the first outputs after a (re)start need one small
-        # chunk, not the full read-ahead; steady state is ``depth`` chunks of
-        # ``chunk_records`` records (or ``CHUNK_BYTES``).
-        self._submitted = 0
-        self._taken = 0
+        self._cursor = cursor.copy()
+        self._cursor.skip, self._cursor.source = 0, -1
+        # A record partly consumed at the checkpoint comes from the source it came from then.
+        self._resume = (cursor.source, cursor.skip) if cursor.skip > 0 else None
+        self._cached: tuple[int, int, tuple[float, ...] | None] = (-1, -1, None)
 
-    def _cursor(self) -> FeedCursor:
-        return FeedCursor(self._mix_position, [r.cursor for r in self._readers])
+    @property
+    def cursor(self) -> FeedCursor:
+        """The cursor past every record consumed so far."""
+        return self._cursor.copy()
 
-    def _read(self) -> tuple[int, Record, DocId] | None:
-        if self._plan.mixer is None:
-            index = 0
-        else:
-            index = self._plan.mixer.choose(self._mix_seed, self._lane, self._mix_position)
-        reader = self._readers[index]
-        record = reader.next()
-        if record is None:
+    def _choose(self, step: int) -> int | None:
+        mixture = self._mixture
+        if mixture is None:
+            return 0
+        exhausted = self._cursor.exhausted
+        if self._cached[:2] != (step, len(exhausted)):
+            self._cached = (step, len(exhausted), mixture.at(step).cumulative_at(step, exhausted))
+        cumulative = self._cached[2]
+        if cumulative is None:
             return None
-        self._mix_position += 1
-        return index, record, (index, reader.split_index, record.offset)
+        return pick(draw_unit(self._mix_seed, 0, self._lane, self._cursor.mix_position), cumulative)
 
-    def _submit_one(self) -> bool:
-        if self._ended:
-            return False
-        chunk: Chunk = []
-        befores: list[FeedCursor] = []
-        docs: list[DocId] = []
-        size = 0
-        for _ in range(min(self._chunk_records, 1 << min(self._submitted, 30))):
-            before = self._cursor()
-            item = self._read()
-            if item is None:
-                self._ended = True
-                break
-            index, record, doc = item
-            befores.append(before)
-            chunk.append((index, record))
-            docs.append(doc)
-            size += _payload_size(record)
-            if size >= CHUNK_BYTES:
-                break
-        if not chunk:
-            return False
-        self._submitted += 1
-        seq = self._reorder.expect()
-        after = self._cursor()
-        future = self._backend.submit(chunk)
-        self._inflight.append((befores, after, docs, future))
-        future.add_done_callback(functools.partial(self._deliver, seq))
-        return True
-
-    def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
-        self._reorder.put(seq, _result(future))
+    def next_record(self, step: int) -> FedRecord | None:
+        """The next record with outputs left, drawn at lane step ``step``; None when the lane's
+        input ends. Records without outputs and skipped records are consumed on the way."""
+        while True:
+            start = 0
+            if self._resume is not None:
+                (index, start), self._resume = self._resume, None
+            else:
+                chosen = self._choose(step)
+                if chosen is None:
+                    return None
+                index = chosen
+            taken = self._streams[index].take()
+            if taken is None:
+                if self._mixture is None or self._mixture.exhausted != "renormalize":
+                    return None
+                self._cursor.exhausted = sorted({*self._cursor.exhausted, index})
+                continue
+            at = self._cursor.sources[index]
+            self._cursor.mix_position += 1
+            self._cursor.sources[index] = taken.after
+            if isinstance(taken.result, Skipped):
+                self._cursor.skipped[index] += 1
+                self._on_skip(index, taken.result.message)
+                continue
+            if len(taken.result) > start:
+                after = self._cursor.copy()
+                before = None
+                if len(taken.result) - start > 1:  # the lane may stop inside this record
+                    before = after.copy()
+                    before.mix_position -= 1
+                    before.sources[index] = at
+                return FedRecord(taken.result, start, index, before, after, taken.doc)
 
     def prime(self) -> None:
-        """Submits the first chunk(s) now, so lanes start their stateless work together."""
-        self._top_up()
-
-    def _top_up(self) -> None:
-        budget = min(self._depth, 1 + self._taken)
-        while self._reorder.in_flight() < budget and self._submit_one():
-            pass
-
-    def __iter__(self) -> Iterator[tuple[Any, FeedCursor, DocId]]:
-        while True:
-            self._top_up()
-            if self._reorder.in_flight() == 0:
-                return
-            result = self._reorder.take()
-            self._taken += 1
-            befores, after, docs, _ = self._inflight.popleft()
-            if isinstance(result, Failure):
-                result.reraise()
-            assert isinstance(result, list)
-            for i, outputs in enumerate(result):
-                first = self._skip if i == 0 else 0
-                self._skip = 0
-                for j in range(first, len(outputs)):
-                    if j + 1 < len(outputs):
-                        resume = FeedCursor(befores[i].mix_position, befores[i].sources, j + 1)
-                    else:
-                        resume = befores[i + 1] if i + 1 < len(befores) else after
-                    yield outputs[j], resume, docs[i]
+        """Submits each source's first chunk now, so lanes start their stateless work together."""
+        for stream in self._streams:
+            stream.prime()
 
     def close(self) -> None:
-        for *_, future in self._inflight:
-            future.cancel()
+        for stream in self._streams:
+            stream.close()
 
 
-#: A chunk is closed once its records' payloads reach this many bytes (long documents).
-CHUNK_BYTES = 256 * 1024
-
-
-def _payload_size(record: Record) -> int:
-    payload = record.payload
-    return len(payload) if isinstance(payload, str | bytes) else 1024
-
-
-def _result(future: Future[ChunkResult]) -> ChunkResult:
-    if future.cancelled():
-        return Failure(False, "stateless work was cancelled (the loader is closing)", "")
-    exc = future.exception()
-    if exc is not None:  # the backend itself failed (a worker process died, ...)
-        return Failure.of(exc, f"stateless backend failed: {type(exc).__name__}: {exc}")
-    return future.result()
+def _no_skip_hook(index: int, message: str) -> None:
+    pass
 
 
 class LaneRunner:
-    """Runs one lane to window boundaries; its snapshot is the lane's entire checkpoint."""
+    """Runs one lane to window boundaries; its snapshot is the lane's entire checkpoint.
+
+    ``step`` is the number of windows the lane has closed (the checkpoint's step); the mix
+    draws each record at the step of the window the lane is filling when it consumes it.
+    """
 
     def __init__(
         self,
@@ -228,33 +161,47 @@ class LaneRunner:
         state: LaneState | None,
         chunk_records: int,
         depth: int,
+        step: int = 0,
+        mixture: Mixture | None = None,
+        on_skip: SkipHook = _no_skip_hook,
     ) -> None:
         self._plan, self._window = plan, window
         self.lane = lane
+        n = len(plan.sources)
         if state is None:
-            state = LaneState(lane, FeedCursor(0, [[0, START] for _ in plan.sources]))
+            state = LaneState(lane, FeedCursor(0, [[0, START] for _ in plan.sources], skipped=[0] * n))
             state.stages = {s.label: DoFnLaneState().to_plain() for s in plan.stateful}
         missing = [s.label for s in plan.stateful if s.label not in state.stages]
-        if missing or len(state.cursor.sources) != len(plan.sources):
+        cursor = state.cursor
+        if missing or len(cursor.sources) != n or len(cursor.skipped) != n:
             raise CorruptStateError(
                 f"state of lane {lane} does not match the pipeline: missing stateful stage(s) "
-                f"{missing} or wrong number of source cursors ({len(state.cursor.sources)})"
+                f"{missing} or wrong number of source cursors ({len(cursor.sources)}) or skip counts "
+                f"({len(cursor.skipped)}) for {n} source(s)"
             )
-        self._cursor = state.cursor
+        if any(not 0 <= i < n for i in [*cursor.exhausted, *([cursor.source] if cursor.skip else [])]):
+            raise CorruptStateError(f"state of lane {lane} names a source that the pipeline does not have")
+        if plan.mixer is not None and mixture is None:
+            mixture = Mixture([(0, plan.mixer)])
+        self._cursor = cursor.copy()
         self._stages = {s.label: DoFnLaneState.from_plain(state.stages[s.label]) for s in plan.stateful}
         self._pending = list(state.pending)
         self._ended = state.ended
+        self._windows = step
+        self._record: FedRecord | None = None
+        self._next = 0
         self._feed = LaneFeed(
             plan,
             backend,
             lane=lane,
             lanes=lanes,
             seed=seed,
-            cursor=state.cursor,
+            cursor=cursor,
+            mixture=mixture,
             chunk_records=chunk_records,
             depth=depth,
+            on_skip=on_skip,
         )
-        self._stream = iter(self._feed)
 
     def _push(self, index: int, value: Any, doc: DocId | None) -> None:
         back = self._plan.back
@@ -271,6 +218,7 @@ class LaneRunner:
             self._push(index + 1, out, doc)
 
     def _end_of_input(self) -> None:
+        self._cursor = self._feed.cursor
         back = self._plan.back
         for i, step in enumerate(back):
             if isinstance(step, StatefulInvoker):
@@ -280,10 +228,29 @@ class LaneRunner:
                     self._push(i + 1, out, None)
         self._ended = True
 
+    def _next_output(self) -> tuple[Any, FeedCursor, DocId] | None:
+        """The next output of the lane's input, with the cursor to resume after it."""
+        record = self._record
+        while record is None or self._next >= len(record.outputs):
+            # The window being filled: windows closed plus those the pending outputs complete.
+            record = self._feed.next_record(self._windows + len(self._pending) // self._window)
+            if record is None:
+                return None
+            self._record, self._next = record, record.start
+        j = self._next
+        self._next += 1
+        if j + 1 < len(record.outputs):
+            assert record.before is not None
+            resume = record.before.copy()
+            resume.skip, resume.source = j + 1, record.source
+        else:
+            resume = record.after
+        return record.outputs[j], resume, record.doc
+
     def next_window(self) -> list[Any] | None:
         """The lane's next ``window`` outputs, or None when its input ended first."""
         while len(self._pending) < self._window and not self._ended:
-            item = next(self._stream, None)
+            item = self._next_output()
             if item is None:
                 self._end_of_input()
                 break
@@ -293,17 +260,14 @@ class LaneRunner:
         if len(self._pending) < self._window:
             return None
         window, self._pending = self._pending[: self._window], self._pending[self._window :]
+        self._windows += 1
         return window
 
     def snapshot(self) -> LaneState:
         """The lane's state now: only valid between windows (a quiescent point)."""
         return LaneState(
             lane=self.lane,
-            cursor=FeedCursor(
-                self._cursor.mix_position,
-                [list(s) for s in self._cursor.sources],
-                self._cursor.skip,
-            ),
+            cursor=self._cursor.copy(),
             stages={label: st.to_plain() for label, st in self._stages.items()},
             pending=list(self._pending),  # outputs are never changed after they are made
             ended=self._ended,

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from zephon_flow.operators.mix import Mix
 from zephon_flow.operators.splits import Source
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker
 from zephon_flow.runners.segment import FrontSegment
-
-
-class Mixer(Protocol):
-    """Chooses, per lane and position, which source gives the next record (``ops.Mix``)."""
-
-    def choose(self, seed: int, lane: int, position: int) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -27,14 +22,15 @@ class SourcePlan:
 class Plan:
     """What one lane runs, in three phases.
 
-    1. *feed*: records from ``sources``, interleaved by ``mixer``, cut into chunks;
+    1. *feed*: records from ``sources``, each read ahead in chunks, interleaved by ``mixer``
+       (drawn as the back consumes them);
     2. *front*: decode + stateless DoFns (``FrontSegment``), in parallel on a backend;
     3. *back*: ``back`` in order on the lane's thread, stateful DoFns seeing elements in
        sequence order, stateless ones between them run inline.
     """
 
     sources: tuple[SourcePlan, ...]
-    mixer: Mixer | None
+    mixer: Mix | None
     mix_label: str | None
     common: tuple[StatelessInvoker, ...]
     back: tuple[StatelessInvoker | StatefulInvoker, ...]

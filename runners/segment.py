@@ -15,6 +15,17 @@ Chunk = list[tuple[int, Record]]
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """A record dropped because its source has ``on_error="skip"``: the ``DataError``'s message."""
+
+    message: str
+
+
+#: What one record gives: its outputs, or the note that it was skipped.
+RecordResult = list[Any] | Skipped
+
+
+@dataclass(frozen=True)
 class Failure:
     """An exception raised on a worker, carried back with its formatted traceback."""
 
@@ -62,11 +73,10 @@ class FrontSegment:
     def _where(self, source_index: int, record: Record) -> str:
         return f"on the record at {record.path} {record.where}, via {self._names[source_index]}"
 
-    def run_chunk(self, chunk: Chunk) -> list[list[Any]] | Failure:
+    def run_chunk(self, chunk: Chunk) -> list[RecordResult] | Failure:
         """Outputs per record, or the first failure (never raises: failures travel as data)."""
         try:
-            sources, names = self.sources, self._names
-            values = [sources[index].decode(record, names[index]) for index, record in chunk]
+            values: list[RecordResult] = [self._decode(index, record) for index, record in chunk]
             for index, chain in enumerate(self.source_chains):
                 if chain:
                     members = [k for k, (i, _) in enumerate(chunk) if i == index]
@@ -79,57 +89,91 @@ class FrontSegment:
         except Exception as exc:  # carried back to the consumer with the worker's traceback
             return Failure.of(exc)
 
+    def _decode(self, index: int, record: Record) -> RecordResult:
+        try:
+            return self.sources[index].decode(record, self._names[index])
+        except DataError as exc:
+            if self.sources[index].on_error != "skip":
+                raise
+            return Skipped(str(exc))
+
+    def _guarded(self, step: StatelessInvoker, chunk: Chunk, k: int, run: Any) -> RecordResult:
+        """``run()`` for record ``k``, its error named; a data error of a skipping source skips it."""
+        try:
+            try:
+                outputs: list[Any] = run()
+                return outputs
+            except Exception as exc:
+                _rethrow(step.label, self._where(*chunk[k]), exc)
+        except DataError as named:  # bad data only: any other exception is a bug and still raises
+            if self.sources[chunk[k][0]].on_error != "skip":
+                raise
+            return Skipped(str(named))
+
     def _stage(
-        self, step: StatelessInvoker, chunk: Chunk, values: list[list[Any]], members: list[int]
+        self, step: StatelessInvoker, chunk: Chunk, values: list[RecordResult], members: list[int]
     ) -> None:
         """Runs one DoFn on the values of the records ``members``, replacing them by its outputs."""
-        live = [k for k in members if values[k]]
+        live = [k for k in members if not isinstance(values[k], Skipped) and values[k]]
         if not live:
             return
         if not step.batched:
             for k in live:
-                nxt: list[Any] = []
-                try:
-                    for value in values[k]:
-                        nxt.extend(step(value))
-                except Exception as exc:
-                    _rethrow(step.label, self._where(*chunk[k]), exc)
-                values[k] = nxt
+                inputs = values[k]
+                assert not isinstance(inputs, Skipped)
+                values[k] = self._guarded(step, chunk, k, lambda inputs=inputs: _per_element(step, inputs))
             return
-        flat = [v for k in live for v in values[k]]
+        flat = [v for k in live for v in values[k]]  # type: ignore[union-attr]
         try:
             results = step.call_batch(flat)
         except Exception as exc:
-            self._blame_record(step, chunk, values, live, exc)
+            self._per_record(step, chunk, values, live, exc)
+            return
         if len(flat) == len(live):  # one value per record, the common case: no regrouping
             for k, outputs in zip(live, results, strict=True):
                 values[k] = outputs
             return
         start = 0
         for k in live:
-            stop = start + len(values[k])
+            stop = start + len(values[k])  # type: ignore[arg-type]
             nxt = []
             for outputs in results[start:stop]:
                 nxt.extend(outputs)
             values[k] = nxt
             start = stop
 
-    def _blame_record(
-        self, step: StatelessInvoker, chunk: Chunk, values: list[list[Any]], live: list[int], exc: Exception
-    ) -> NoReturn:
-        """A batched call failed: calls the DoFn again per record to name the record at fault."""
-        if not isinstance(exc, ZephonError) or isinstance(exc, DataError):
-            for k in live:
-                try:
-                    step.call_batch(values[k])
-                except Exception as per_record:
-                    _rethrow(step.label, self._where(*chunk[k]), per_record)
-        first, last = chunk[live[0]][1], chunk[live[-1]][1]
-        _rethrow(
-            step.label,
-            f"in a batch of {len(live)} records from {first.path} {first.where} to {last.path} {last.where}",
-            exc,
-        )
+    def _per_record(
+        self,
+        step: StatelessInvoker,
+        chunk: Chunk,
+        values: list[RecordResult],
+        live: list[int],
+        exc: Exception,
+    ) -> None:
+        """A batched call failed: calls the DoFn again per record, to name the record at fault
+        (or skip it, if its source skips bad data)."""
+        if isinstance(exc, ZephonError) and not isinstance(exc, DataError):
+            first, last = chunk[live[0]][1], chunk[live[-1]][1]
+            _rethrow(
+                step.label,
+                f"in a batch of {len(live)} records from {first.path} {first.where} to {last.path} {last.where}",
+                exc,
+            )
+        for k in live:
+            inputs = values[k]
+            assert not isinstance(inputs, Skipped)
+            values[k] = self._guarded(step, chunk, k, lambda inputs=inputs: _flatten(step.call_batch(inputs)))
+
+
+def _per_element(step: StatelessInvoker, inputs: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for value in inputs:
+        out.extend(step(value))
+    return out
+
+
+def _flatten(results: list[list[Any]]) -> list[Any]:
+    return [v for outputs in results for v in outputs]
 
 
 def _rethrow(label: str, where: str, exc: Exception) -> NoReturn:

@@ -16,6 +16,7 @@ from helpers import Corpus, example_spec
 import zephon_flow as zf
 from zephon_flow import codec
 from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
+from zephon_flow.state import LoaderState, to_loader_state
 
 
 def roundtrip(value: Any) -> Any:
@@ -146,15 +147,24 @@ def test_a_newer_format_version_is_refused(
     data = with_version(zf.encode_state(loader_state), codec.FORMAT_VERSION + 1)
     with pytest.raises(
         FormatVersionError,
-        match=r"checkpoint uses checkpoint format version 2, newer than the version 1 .*upgrade zephon-flow",
+        match=r"checkpoint uses checkpoint format version 3, newer than the version 2 .*upgrade zephon-flow",
     ):
         zf.decode_state(data)
     path = tmp_path / "new.zf"
     path.write_bytes(data)
-    with pytest.raises(FormatVersionError, match=rf"{path} uses checkpoint format version 2"):
+    with pytest.raises(FormatVersionError, match=rf"{path} uses checkpoint format version 3"):
         zf.load_state(path)
-    with pytest.raises(FormatVersionError, match=r"version 2"):
+    with pytest.raises(FormatVersionError, match=r"version 3"):
         zf.Loader(example_spec(corpus, lanes=2, global_batch_size=4), state=data)
+
+
+def test_an_older_state_format_is_refused_by_name(loader_state: dict[str, Any]) -> None:
+    plain = to_loader_state(loader_state).to_plain()
+    plain["format_version"] = codec.FORMAT_VERSION - 1
+    with pytest.raises(
+        FormatVersionError, match=r"format version 1 is older than the version 2 .*earlier zephon-flow"
+    ):
+        LoaderState.from_plain(plain)
 
 
 def test_a_zero_format_version_is_corrupt(loader_state: dict[str, Any]) -> None:

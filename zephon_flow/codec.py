@@ -18,7 +18,9 @@ import numpy as np
 from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
 
 MAGIC = b"ZEPHONCK"
-FORMAT_VERSION = 1
+#: Version 2: lane cursors record the straddling record's source, exhausted sources and skip
+#: counts, and the checkpoint records the mixture history.
+FORMAT_VERSION = 2
 _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 

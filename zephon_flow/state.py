@@ -11,6 +11,7 @@ from zephon_flow import codec
 from zephon_flow.errors import (
     CorruptStateError,
     FingerprintMismatchError,
+    FormatVersionError,
     LaneCountMismatchError,
     StateConflictError,
 )
@@ -31,18 +32,40 @@ class FeedCursor:
     """Where a lane's (mixed) source stream resumes: the first record not yet consumed.
 
     ``sources[i]`` is ``[split item, position inside the split]`` for source ``i``; ``skip``
-    counts outputs of the record at the cursor that were already consumed.
+    counts outputs of the record at the cursor that were already consumed, and ``source`` is
+    that record's source when ``skip > 0`` (else -1), so a resume takes it from the same
+    source whatever the mixture says at the resume step. ``exhausted`` lists the sources the
+    lane's mix dropped (``Mix(exhausted="renormalize")``); ``skipped[i]`` counts the records
+    of source ``i`` dropped by ``on_error="skip"``.
     """
 
     mix_position: int
     sources: list[list[int]]
     skip: int = 0
+    source: int = -1
+    exhausted: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+
+    def copy(self) -> FeedCursor:
+        """A copy; the per-source ``[item, position]`` pairs are shared: replace them, never
+        mutate them in place."""
+        return FeedCursor(
+            self.mix_position,
+            list(self.sources),
+            self.skip,
+            self.source,
+            list(self.exhausted),
+            list(self.skipped),
+        )
 
     def to_plain(self) -> dict[str, Any]:
         return {
             "mix_position": self.mix_position,
             "sources": [list(s) for s in self.sources],
             "skip": self.skip,
+            "source": self.source,
+            "exhausted": list(self.exhausted),
+            "skipped": list(self.skipped),
         }
 
     @classmethod
@@ -52,6 +75,9 @@ class FeedCursor:
             mix_position=int(_need(plain, "mix_position", where)),
             sources=[[int(item), int(pos)] for item, pos in sources],
             skip=int(_need(plain, "skip", where)),
+            source=int(_need(plain, "source", where)),
+            exhausted=[int(i) for i in _need(plain, "exhausted", where)],
+            skipped=[int(n) for n in _need(plain, "skipped", where)],
         )
 
 
@@ -93,12 +119,17 @@ class LaneState:
 
 @dataclass
 class LoaderState:
-    """A checkpoint: the next step, the pipeline's identity, and the states of some lanes."""
+    """A checkpoint: the next step, the pipeline's identity, and the states of some lanes.
+
+    ``mix_history`` is ``[[from_step, Mix params], ...]``, from step 0, one entry per mixture
+    in force (a new one per accepted change on resume); empty for a pipeline without a Mix.
+    """
 
     step: int
     lanes: int
     fingerprint: dict[str, str]
     lane_states: dict[int, LaneState]
+    mix_history: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -107,6 +138,7 @@ class LoaderState:
             "step": self.step,
             "lanes": self.lanes,
             "fingerprint": dict(self.fingerprint),
+            "mix_history": [[step, params] for step, params in self.mix_history],
             "lane_states": [self.lane_states[k].to_plain() for k in sorted(self.lane_states)],
         }
 
@@ -116,34 +148,65 @@ class LoaderState:
             raise CorruptStateError(f"checkpoint kind is {plain['kind']!r}, expected {STATE_KIND!r}")
         version = int(_need(plain, "format_version", "checkpoint"))
         if version > codec.FORMAT_VERSION:
-            from zephon_flow.errors import FormatVersionError
-
             raise FormatVersionError(
                 f"checkpoint format version {version} is newer than the version "
                 f"{codec.FORMAT_VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
             )
+        if version < codec.FORMAT_VERSION:
+            raise FormatVersionError(
+                f"checkpoint format version {version} is older than the version "
+                f"{codec.FORMAT_VERSION} this zephon-flow reads; it was written by an earlier "
+                f"zephon-flow: resume it with that version, or start again"
+            )
         states = [LaneState.from_plain(s) for s in _need(plain, "lane_states", "checkpoint")]
+        history = []
+        for entry in _need(plain, "mix_history", "checkpoint"):
+            if not isinstance(entry, list | tuple) or len(entry) != 2 or not isinstance(entry[1], dict):
+                raise CorruptStateError(f"checkpoint mix_history entry {entry!r} is not [step, params]")
+            history.append((int(entry[0]), dict(entry[1])))
         return cls(
             step=int(_need(plain, "step", "checkpoint")),
             lanes=int(_need(plain, "lanes", "checkpoint")),
             fingerprint={str(k): str(v) for k, v in _need(plain, "fingerprint", "checkpoint").items()},
             lane_states={s.lane: s for s in states},
+            mix_history=history,
         )
 
-    def check_compatible(self, *, lanes: int, fingerprint: dict[str, str]) -> None:
-        """Refuses a state written for another lane count or another pipeline, naming the part."""
+    def check_compatible(
+        self,
+        *,
+        lanes: int,
+        fingerprint: dict[str, str],
+        mix_part: str | None = None,
+        allow_mix_change: bool = False,
+    ) -> bool:
+        """Refuses a state written for another lane count or another pipeline, naming the part.
+
+        ``mix_part`` names the fingerprint part of the pipeline's Mix: a state that differs
+        only there is accepted with ``allow_mix_change`` (returns True: the mixture changes).
+        """
         if self.lanes != lanes:
             raise LaneCountMismatchError(
                 f"the checkpoint was written for lanes={self.lanes}, this spec has lanes={lanes}; "
                 f"the lane count is part of a pipeline's identity and cannot change on resume"
             )
-        if self.fingerprint != fingerprint:
-            parts = sorted(set(self.fingerprint) | set(fingerprint))
-            differ = [p for p in parts if p != "total" and self.fingerprint.get(p) != fingerprint.get(p)]
+        if self.fingerprint == fingerprint:
+            return False
+        parts = sorted(set(self.fingerprint) | set(fingerprint))
+        differ = [p for p in parts if p != "total" and self.fingerprint.get(p) != fingerprint.get(p)]
+        message = (
+            "the checkpoint was written for another pipeline; these parts of the fingerprint "
+            f"differ: {', '.join(differ) or 'total'}"
+        )
+        if mix_part is not None and differ == [mix_part]:
+            if allow_mix_change:
+                return True
             raise FingerprintMismatchError(
-                "the checkpoint was written for another pipeline; these parts of the fingerprint "
-                f"differ: {', '.join(differ) or 'total'}"
+                f"{message}; if only the Mix's weights, schedule or interpolation changed, pass "
+                f"allow_mix_change=True to zf.Loader to use the new mixture from step {self.step} on "
+                f"(the change is recorded in the state)"
             )
+        raise FingerprintMismatchError(message)
 
 
 def merge_states(states: list[Any]) -> dict[str, Any]:
@@ -169,6 +232,11 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
             )
         if st.fingerprint != first.fingerprint:
             raise FingerprintMismatchError(f"state {i} was written for another pipeline than state 0")
+        if st.mix_history != first.mix_history:
+            raise StateConflictError(
+                f"states disagree about the mixture history: state 0 has {first.mix_history!r}, "
+                f"state {i} has {st.mix_history!r}"
+            )
         for lane, ls in st.lane_states.items():
             digest = codec.canonical_digest(ls.to_plain())
             if lane in digests and digests[lane] != digest:
@@ -177,7 +245,7 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
                 )
             digests[lane] = digest
             merged[lane] = ls
-    return LoaderState(first.step, first.lanes, first.fingerprint, merged).to_plain()
+    return LoaderState(first.step, first.lanes, first.fingerprint, merged, first.mix_history).to_plain()
 
 
 def to_loader_state(state: Any) -> LoaderState:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Protocol
 
 from zephon_flow.errors import SpecError
-from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
+from zephon_flow.runners.segment import Chunk, Failure, FrontSegment, RecordResult
 
-ChunkResult = list[list[Any]] | Failure
+ChunkResult = list[RecordResult] | Failure
 
 BACKENDS = ("inline", "threads", "processes")
 

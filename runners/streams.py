@@ -1,0 +1,224 @@
+"""One source as one lane reads it: its dealt splits from a cursor, read ahead on the backend in order."""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from zephon_flow.errors import DataError
+from zephon_flow.operators.splits import START, Record, Source, dealt_split
+from zephon_flow.runners.backends.base import Backend, ChunkResult
+from zephon_flow.runners.dofns import DocId
+from zephon_flow.runners.plan import SourcePlan
+from zephon_flow.runners.reorder import ReorderBuffer
+from zephon_flow.runners.segment import Chunk, Failure, RecordResult, Skipped
+
+#: A chunk is closed once its records' payloads reach this many bytes (long documents).
+CHUNK_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ReadSkip:
+    """The rest of a split dropped after a ``DataError`` while reading (``on_error="skip"``)."""
+
+    message: str
+
+
+class SourceReader:
+    """One source as seen by one lane: its dealt splits in order, from a cursor."""
+
+    def __init__(
+        self,
+        source: Source,
+        label: str,
+        *,
+        lane: int,
+        lanes: int,
+        seed: int,
+        item: int,
+        position: int,
+    ) -> None:
+        self._source, self._label = source, label
+        self._lane, self._lanes, self._seed = lane, lanes, seed
+        self.item, self.position = item, position
+        self._records: Iterator[tuple[int, Record]] | None = None
+        self.exhausted = False
+        #: The index (in the source's split table) of the split being read.
+        self.split_index = -1
+
+    def next(self) -> Record | ReadSkip | None:
+        """The next record, a read skip, or None once the source's epochs are used up."""
+        splits = self._source.splits()
+        entry = (self.item, self.position)
+        while not self.exhausted:
+            try:
+                if self._records is None:
+                    epoch, index = dealt_split(
+                        n_splits=len(splits),
+                        lanes=self._lanes,
+                        lane=self._lane,
+                        item=self.item,
+                        seed=self._seed,
+                        source=self._label,
+                    )
+                    if self._source.epochs is not None and epoch >= self._source.epochs:
+                        # Keep the cursor where the last record left it, so the end of the data
+                        # has one canonical position whatever the chunking.
+                        self.item, self.position = entry
+                        self.exhausted = True
+                        return None
+                    self.split_index = index
+                    self._records = self._source.read_split(splits[index], self.position)
+                step = next(self._records, None)
+            except DataError as exc:
+                if self._source.on_error != "skip":
+                    raise
+                self._records, self.item, self.position = None, self.item + 1, START
+                return ReadSkip(str(exc))
+            if step is not None:
+                self.position, record = step
+                return record
+            self._records, self.item, self.position = None, self.item + 1, START
+        return None
+
+    @property
+    def cursor(self) -> list[int]:
+        return [self.item, self.position]
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One record of a source, in order: its outputs (or skip note), the cursor after it, its id."""
+
+    result: RecordResult
+    after: list[int]
+    doc: DocId
+
+
+class SourceStream:
+    """Reads one source ahead for one lane: chunks of its records go to the backend, results
+    come back through a reorder buffer, and ``take`` hands them out one record at a time.
+
+    Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows by
+    one per chunk taken, so the first record after a (re)start needs one small chunk, not the
+    full read-ahead; steady state is ``depth`` chunks of ``chunk_records`` records (or
+    ``CHUNK_BYTES``).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        plan: SourcePlan,
+        backend: Backend,
+        *,
+        lane: int,
+        lanes: int,
+        seed: int,
+        cursor: list[int],
+        chunk_records: int,
+        depth: int,
+    ) -> None:
+        self._index, self._backend = index, backend
+        item, position = cursor
+        self._reader = SourceReader(
+            plan.source, plan.label, lane=lane, lanes=lanes, seed=seed, item=item, position=position
+        )
+        self._chunk_records, self._depth = chunk_records, depth
+        self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(
+            f"lane {lane} source {plan.label!r} stateless results"
+        )
+        # Per chunk in flight, in order: per record (cursor after it, its id, read-skip note),
+        # and the backend's future (cancelled on close).
+        self._inflight: deque[tuple[list[tuple[list[int], DocId, str | None]], Future[ChunkResult]]] = deque()
+        self._ready: deque[Taken] = deque()
+        self._ended = False
+        self._submitted = 0
+        self._taken = 0
+
+    def _submit_one(self) -> bool:
+        if self._ended:
+            return False
+        chunk: Chunk = []
+        entries: list[tuple[list[int], DocId, str | None]] = []
+        size = 0
+        for _ in range(min(self._chunk_records, 1 << min(self._submitted, 30))):
+            got = self._reader.next()
+            if got is None:
+                self._ended = True
+                break
+            if isinstance(got, ReadSkip):
+                entries.append((self._reader.cursor, (self._index, -1, -1), got.message))
+                continue
+            chunk.append((self._index, got))
+            entries.append((self._reader.cursor, (self._index, self._reader.split_index, got.offset), None))
+            size += _payload_size(got)
+            if size >= CHUNK_BYTES:
+                break
+        if not entries:
+            return False
+        self._submitted += 1
+        seq = self._reorder.expect()
+        if chunk:
+            future = self._backend.submit(chunk)
+        else:  # only read skips: nothing for the backend to do
+            future = Future()
+            future.set_result([])
+        self._inflight.append((entries, future))
+        future.add_done_callback(functools.partial(self._deliver, seq))
+        return True
+
+    def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
+        self._reorder.put(seq, _result(future))
+
+    def prime(self) -> None:
+        """Submits the first chunk now, so lanes and sources start their stateless work together."""
+        self._top_up()
+
+    def _top_up(self) -> None:
+        budget = min(self._depth, 1 + self._taken)
+        while self._reorder.in_flight() < budget and self._submit_one():
+            pass
+
+    def take(self) -> Taken | None:
+        """The source's next record in order, or None when the source has no more."""
+        while not self._ready:
+            self._top_up()
+            if self._reorder.in_flight() == 0:
+                return None
+            result = self._reorder.take()
+            self._taken += 1
+            entries, _ = self._inflight.popleft()
+            if isinstance(result, Failure):
+                result.reraise()
+            assert isinstance(result, list)
+            outputs = iter(result)
+            for after, doc, note in entries:
+                self._ready.append(Taken(Skipped(note) if note is not None else next(outputs), after, doc))
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        # Called from another thread than the lane's: copy the deque in one step (atomic).
+        for _, future in tuple(self._inflight):
+            future.cancel()
+
+
+def _payload_size(record: Record) -> int:
+    """Bytes a record brings, for closing chunks: text and bytes by length, samples that know
+    their size (``nbytes``, e.g. a WebDataset sample) by that, anything else as 1 KiB."""
+    payload = record.payload
+    if isinstance(payload, str | bytes):
+        return len(payload)
+    nbytes = getattr(payload, "nbytes", None)
+    return nbytes if isinstance(nbytes, int) else 1024
+
+
+def _result(future: Future[ChunkResult]) -> ChunkResult:
+    if future.cancelled():
+        return Failure(False, "stateless work was cancelled (the loader is closing)", "")
+    exc = future.exception()
+    if exc is not None:  # the backend itself failed (a worker process died, ...)
+        return Failure.of(exc, f"stateless backend failed: {type(exc).__name__}: {exc}")
+    return future.result()
