@@ -7,8 +7,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import DocKey, chain_spec, make_corpus
+from helpers import Corpus, DocKey, chain_spec, make_corpus
 from tokenizers import Tokenizer
+from vlm_helpers import vlm_spec, write_captioned_images
 
 import zephon_flow as zf
 from zephon_flow.cli import load_spec, main
@@ -114,3 +115,14 @@ def test_pipelines_without_provenance_are_refused(tmp_path: Path) -> None:
     spec = chain_spec(make_corpus(tmp_path / "c", n_web=10, n_code=10).web_jsonl, ("key", DocKey()))
     with pytest.raises(SpecError, match="carry no provenance"):
         inspect_step(spec, 0)
+
+
+def test_multimodal_sequences_show_image_tokens_and_captions(corpus: Corpus, tmp_path: Path) -> None:
+    images = write_captioned_images(tmp_path / "imgs", 12)
+    spec = vlm_spec(images, corpus.tokenizer_json, lanes=2, global_batch_size=2)
+    views = inspect_step(spec, 2)
+    assert views and all(v.documents for v in views)
+    for v in views:
+        for d in v.documents:
+            number = int(d.file.split(".")[0])  # the caption of 00007.jpg is "image 7 ..."
+            assert d.excerpt.startswith(f"[4 image tokens] image {number} ")

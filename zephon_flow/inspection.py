@@ -142,20 +142,26 @@ def _documents(
 
 
 def _decoder(plan: Plan) -> Callable[[list[int]], str] | None:
-    """Decodes ids with the first ``ops.Tokenize`` of the pipeline, if it has one."""
+    """Decodes ids with the pipeline's first tokenizer (``ops.Tokenize`` or ``ops.TokenizeField``),
+    if it has one; a multimodal packer's image placeholder ids are shown as ``[image]``."""
     from tokenizers import Tokenizer
 
+    from zephon_flow.operators.pack_multimodal import PackMultimodal
     from zephon_flow.operators.tokenize import Tokenize
+    from zephon_flow.operators.tokenize_field import TokenizeField
 
     steps = [*(s for sp in plan.sources for s in sp.chain), *plan.common, *plan.back]
-    path = next((s.dofn.path for s in steps if isinstance(s.dofn, Tokenize)), None)
+    dofns = [s.dofn.tokenize if isinstance(s.dofn, TokenizeField) else s.dofn for s in steps]
+    path = next((d.path for d in dofns if isinstance(d, Tokenize)), None)
     if path is None:
         return None
     tokenizer = Tokenizer.from_file(os.fspath(path))
+    image_ids = {d.image_token_id for d in dofns if isinstance(d, PackMultimodal)}
 
     def decode(tokens: list[int]) -> str:
-        text: str = tokenizer.decode(tokens, skip_special_tokens=False)
-        return text
+        images = sum(1 for t in tokens if t in image_ids)
+        text: str = tokenizer.decode([t for t in tokens if t not in image_ids], skip_special_tokens=False)
+        return f"[{images} image tokens] {text}" if images else text
 
     return decode
 
