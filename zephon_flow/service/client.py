@@ -106,6 +106,10 @@ class Client:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", 1 << 20),
+            # Reconnect attempts follow our own backoff, not grpc's (which grows to 2 minutes).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         if root_certificates is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)

@@ -58,7 +58,7 @@ class BatchServer:
         checkpoint_dir: str | None = None,
         resume: str | None = None,
         window: int = 8,
-        keep: int = 4,
+        keep: int = 8,
         token: str | None = None,
         tls: tuple[str, str] | None = None,
         chunk_bytes: int = CHUNK_BYTES,

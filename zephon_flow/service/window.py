@@ -7,6 +7,11 @@ rank stay held, so that a rank whose connection dropped with batches in flight c
 and get the same bytes. Ranks are tracked for one world size at a time: all ``W`` ranks start
 at the first rank's start step (a rank that has not connected yet holds production back, as
 it would hold back training), and the world size can change only while no rank is connected.
+
+A rank's position is what the server has *sent* it; gRPC cannot tell what the rank has read.
+After a dropped connection, the steps that were in flight (at most the HTTP/2 flow-control
+window: 64 KiB to a few MiB, so one or two steps of 1-4 MiB slices) are asked for again, and
+must lie within ``keep`` steps.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class StepWindow:
     """Thread-safe: one producer thread calls ``wait_for_room``/``add``/``finish``; stream
     handlers call ``join``/``get``/``advance``/``leave``; checkpoints call ``state_for``."""
 
-    def __init__(self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 4) -> None:
+    def __init__(self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8) -> None:
         if ahead < 1 or keep < 0:
             raise ValueError(f"ahead must be >= 1 and keep >= 0, got ahead={ahead}, keep={keep}")
         self.ahead, self.keep = ahead, keep
@@ -62,6 +67,11 @@ class StepWindow:
     # -- producer ------------------------------------------------------------------------------
     def _slowest(self) -> int:
         return min(self._positions.values()) if self._positions else self._low
+
+    def has_room(self) -> bool:
+        """Whether production may go on now (fewer than ``ahead`` steps past the slowest rank)."""
+        with self._cond:
+            return self._produced < self._slowest() + self.ahead
 
     def wait_for_room(self, stopped: Callable[[], bool]) -> bool:
         """Blocks while ``ahead`` steps past the slowest rank are produced; False once stopped."""
