@@ -44,7 +44,9 @@ class BatchServer:
     Runs one ``zf.Loader`` (world size 1, all lanes, on ``backend`` with ``workers``) from
     ``resume`` (a checkpoint file) or the start, holding a ``StepWindow`` of ``window`` steps
     ahead of the slowest rank and ``keep`` behind it. ``token`` (shared secret) is required
-    on every call but health checks; ``tls`` is ``(cert_path, key_path)``.
+    on every call but health checks; ``tls`` is ``(cert_path, key_path)``. ``loader`` replaces
+    the embedded Loader by any object with its iteration, ``state_dict()`` and ``close()``
+    (benchmarks feed synthetic batches this way).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class BatchServer:
         tls: tuple[str, str] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         max_streams: int = 64,
+        loader: Any = None,
     ) -> None:
         for name, value, low in (("window", window, 1), ("keep", keep, 0), ("max_streams", max_streams, 1)):
             if not isinstance(value, int) or value < low:
@@ -78,8 +81,10 @@ class BatchServer:
         self._checkpoint_dir = checkpoint_dir
         if checkpoint_dir is not None:
             os.makedirs(checkpoint_dir, exist_ok=True)
-        state = load_state(resume) if resume is not None else None
-        self._loader = Loader(spec, rank=0, world_size=1, backend=backend, workers=workers, state=state)
+        if loader is None:
+            state = load_state(resume) if resume is not None else None
+            loader = Loader(spec, rank=0, world_size=1, backend=backend, workers=workers, state=state)
+        self._loader = loader
         first = self._loader.state_dict()
         self._window = StepWindow(first_step=int(first["step"]), first_state=first, ahead=window, keep=keep)
         self._chunk_bytes = chunk_bytes
