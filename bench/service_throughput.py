@@ -81,7 +81,8 @@ def _serve_service(rows: int, ports: Any) -> None:
         return p | "src" >> ops.ReadJsonl(os.path.join(tmp, "one.jsonl"))
 
     spec = zf.LoaderSpec(build, lanes=1, global_batch_size=rows)
-    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=8).start()
+    # Every repeat reconnects where the previous one stopped: keep enough steps for that.
+    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=8, keep=64).start()
     ports.put(server.port)
     server.wait()
 
@@ -134,17 +135,17 @@ def read_raw(port: int, messages: int) -> tuple[float, int]:
     return time.perf_counter() - start, received
 
 
-def read_service(port: int, messages: int, message_bytes: int) -> tuple[float, int]:
+def read_service(port: int, messages: int, message_bytes: int, start_step: int) -> tuple[float, int, int]:
     import zephon_flow as zf
 
-    with zf.Client(f"127.0.0.1:{port}", 0, 1) as client:
+    with zf.Client(f"127.0.0.1:{port}", 0, 1, start_step=start_step) as client:
         for n, (_, batch) in enumerate(client):
             if n == 0:
                 start = time.perf_counter()
             elif n == messages:
                 break
             assert batch["tokens"].shape[1] == COLS
-    return time.perf_counter() - start, messages * message_bytes
+        return time.perf_counter() - start, messages * message_bytes, client.next_step
 
 
 def transport(repeats: int, total_mib: int) -> dict[str, Any]:
@@ -158,6 +159,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
         raw_proc, raw_port = _start(_serve_raw, size)
         svc_proc, svc_port = _start(_serve_service, rows)
         runs: dict[str, list[float]] = {"raw": [], "service": []}
+        next_step = 0
         try:
             for rep in range(repeats):
                 order = ["raw", "service"] if rep % 2 == 0 else ["service", "raw"]
@@ -165,7 +167,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
                     if name == "raw":
                         seconds, nbytes = read_raw(raw_port, messages)
                     else:
-                        seconds, nbytes = read_service(svc_port, messages, size)
+                        seconds, nbytes, next_step = read_service(svc_port, messages, size, next_step)
                     runs[name].append(nbytes / seconds)
                     _say(f"{label} {name}: {nbytes / seconds / 1e6:,.0f} MB/s")
         finally:

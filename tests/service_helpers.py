@@ -96,8 +96,8 @@ def wait_serving(address: str, credentials: grpc.ChannelCredentials | None = Non
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def start_clients(address: str, runs: list[tuple[int, int, int, int]]) -> list[subprocess.Popen[str]]:
-    """One process per ``(rank, world_size, start_step, steps)``, printing ``STEP DIGEST`` lines."""
+def start_clients(address: str, runs: list[tuple[int | float, ...]]) -> list[subprocess.Popen[str]]:
+    """One process per ``(rank, world_size, start_step, steps[, pause])``, printing ``STEP DIGEST``."""
     return [
         subprocess.Popen(
             [sys.executable, str(CLIENT_SCRIPT), address, *(str(v) for v in run)],

@@ -82,6 +82,19 @@ def test_the_world_size_changes_only_when_no_rank_is_connected() -> None:
     assert window.status().positions == {0: 5, 1: 5, 2: 5, 3: 5}
 
 
+def test_a_start_step_too_far_ahead_is_refused() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=1)
+    with pytest.raises(
+        WindowError, match="step 4 is too far ahead: the server holds steps \\[0, 0\\)"
+    ) as info:
+        window.join(0, 1, 4)
+    assert info.value.code == "OUT_OF_RANGE"
+    window.join(0, 1, 3)  # within reach: produced and skipped over
+    assert _fill(window) == 6
+    window.join(0, 1, 3)
+    assert window.status().low == 2
+
+
 def test_state_for_each_held_step_and_refusals() -> None:
     window = StepWindow(first_step=10, first_state=_state(10), ahead=2, keep=1)
     window.join(0, 1, 10)

@@ -114,13 +114,20 @@ class StepWindow:
                         f"world_size={world_size} can connect once they have all disconnected",
                     )
             self._check_step(step)
+            if step > self._produced + self.ahead:
+                raise WindowError(
+                    "OUT_OF_RANGE",
+                    f"step {step} is too far ahead: {self._held()} and produces at most {self.ahead} "
+                    f"steps ahead; to start at step {step}, restart the server with --resume from a "
+                    f"checkpoint of that step",
+                )
             if world_size != self._world_size:
                 self._world_size = world_size
                 self._positions = dict.fromkeys(range(world_size), step)
                 self._connected = dict.fromkeys(range(world_size), 0)
             self._positions[rank] = step
             self._connected[rank] += 1
-            self._cond.notify_all()
+            self._release()
 
     def _check_step(self, step: int) -> None:
         if step < self._low:
@@ -155,12 +162,16 @@ class StepWindow:
             if world_size != self._world_size:
                 return
             self._positions[rank] = next_step
-            low = max(self._low, min(self._slowest() - self.keep, self._produced))
-            for s in range(self._low, low):
-                self._batches.pop(s, None)
-                self._states.pop(s, None)
-            self._low = low
-            self._cond.notify_all()
+            self._release()
+
+    def _release(self) -> None:
+        """Drops the steps more than ``keep`` behind the slowest rank (holding the lock)."""
+        low = max(self._low, min(self._slowest() - self.keep, self._produced))
+        for s in range(self._low, low):
+            self._batches.pop(s, None)
+            self._states.pop(s, None)
+        self._low = low
+        self._cond.notify_all()
 
     def leave(self, rank: int, world_size: int) -> None:
         with self._cond:
