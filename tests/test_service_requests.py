@@ -205,3 +205,14 @@ def test_tls_and_a_token_on_every_call(spec: zf.LoaderSpec, tmp_path: Path) -> N
         assert refused.code == "UNAVAILABLE"
     finally:
         srv.stop(grace=None)
+
+
+def test_serve_command_refuses_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from zephon_flow.cli import main
+
+    assert main(["serve", "pipeline.py:spec", "--port", "0", "--tls-cert", "cert.pem"]) == 2
+    assert "zephon serve: --tls-cert and --tls-key go together" in capsys.readouterr().err
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    assert main(["serve", "pipeline.py:spec", "--port", "0", "--token-file", str(empty)]) == 2
+    assert f"zephon serve: --token-file {empty} is empty" in capsys.readouterr().err

@@ -110,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise SpecError("zephon serve: --tls-cert and --tls-key go together")
+    token = read_token(args.token_file)
     server = BatchServer(
         load_spec(args.target),
         host=args.host,
@@ -120,7 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
         resume=args.resume,
         window=args.window,
         keep=args.keep,
-        token=read_token(args.token_file),
+        token=token,
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
     )
     return serve_forever(server)
