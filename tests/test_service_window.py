@@ -40,9 +40,9 @@ def test_production_stops_ahead_steps_past_the_slowest_rank() -> None:
     window.join(1, 2, 0)
     assert _fill(window) == 0
     # Rank 0 moving on is not enough: rank 1 (the slowest) holds production back.
-    window.advance(0, 2, 2)
+    window.ack(0, 2, 2)
     assert _fill(window) == 0
-    window.advance(1, 2, 1)
+    window.ack(1, 2, 1)
     assert _fill(window) == 1
     assert window.status().produced == 4
 
@@ -51,7 +51,7 @@ def test_a_rank_not_yet_connected_holds_production_back() -> None:
     window = StepWindow(first_step=0, first_state=_state(0), ahead=2, keep=0)
     window.join(0, 2, 0)
     _fill(window)
-    window.advance(0, 2, 2)
+    window.ack(0, 2, 2)
     assert _fill(window) == 0  # rank 1 of 2 has not asked for step 0 yet
 
 
@@ -59,7 +59,7 @@ def test_steps_up_to_keep_behind_the_slowest_rank_are_served_again() -> None:
     window = StepWindow(first_step=0, first_state=_state(0), ahead=4, keep=2)
     window.join(0, 1, 0)
     _fill(window)
-    window.advance(0, 1, 3)
+    window.ack(0, 1, 3)
     batch = window.get(1, _never)
     assert batch is not None and int(batch["step"][0]) == 1
     with pytest.raises(
@@ -105,7 +105,7 @@ def test_state_for_each_held_step_and_refusals() -> None:
         WindowError, match="step 13 is not produced yet and cannot be before the slowest rank"
     ):
         window.state_for(13, timeout=1)
-    window.advance(0, 1, 12)
+    window.ack(0, 1, 12)
     with pytest.raises(WindowError, match="step 10 is no longer held"):
         window.state_for(10, timeout=1)
 
@@ -124,3 +124,36 @@ def test_end_of_data_and_pipeline_failure() -> None:
     with pytest.raises(WindowError, match="the pipeline failed at step 0: disk on fire") as info:
         failed.get(0, _never)
     assert info.value.code == "INTERNAL"
+
+
+def test_a_stream_sends_at_most_ahead_steps_past_its_acknowledged_step() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=0)
+    window.join(0, 1, 0)
+    _fill(window)
+    assert [window.wait_to_send(0, 1, s, lambda: True) for s in range(3)] == [True] * 3
+    # Step 3 would be the fourth in flight: the stream waits, here until its client is gone.
+    assert window.wait_to_send(0, 1, 3, _never) is False
+    window.sent(0, 1, 3)
+    window.ack(0, 1, 1)
+    assert window.wait_to_send(0, 1, 3, lambda: True)
+    status = window.status()
+    assert (status.positions, status.sent, status.low) == ({0: 1}, {0: 3}, 1)
+    # The state of the acknowledged step is held for a checkpoint, even with keep=0.
+    assert window.state_for(1, timeout=1) == {"step": 1}
+
+
+def test_acknowledgements_move_forward_only_and_are_checked() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=1)
+    window.join(0, 1, 0)
+    _fill(window)
+    window.ack(0, 1, 2)
+    window.ack(0, 1, 1)  # late, from before: ignored
+    assert window.status().positions == {0: 2}
+    with pytest.raises(WindowError, match=r"rank 0 acknowledged step 3, which was never served") as info:
+        window.ack(0, 1, 4)
+    assert info.value.code == "OUT_OF_RANGE"
+    with pytest.raises(WindowError, match="the server is serving world_size=1, not 2") as info:
+        window.ack(1, 2, 1)
+    assert info.value.code == "FAILED_PRECONDITION"
+    window.join(0, 1, 1)  # a reconnect at an earlier step moves the rank back
+    assert window.status().positions == {0: 1}

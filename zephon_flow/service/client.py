@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -17,6 +18,11 @@ from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler
 
 _METHOD = "/zephon.v1.BatchService/"
 _RETRY = frozenset({grpc.StatusCode.UNAVAILABLE})
+# An acknowledgement lost to these is made good by the stream's reconnect (which restarts the
+# rank's position at next_step) or by the next acknowledgement.
+_ACK_LOST = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
 
 
 def _fingerprint(value: str | Mapping[str, str] | None) -> str:
@@ -48,12 +54,57 @@ def _is_repeated(field: Any) -> bool:
     return bool(field.is_repeated)
 
 
+class _Acker:
+    """Tells the server, from a background thread, the step up to which the rank has taken its
+    batches; acknowledgements made while one is in flight are coalesced into the latest."""
+
+    def __init__(self, send: Callable[[int], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._wanted = self._sent = -1
+        self._closed = False
+        self.error: ServiceError | None = None
+        self._thread = threading.Thread(target=self._run, name="zephon-client-ack", daemon=True)
+        self._thread.start()
+
+    def ack(self, step: int) -> None:
+        with self._cond:
+            self._wanted = max(self._wanted, step)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._wanted <= self._sent and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step = self._sent = self._wanted
+            try:
+                self._send(step)
+            except grpc.RpcError as exc:
+                if exc.code() not in _ACK_LOST:
+                    self.error = ServiceError(
+                        f"acknowledging step {step} failed: {exc.code().name}: {exc.details()}",
+                        code=exc.code().name,
+                    )
+            except ValueError:  # the channel was closed under us
+                return
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
 class Client:
     """Iterates ``(step, batch)`` for rank ``rank`` of ``world_size``, from ``start_step`` on.
 
     ``batch`` maps field names to numpy arrays (torch tensors with ``as_torch=True``) viewing
     the received bytes without a copy; treat them as read-only. Iteration ends when the
-    server's data ends. A dropped connection (``UNAVAILABLE``) is retried from ``next_step``
+    server's data ends. Each step handed out is acknowledged to the server (``Ack``, from a
+    background thread, coalesced): the server holds steps and sends ahead counting from
+    acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A dropped connection (``UNAVAILABLE``) is retried from ``next_step``
     with exponential backoff (``retries`` tries from ``backoff`` seconds, doubling, at most
     ``max_backoff``); any other refusal raises ``zf.ServiceError`` with the server's message.
     ``fingerprint`` (``spec.fingerprint`` or its ``"total"``) makes the server check that it
@@ -119,6 +170,12 @@ class Client:
         self._stream = self._channel.unary_stream(
             _METHOD + "StreamBatches", request_serializer=pb.StreamBatchesRequest.SerializeToString
         )
+        self._ack = self._channel.unary_unary(
+            _METHOD + "Ack",
+            request_serializer=pb.AckRequest.SerializeToString,
+            response_deserializer=pb.AckReply.FromString,
+        )
+        self._acker: _Acker | None = None
         self._checkpoint = self._channel.unary_unary(
             _METHOD + "Checkpoint",
             request_serializer=pb.CheckpointRequest.SerializeToString,
@@ -145,9 +202,18 @@ class Client:
             ) from None
         time.sleep(min(self._max_backoff, self._backoff * 2**attempt))
 
+    def _send_ack(self, step: int) -> None:
+        request = pb.AckRequest(
+            fingerprint=self._fingerprint, rank=self.rank, world_size=self.world_size, step=step
+        )
+        self._ack(request, metadata=self._metadata, timeout=self._timeout)
+
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if self._closed:
             raise ServiceError("this Client is closed")
+        if self._acker is None:
+            self._acker = _Acker(self._send_ack)
+        acker = self._acker
         attempt = 0
         while True:
             request = pb.StreamBatchesRequest(
@@ -168,8 +234,11 @@ class Client:
                         raise ServiceError(
                             f"expected step {self._next_step} from {self.address}, got step {step}"
                         )
+                    if acker.error is not None:
+                        raise acker.error
                     self._next_step = step + 1
                     attempt = 0
+                    acker.ack(self._next_step)
                     yield step, batch
                 return
             except grpc.RpcError as exc:
@@ -205,6 +274,8 @@ class Client:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._acker is not None:
+                self._acker.close()
             self._channel.close()
 
     def __enter__(self) -> Client:

@@ -43,7 +43,8 @@ class BatchServer:
 
     Runs one ``zf.Loader`` (world size 1, all lanes, on ``backend`` with ``workers``) from
     ``resume`` (a checkpoint file) or the start, holding a ``StepWindow`` of ``window`` steps
-    ahead of the slowest rank and ``keep`` behind it. ``token`` (shared secret) is required
+    ahead of the slowest rank's acknowledged step and ``keep`` behind it; each rank's stream
+    sends at most ``window`` steps past its acknowledged step. ``token`` (shared secret) is required
     on every call but health checks; ``tls`` is ``(cert_path, key_path)``. ``loader`` replaces
     the embedded Loader by any object with its iteration, ``state_dict()`` and ``close()``
     (benchmarks feed synthetic batches this way).
@@ -161,6 +162,11 @@ class BatchServer:
                 "StreamBatches": grpc.unary_stream_rpc_method_handler(
                     self._stream, request_deserializer=pb.StreamBatchesRequest.FromString
                 ),
+                "Ack": grpc.unary_unary_rpc_method_handler(
+                    self._ack,
+                    request_deserializer=pb.AckRequest.FromString,
+                    response_serializer=pb.AckReply.SerializeToString,
+                ),
                 "Checkpoint": grpc.unary_unary_rpc_method_handler(
                     self._checkpoint,
                     request_deserializer=pb.CheckpointRequest.FromString,
@@ -183,11 +189,9 @@ class BatchServer:
                 f"fingerprint {self.fingerprint}: connect to the server of that pipeline",
             )
 
-    def _stream(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        self._check_fingerprint(request.fingerprint, context)
-        rank, world_size, step = int(request.rank), int(request.world_size), int(request.start_step)
+    def _rank_slice(self, rank: int, world_size: int, context: grpc.ServicerContext) -> RankSlice:
         try:
-            rows = RankSlice(
+            return RankSlice(
                 rank=rank,
                 world_size=world_size,
                 lanes=self.spec.lanes,
@@ -195,13 +199,18 @@ class BatchServer:
             )
         except SpecError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))
+
+    def _stream(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        self._check_fingerprint(request.fingerprint, context)
+        rank, world_size, step = int(request.rank), int(request.world_size), int(request.start_step)
+        rows = self._rank_slice(rank, world_size, context)
         window = self._window
         try:
             window.join(rank, world_size, step)
         except WindowError as exc:
             _abort(context, exc.code, str(exc))
         try:
-            while True:
+            while window.wait_to_send(rank, world_size, step, context.is_active):
                 try:
                     batch = window.get(step, context.is_active)
                 except WindowError as exc:
@@ -214,9 +223,19 @@ class BatchServer:
                         self._bytes_served += len(message)
                     yield message
                 step += 1
-                window.advance(rank, world_size, step)
+                window.sent(rank, world_size, step)
         finally:
             window.leave(rank, world_size)
+
+    def _ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
+        self._check_fingerprint(request.fingerprint, context)
+        rank, world_size = int(request.rank), int(request.world_size)
+        self._rank_slice(rank, world_size, context)
+        try:
+            self._window.ack(rank, world_size, int(request.step))
+        except WindowError as exc:
+            _abort(context, exc.code, str(exc))
+        return pb.AckReply()
 
     def _checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointReply:
         self._check_fingerprint(request.fingerprint, context)
@@ -252,7 +271,9 @@ class BatchServer:
             for ls in st.latest_state["lane_states"]
         ]
         ranks = [
-            pb.RankPosition(rank=r, next_step=st.positions[r], connected=st.connected[r])
+            pb.RankPosition(
+                rank=r, next_step=st.positions[r], connected=st.connected[r], sent_step=st.sent[r]
+            )
             for r in sorted(st.positions)
         ]
         elapsed = max(time.monotonic() - self._started, 1e-9)

@@ -1,17 +1,16 @@
 """The bounded window of global batches a server holds, and the ranks' positions in it.
 
 The window holds global batches ``[low, produced)`` and, for each step in ``[low, produced]``,
-the loader state from which that step is the next batch. Production may run ``ahead`` steps
-past the slowest rank's next step and blocks there; steps up to ``keep`` behind the slowest
-rank stay held, so that a rank whose connection dropped with batches in flight can ask again
-and get the same bytes. Ranks are tracked for one world size at a time: all ``W`` ranks start
-at the first rank's start step (a rank that has not connected yet holds production back, as
-it would hold back training), and the world size can change only while no rank is connected.
-
-A rank's position is what the server has *sent* it; gRPC cannot tell what the rank has read.
-After a dropped connection, the steps that were in flight (at most the HTTP/2 flow-control
-window: 64 KiB to a few MiB, so one or two steps of 1-4 MiB slices) are asked for again, and
-must lie within ``keep`` steps.
+the loader state from which that step is the next batch. A rank's position is the step it has
+*acknowledged*: its client has handed every batch before it to the trainer (the ``Ack`` RPC).
+Production may run ``ahead`` steps past the slowest rank's position and blocks there; a rank's
+stream sends at most ``ahead`` steps past its own position and waits there, so the batches in
+flight are bounded by the window, not by gRPC's buffers. Steps up to ``keep`` behind the
+slowest rank stay held, so that a rank that reconnects from the step it was at gets the same
+bytes, and ``Checkpoint(step)`` for the step a trainer is at finds that step's state. Ranks are
+tracked for one world size at a time: all ``W`` ranks start at the first rank's start step (a
+rank that has not connected yet holds production back, as it would hold back training), and
+the world size can change only while no rank is connected.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ class WindowStatus:
     produced: int
     ended: bool
     positions: dict[int, int]
+    sent: dict[int, int]
     connected: dict[int, bool]
     batches_per_second: float
     latest_state: Any
@@ -47,7 +47,8 @@ class WindowStatus:
 
 class StepWindow:
     """Thread-safe: one producer thread calls ``wait_for_room``/``add``/``finish``; stream
-    handlers call ``join``/``get``/``advance``/``leave``; checkpoints call ``state_for``."""
+    handlers call ``join``/``wait_to_send``/``get``/``sent``/``leave``; acknowledgements call
+    ``ack``; checkpoints call ``state_for``."""
 
     def __init__(self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8) -> None:
         if ahead < 1 or keep < 0:
@@ -61,6 +62,7 @@ class StepWindow:
         self._error: BaseException | None = None
         self._world_size = 0
         self._positions: dict[int, int] = {}
+        self._sent: dict[int, int] = {}
         self._connected: dict[int, int] = {}
         self._times: list[float] = []
 
@@ -124,8 +126,10 @@ class StepWindow:
             if world_size != self._world_size:
                 self._world_size = world_size
                 self._positions = dict.fromkeys(range(world_size), step)
+                self._sent = dict.fromkeys(range(world_size), step)
                 self._connected = dict.fromkeys(range(world_size), 0)
             self._positions[rank] = step
+            self._sent[rank] = step
             self._connected[rank] += 1
             self._release()
 
@@ -156,13 +160,42 @@ class StepWindow:
             self._check_step(step)
             return self._batches[step]
 
-    def advance(self, rank: int, world_size: int, next_step: int) -> None:
-        """``rank`` was sent everything before ``next_step``; releases what nobody needs."""
+    def wait_to_send(self, rank: int, world_size: int, step: int, active: Callable[[], bool]) -> bool:
+        """Blocks while ``step`` is ``ahead`` steps or more past ``rank``'s acknowledged step;
+        False when ``active()`` turns false (the stream's client is gone)."""
+        with self._cond:
+            while world_size == self._world_size and step >= self._positions[rank] + self.ahead:
+                if not active():
+                    return False
+                self._cond.wait(0.2)
+            return active()
+
+    def sent(self, rank: int, world_size: int, next_step: int) -> None:
+        """``rank``'s stream has sent every step before ``next_step`` (shown by ``status``)."""
+        with self._cond:
+            if world_size == self._world_size:
+                self._sent[rank] = next_step
+
+    def ack(self, rank: int, world_size: int, next_step: int) -> None:
+        """``rank`` has taken every batch before ``next_step``; releases what nobody needs.
+
+        Acknowledgements only move a rank forward (a late one from before a reconnect is
+        ignored); a reconnect at an earlier step moves it back through ``join``."""
         with self._cond:
             if world_size != self._world_size:
-                return
-            self._positions[rank] = next_step
-            self._release()
+                raise WindowError(
+                    "FAILED_PRECONDITION",
+                    f"the server is serving world_size={self._world_size}, not {world_size}: "
+                    f"acknowledge steps of the stream you are reading",
+                )
+            if next_step > self._produced:
+                raise WindowError(
+                    "OUT_OF_RANGE",
+                    f"rank {rank} acknowledged step {next_step - 1}, which was never served: {self._held()}",
+                )
+            if next_step > self._positions[rank]:
+                self._positions[rank] = next_step
+                self._release()
 
     def _release(self) -> None:
         """Drops the steps more than ``keep`` behind the slowest rank (holding the lock)."""
@@ -215,6 +248,7 @@ class StepWindow:
                 produced=self._produced,
                 ended=self._ended,
                 positions=dict(self._positions),
+                sent=dict(self._sent),
                 connected={r: n > 0 for r, n in self._connected.items()},
                 batches_per_second=rate,
                 latest_state=self._states[self._produced],

@@ -19,6 +19,22 @@ class StreamBatchesRequest(_message.Message):
     start_step: int
     def __init__(self, fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_step: _Optional[int] = ...) -> None: ...
 
+class AckRequest(_message.Message):
+    __slots__ = ("fingerprint", "rank", "world_size", "step")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    rank: int
+    world_size: int
+    step: int
+    def __init__(self, fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ...) -> None: ...
+
+class AckReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ArrayHeader(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -82,14 +98,16 @@ class LaneProgress(_message.Message):
     def __init__(self, lane: _Optional[int] = ..., records: _Optional[int] = ..., ended: _Optional[bool] = ...) -> None: ...
 
 class RankPosition(_message.Message):
-    __slots__ = ("rank", "next_step", "connected")
+    __slots__ = ("rank", "next_step", "connected", "sent_step")
     RANK_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SENT_STEP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     next_step: int
     connected: bool
-    def __init__(self, rank: _Optional[int] = ..., next_step: _Optional[int] = ..., connected: _Optional[bool] = ...) -> None: ...
+    sent_step: int
+    def __init__(self, rank: _Optional[int] = ..., next_step: _Optional[int] = ..., connected: _Optional[bool] = ..., sent_step: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("fingerprint", "world_size", "first_step", "produced_step", "ended", "lanes", "ranks", "batches_per_second", "bytes_per_second", "bytes_served")

@@ -40,6 +40,11 @@ class BatchServiceStub:
                 request_serializer=zephon_dot_v1_dot_batch__service__pb2.StreamBatchesRequest.SerializeToString,
                 response_deserializer=zephon_dot_v1_dot_batch__service__pb2.BatchChunk.FromString,
                 _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/zephon.v1.BatchService/Ack',
+                request_serializer=zephon_dot_v1_dot_batch__service__pb2.AckRequest.SerializeToString,
+                response_deserializer=zephon_dot_v1_dot_batch__service__pb2.AckReply.FromString,
+                _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/zephon.v1.BatchService/Checkpoint',
                 request_serializer=zephon_dot_v1_dot_batch__service__pb2.CheckpointRequest.SerializeToString,
@@ -57,7 +62,17 @@ class BatchServiceServicer:
 
     def StreamBatches(self, request, context):
         """Streams this rank's slice of global batches start_step, start_step + 1, ... in order.
-        The stream ends (OK) when the pipeline's data ends.
+        The stream ends (OK) when the pipeline's data ends. It sends at most the server's window
+        of steps past the rank's acknowledged step (start_step, then what Ack says) and waits
+        there: a reader must acknowledge what it takes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """Acknowledges that the rank has taken every batch before `step` from its stream. The
+        server's retention, its production and the rank's stream follow acknowledged steps.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,6 +99,11 @@ def add_BatchServiceServicer_to_server(servicer, server):
                     servicer.StreamBatches,
                     request_deserializer=zephon_dot_v1_dot_batch__service__pb2.StreamBatchesRequest.FromString,
                     response_serializer=zephon_dot_v1_dot_batch__service__pb2.BatchChunk.SerializeToString,
+            ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=zephon_dot_v1_dot_batch__service__pb2.AckRequest.FromString,
+                    response_serializer=zephon_dot_v1_dot_batch__service__pb2.AckReply.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
@@ -123,6 +143,33 @@ class BatchService:
             '/zephon.v1.BatchService/StreamBatches',
             zephon_dot_v1_dot_batch__service__pb2.StreamBatchesRequest.SerializeToString,
             zephon_dot_v1_dot_batch__service__pb2.BatchChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zephon.v1.BatchService/Ack',
+            zephon_dot_v1_dot_batch__service__pb2.AckRequest.SerializeToString,
+            zephon_dot_v1_dot_batch__service__pb2.AckReply.FromString,
             options,
             channel_credentials,
             insecure,
