@@ -104,11 +104,12 @@ class Client:
     the received bytes without a copy; treat them as read-only. Iteration ends when the
     server's data ends. Each step handed out is acknowledged to the server (``Ack``, from a
     background thread, coalesced): the server holds steps and sends ahead counting from
-    acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A dropped connection (``UNAVAILABLE``) is retried from ``next_step``
-    with exponential backoff (``retries`` tries from ``backoff`` seconds, doubling, at most
-    ``max_backoff``); any other refusal raises ``zf.ServiceError`` with the server's message.
-    ``fingerprint`` (``spec.fingerprint`` or its ``"total"``) makes the server check that it
-    serves that pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
+    acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A
+    dropped connection (``UNAVAILABLE``) is retried from ``next_step`` with exponential
+    backoff (``retries`` tries from ``backoff`` seconds, doubling, at most ``max_backoff``);
+    any other refusal raises ``zf.ServiceError`` with the server's message. ``fingerprint``
+    (``spec.fingerprint`` or its ``"total"``) makes the server check that it serves that
+    pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
     (PEM bytes) switches to TLS.
     """
 
