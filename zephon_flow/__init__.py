@@ -11,23 +11,27 @@ _quiet.quiet_beam_import_warnings()
 from zephon_flow.batches import batch_digest  # noqa: E402
 from zephon_flow.errors import (  # noqa: E402
     DataError,
+    ServiceError,
     SpecError,
     StateError,
     ZephonError,
 )
 from zephon_flow.loader import Loader  # noqa: E402
 from zephon_flow.runners.dofns import ProvenanceParam, SeedParam  # noqa: E402
+from zephon_flow.service.client import Client  # noqa: E402
 from zephon_flow.spec import LoaderSpec  # noqa: E402
 from zephon_flow.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Client",
     "DataError",
     "Loader",
     "LoaderSpec",
     "ProvenanceParam",
     "SeedParam",
+    "ServiceError",
     "SpecError",
     "StateError",
     "ZephonError",

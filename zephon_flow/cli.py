@@ -129,6 +129,29 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, workers=args.workers, backend=args.backend)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from zephon_flow.service.auth import read_token
+    from zephon_flow.service.server import BatchServer, serve_forever
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise SpecError("zephon serve: --tls-cert and --tls-key go together")
+    token = read_token(args.token_file)
+    server = BatchServer(
+        load_spec(args.target),
+        host=args.host,
+        port=args.port,
+        backend=args.backend,
+        workers=args.workers,
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        window=args.window,
+        keep=args.keep,
+        token=token,
+        tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
+    )
+    return serve_forever(server)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zephon", description="zephon-flow: elastically deterministic data loading"
@@ -166,6 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=BACKENDS, default="processes")
     m.add_argument("--workers", type=int, default=2)
     m.set_defaults(func=_demo)
+
+    s = sub.add_parser("serve", help="serve every rank its slice of each global batch over gRPC")
+    s.add_argument("target", metavar="MODULE:SPEC")
+    s.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on start)")
+    s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    s.add_argument("--backend", choices=BACKENDS, default="inline")
+    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--checkpoint-dir", help="where Checkpoint(step) writes DIR/step-<step>.zfstate")
+    s.add_argument("--resume", metavar="DIR/step-STEP.zfstate", help="start from this checkpoint file")
+    s.add_argument("--window", type=int, default=8, help="steps produced ahead of the slowest rank")
+    s.add_argument("--keep", type=int, default=8, help="steps held behind the slowest rank, for reconnects")
+    s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
+    s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
+    s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.set_defaults(func=_serve)
     return parser
 
 

@@ -11,6 +11,7 @@
           +-- FormatVersionError          written by a newer format
           +-- CorruptStateError           bytes or structure are damaged
           +-- StateConflictError          merged ranks disagree about a lane
+     +-- ServiceError         the batch service refused a call or failed (carries its message)
 
 Every class also derives from the builtin a caller would naturally catch (``ValueError``
 for invalid input, ``RuntimeError`` for failures while running).
@@ -63,12 +64,25 @@ class StateConflictError(StateError):
     """States being merged disagree (different steps, or different contents for a lane)."""
 
 
+class ServiceError(ZephonError, RuntimeError):
+    """The batch service refused a request or could not be reached; carries the server's message.
+
+    ``code`` is the gRPC status code name (e.g. ``"OUT_OF_RANGE"``), or ``""`` for errors found
+    on the client side (a malformed message).
+    """
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
 __all__ = [
     "CorruptStateError",
     "DataError",
     "FingerprintMismatchError",
     "FormatVersionError",
     "LaneCountMismatchError",
+    "ServiceError",
     "SpecError",
     "StageError",
     "StateConflictError",

@@ -192,7 +192,12 @@ class Loader:
             self._thread = threading.Thread(target=self._produce, name="zephon-lanes", daemon=True)
             self._thread.start()
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._closed:  # closed from another thread while this one waited
+                    return
+                continue
             if item is _END:
                 return
             if isinstance(item, BaseException):

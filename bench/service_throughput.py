@@ -1,0 +1,284 @@
+"""Throughput of the gRPC batch service, side by side with its baselines in the same run.
+
+Run from the repository root::
+
+    .venv/bin/python -m bench.service_throughput            # full run
+    .venv/bin/python -m bench.service_throughput --quick    # a small smoke run
+
+Two measurements:
+
+1. **transport**: a client (``zf.Client``, one rank) reading synthetic batches of 1 MiB and
+   ~4 MiB per message from a ``BatchServer`` fed by a loader that repeats one batch, against a
+   raw gRPC server-streaming method that sends pre-made ``bytes`` of the same message size,
+   with identity (de)serializers on both ends. Each server runs in its own spawned process;
+   the client is this process. Client-observed MB/s and batches/s, and the service/raw ratio.
+2. **end to end**: tokens/s of ``zephon serve`` on the demo pipeline (``zephon_flow.demo``),
+   read by one client rank, against the embedded ``zf.Loader`` on the same pipeline with the
+   same backend and workers; both timed after a warm-up, in the same run.
+
+Contenders alternate within each repeat; medians over repeats are reported. Timings are never
+asserted anywhere. See ``bench/README.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+COLS = 4096  # int32 tokens per row: 16 KiB rows
+SIZES = {"1MiB": 64, "4MiB": 252}  # rows per message; 252 rows stay under the 4 MiB chunk
+RAW_METHOD = "/bench.Raw/Stream"
+DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "service_throughput.json")
+TOKENS_PER_STEP = 32 * 512  # the demo pipeline's global batch
+
+
+class RepeatingLoader:
+    """Loader-like: yields the same global batch forever (the server's producer outpaces any client)."""
+
+    def __init__(self, batch: dict[str, np.ndarray]) -> None:
+        self.batch, self.step = batch, 0
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+        while True:
+            self.step += 1
+            yield self.step - 1, self.batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "lane_states": []}
+
+    def close(self) -> None:
+        pass
+
+
+def synthetic_batch(rows: int) -> dict[str, np.ndarray]:
+    return {"tokens": np.arange(rows * COLS, dtype=np.int32).reshape(rows, COLS)}
+
+
+def _serve_service(rows: int, ports: Any) -> None:
+    import apache_beam as beam
+
+    import zephon_flow as zf
+    from zephon_flow import operators as ops
+    from zephon_flow.service.server import BatchServer
+
+    tmp = tempfile.mkdtemp()
+    with open(os.path.join(tmp, "one.jsonl"), "w") as f:
+        f.write('{"text": "x"}\n')
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        return p | "src" >> ops.ReadJsonl(os.path.join(tmp, "one.jsonl"))
+
+    spec = zf.LoaderSpec(build, lanes=1, global_batch_size=rows)
+    # Every repeat reconnects where the previous one stopped: keep enough steps for that.
+    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=8, keep=64).start()
+    ports.put(server.port)
+    server.wait()
+
+
+def _serve_raw(size: int, ports: Any) -> None:
+    from concurrent import futures
+
+    import grpc
+
+    message = bytes(size)
+
+    def stream(request: bytes, context: Any) -> Iterator[bytes]:
+        for _ in range(int(request)):
+            yield message
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4),
+        handlers=[handler],
+        options=[("grpc.max_send_message_length", 8 << 20)],
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    ports.put(port)
+    server.wait_for_termination()
+
+
+def _start(target: Any, arg: int) -> tuple[Any, int]:
+    ctx = get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=target, args=(arg, ports), daemon=True)
+    proc.start()
+    return proc, int(ports.get(timeout=120))
+
+
+def read_raw(port: int, messages: int) -> tuple[float, int]:
+    import grpc
+
+    options = [("grpc.max_receive_message_length", 8 << 20)]
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+        call = channel.unary_stream(RAW_METHOD)(str(messages + 1).encode())
+        received = 0
+        for n, msg in enumerate(call):
+            if n == 0:
+                start = time.perf_counter()  # timed from the first message on
+                continue
+            received += len(msg)
+    return time.perf_counter() - start, received
+
+
+def read_service(port: int, messages: int, message_bytes: int, start_step: int) -> tuple[float, int, int]:
+    import zephon_flow as zf
+
+    with zf.Client(f"127.0.0.1:{port}", 0, 1, start_step=start_step) as client:
+        for n, (_, batch) in enumerate(client):
+            if n == 0:
+                start = time.perf_counter()
+            elif n == messages:
+                break
+            assert batch["tokens"].shape[1] == COLS
+        return time.perf_counter() - start, messages * message_bytes, client.next_step
+
+
+def transport(repeats: int, total_mib: int) -> dict[str, Any]:
+    from zephon_flow.service.wire import encode_step
+
+    out: dict[str, Any] = {}
+    for label, rows in SIZES.items():
+        (message,) = encode_step(0, synthetic_batch(rows))
+        size = len(message)
+        messages = max(20, (total_mib << 20) // size)
+        raw_proc, raw_port = _start(_serve_raw, size)
+        svc_proc, svc_port = _start(_serve_service, rows)
+        runs: dict[str, list[float]] = {"raw": [], "service": []}
+        next_step = 0
+        try:
+            for rep in range(repeats):
+                order = ["raw", "service"] if rep % 2 == 0 else ["service", "raw"]
+                for name in order:
+                    if name == "raw":
+                        seconds, nbytes = read_raw(raw_port, messages)
+                    else:
+                        seconds, nbytes, next_step = read_service(svc_port, messages, size, next_step)
+                    runs[name].append(nbytes / seconds)
+                    _say(f"{label} {name}: {nbytes / seconds / 1e6:,.0f} MB/s")
+        finally:
+            for proc in (raw_proc, svc_proc):
+                proc.kill()
+                proc.join()
+        raw_bps, svc_bps = statistics.median(runs["raw"]), statistics.median(runs["service"])
+        out[label] = {
+            "message_bytes": size,
+            "messages": messages,
+            "raw_mb_per_s": raw_bps / 1e6,
+            "raw_batches_per_s": raw_bps / size,
+            "service_mb_per_s": svc_bps / 1e6,
+            "service_batches_per_s": svc_bps / size,
+            "service_over_raw": svc_bps / raw_bps,
+            "paired_ratios": [s / r for s, r in zip(runs["service"], runs["raw"], strict=True)],
+        }
+    return out
+
+
+def _tokens_per_s(batches: Iterator[Any], warmup: int, steps: int) -> float:
+    for _ in range(warmup + 1):
+        next(batches)
+    start = time.perf_counter()
+    for _ in range(steps):
+        next(batches)
+    return steps * TOKENS_PER_STEP / (time.perf_counter() - start)
+
+
+def end_to_end(repeats: int, warmup: int, steps: int, backend: str, workers: int) -> dict[str, Any]:
+    import zephon_flow as zf
+    from zephon_flow.demo import demo_spec
+
+    spec = demo_spec()  # builds the demo corpus once (cached)
+    runs: dict[str, list[float]] = {"embedded": [], "service": []}
+    for rep in range(repeats):
+        order = ["embedded", "service"] if rep % 2 == 0 else ["service", "embedded"]
+        for name in order:
+            if name == "embedded":
+                with zf.Loader(spec, backend=backend, workers=workers) as loader:
+                    rate = _tokens_per_s(iter(loader), warmup, steps)
+            else:
+                rate = _service_tokens_per_s(warmup, steps, backend, workers)
+            runs[name].append(rate)
+            _say(f"end to end {name}: {rate:,.0f} tokens/s")
+    emb, svc = statistics.median(runs["embedded"]), statistics.median(runs["service"])
+    return {
+        "backend": backend,
+        "workers": workers,
+        "warmup_steps": warmup,
+        "steps": steps,
+        "embedded_tokens_per_s": emb,
+        "service_tokens_per_s": svc,
+        "service_over_embedded": svc / emb,
+        "runs": runs,
+    }
+
+
+def _service_tokens_per_s(warmup: int, steps: int, backend: str, workers: int) -> float:
+    import zephon_flow as zf
+
+    cmd = [sys.executable, "-m", "zephon_flow.cli", "serve", "zephon_flow.demo:demo_spec", "--port", "0"]
+    cmd += ["--backend", backend, "--workers", str(workers)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        port = int(line.rsplit(":", 1)[1])
+        with zf.Client(f"127.0.0.1:{port}", 0, 1) as client:
+            return _tokens_per_s(iter(client), warmup, steps)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _say(message: str) -> None:
+    print(f"[service bench] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transport-mib", type=int, default=512, help="MiB read per transport run")
+    parser.add_argument("--warmup-steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=100, help="timed end-to-end steps")
+    parser.add_argument("--backend", default="processes")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--skip-end-to-end", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="1 repeat, 32 MiB, 2 + 5 steps")
+    parser.add_argument("--out", default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.transport_mib, args.warmup_steps, args.steps = 1, 32, 2, 5
+    results: dict[str, Any] = {
+        "loadavg_before": list(os.getloadavg()),
+        "cpus": os.cpu_count(),
+        "transport": transport(args.repeats, args.transport_mib),
+    }
+    if not args.skip_end_to_end:
+        results["end_to_end"] = end_to_end(
+            args.repeats, args.warmup_steps, args.steps, args.backend, args.workers
+        )
+    results["loadavg_after"] = list(os.getloadavg())
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(json.dumps(results, indent=2))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The server's bounded step window: back-pressure, retention for reconnects, topology changes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from zephon_flow.service.window import StepWindow, WindowError
+
+
+def _batch(step: int) -> dict[str, np.ndarray]:
+    return {"step": np.asarray([step])}
+
+
+def _state(step: int) -> dict[str, int]:
+    return {"step": step}
+
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _fill(window: StepWindow) -> int:
+    """Produces until the window is full; returns how many steps were added."""
+    added = 0
+    while window.has_room():
+        produced = window.status().produced
+        window.add(_batch(produced), _state(produced + 1))
+        added += 1
+    return added
+
+
+def _never() -> bool:
+    return False
+
+
+def test_production_stops_ahead_steps_past_the_slowest_rank() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=1)
+    assert _fill(window) == 3
+    window.join(0, 2, 0)
+    window.join(1, 2, 0)
+    assert _fill(window) == 0
+    # Rank 0 moving on is not enough: rank 1 (the slowest) holds production back.
+    window.ack(0, 2, 2)
+    assert _fill(window) == 0
+    window.ack(1, 2, 1)
+    assert _fill(window) == 1
+    assert window.status().produced == 4
+
+
+def test_a_rank_not_yet_connected_holds_production_back() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=2, keep=0)
+    window.join(0, 2, 0)
+    _fill(window)
+    window.ack(0, 2, 2)
+    assert _fill(window) == 0  # rank 1 of 2 has not asked for step 0 yet
+
+
+def test_steps_up_to_keep_behind_the_slowest_rank_are_served_again() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=4, keep=2)
+    window.join(0, 1, 0)
+    _fill(window)
+    window.ack(0, 1, 3)
+    batch = window.get(1, _never)
+    assert batch is not None and int(batch["step"][0]) == 1
+    with pytest.raises(
+        WindowError, match=r"step 0 is no longer held: the server holds steps \[1, 4\)"
+    ) as info:
+        window.get(0, _never)
+    assert info.value.code == "OUT_OF_RANGE"
+    with pytest.raises(WindowError, match="step 0 is no longer held"):
+        window.join(0, 1, 0)
+
+
+def test_the_world_size_changes_only_when_no_rank_is_connected() -> None:
+    window = StepWindow(first_step=5, first_state=_state(5), ahead=4, keep=2)
+    window.join(0, 2, 5)
+    with pytest.raises(WindowError, match=r"serving world_size=2 \(ranks \[0\] connected\)") as info:
+        window.join(0, 4, 5)
+    assert info.value.code == "FAILED_PRECONDITION"
+    window.leave(0, 2)
+    window.join(3, 4, 5)
+    assert window.status().positions == {0: 5, 1: 5, 2: 5, 3: 5}
+
+
+def test_a_start_step_too_far_ahead_is_refused() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=1)
+    with pytest.raises(
+        WindowError, match="step 4 is too far ahead: the server holds steps \\[0, 0\\)"
+    ) as info:
+        window.join(0, 1, 4)
+    assert info.value.code == "OUT_OF_RANGE"
+    window.join(0, 1, 3)  # within reach: produced and skipped over
+    assert _fill(window) == 6
+    window.join(0, 1, 3)
+    assert window.status().low == 2
+
+
+def test_state_for_each_held_step_and_refusals() -> None:
+    window = StepWindow(first_step=10, first_state=_state(10), ahead=2, keep=1)
+    window.join(0, 1, 10)
+    _fill(window)
+    assert window.state_for(10, timeout=1) == {"step": 10}
+    assert window.state_for(12, timeout=1) == {"step": 12}
+    with pytest.raises(
+        WindowError, match="step 13 is not produced yet and cannot be before the slowest rank"
+    ):
+        window.state_for(13, timeout=1)
+    window.ack(0, 1, 12)
+    with pytest.raises(WindowError, match="step 10 is no longer held"):
+        window.state_for(10, timeout=1)
+
+
+def test_end_of_data_and_pipeline_failure() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=4, keep=1)
+    window.join(0, 1, 0)
+    window.add(_batch(0), _state(1))
+    window.finish()
+    assert window.get(0, _never) is not None
+    assert window.get(1, _never) is None
+    with pytest.raises(WindowError, match="step 5 is past the end of the data: the last step is 0"):
+        window.join(0, 1, 5)
+    failed = StepWindow(first_step=0, first_state=_state(0))
+    failed.finish(RuntimeError("disk on fire"))
+    with pytest.raises(WindowError, match="the pipeline failed at step 0: disk on fire") as info:
+        failed.get(0, _never)
+    assert info.value.code == "INTERNAL"
+
+
+def test_a_stream_sends_at_most_ahead_steps_past_its_acknowledged_step() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=0)
+    window.join(0, 1, 0)
+    _fill(window)
+    assert [window.wait_to_send(0, 1, s, lambda: True) for s in range(3)] == [True] * 3
+    # Step 3 would be the fourth in flight: the stream waits, here until its client is gone.
+    assert window.wait_to_send(0, 1, 3, _never) is False
+    window.sent(0, 1, 3)
+    window.ack(0, 1, 1)
+    assert window.wait_to_send(0, 1, 3, lambda: True)
+    status = window.status()
+    assert (status.positions, status.sent, status.low) == ({0: 1}, {0: 3}, 1)
+    # The state of the acknowledged step is held for a checkpoint, even with keep=0.
+    assert window.state_for(1, timeout=1) == {"step": 1}
+
+
+def test_acknowledgements_move_forward_only_and_are_checked() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=1)
+    window.join(0, 1, 0)
+    _fill(window)
+    window.ack(0, 1, 2)
+    window.ack(0, 1, 1)  # late, from before: ignored
+    assert window.status().positions == {0: 2}
+    with pytest.raises(WindowError, match=r"rank 0 acknowledged step 3, which was never served") as info:
+        window.ack(0, 1, 4)
+    assert info.value.code == "OUT_OF_RANGE"
+    with pytest.raises(WindowError, match="the server is serving world_size=1, not 2") as info:
+        window.ack(1, 2, 1)
+    assert info.value.code == "FAILED_PRECONDITION"
+    window.join(0, 1, 1)  # a reconnect at an earlier step moves the rank back
+    assert window.status().positions == {0: 1}

@@ -1,0 +1,1 @@
+"""Stubs generated from proto/zephon/v1/ by scripts/gen_proto.py: never edited by hand."""

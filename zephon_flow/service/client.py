@@ -1,0 +1,291 @@
+"""``zf.Client``: one trainer rank's batches from a ``zephon serve`` server, with reconnects."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from zephon_flow.errors import ServiceError, SpecError
+from zephon_flow.service import auth
+from zephon_flow.service._proto import batch_service_pb2 as pb
+from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler
+
+_METHOD = "/zephon.v1.BatchService/"
+_RETRY = frozenset({grpc.StatusCode.UNAVAILABLE})
+# An acknowledgement lost to these is made good by the stream's reconnect (which restarts the
+# rank's position at next_step) or by the next acknowledgement.
+_ACK_LOST = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+
+def _fingerprint(value: str | Mapping[str, str] | None) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, Mapping):
+        if "total" not in value:
+            raise SpecError("Client: fingerprint= must be spec.fingerprint or its 'total' string")
+        return str(value["total"])
+    if not isinstance(value, str):
+        raise SpecError(f"Client: fingerprint= must be a str or spec.fingerprint, got {type(value).__name__}")
+    return value
+
+
+def _plain(message: Any) -> Any:
+    """A message as plain data: every field, numbers as numbers, lists for repeated fields."""
+    out: dict[str, Any] = {}
+    for field in message.DESCRIPTOR.fields:
+        value = getattr(message, field.name)
+        if field.message_type is not None:
+            value = [_plain(v) for v in value] if _is_repeated(field) else _plain(value)
+        elif _is_repeated(field):
+            value = list(value)
+        out[field.name] = value
+    return out
+
+
+def _is_repeated(field: Any) -> bool:
+    return bool(field.is_repeated)
+
+
+class _Acker:
+    """Tells the server, from a background thread, the step up to which the rank has taken its
+    batches; acknowledgements made while one is in flight are coalesced into the latest."""
+
+    def __init__(self, send: Callable[[int], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        self._wanted = self._sent = -1
+        self._closed = False
+        self.error: ServiceError | None = None
+        self._thread = threading.Thread(target=self._run, name="zephon-client-ack", daemon=True)
+        self._thread.start()
+
+    def ack(self, step: int) -> None:
+        with self._cond:
+            self._wanted = max(self._wanted, step)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._wanted <= self._sent and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                step = self._sent = self._wanted
+            try:
+                self._send(step)
+            except grpc.RpcError as exc:
+                if exc.code() not in _ACK_LOST:
+                    self.error = ServiceError(
+                        f"acknowledging step {step} failed: {exc.code().name}: {exc.details()}",
+                        code=exc.code().name,
+                    )
+            except ValueError:  # the channel was closed under us
+                return
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+class Client:
+    """Iterates ``(step, batch)`` for rank ``rank`` of ``world_size``, from ``start_step`` on.
+
+    ``batch`` maps field names to numpy arrays (torch tensors with ``as_torch=True``) viewing
+    the received bytes without a copy; treat them as read-only. Iteration ends when the
+    server's data ends. Each step handed out is acknowledged to the server (``Ack``, from a
+    background thread, coalesced): the server holds steps and sends ahead counting from
+    acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A
+    dropped connection (``UNAVAILABLE``) is retried from ``next_step`` with exponential
+    backoff (``retries`` tries from ``backoff`` seconds, doubling, at most ``max_backoff``);
+    any other refusal raises ``zf.ServiceError`` with the server's message. ``fingerprint``
+    (``spec.fingerprint`` or its ``"total"``) makes the server check that it serves that
+    pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
+    (PEM bytes) switches to TLS.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        world_size: int,
+        start_step: int = 0,
+        as_torch: bool = False,
+        *,
+        fingerprint: str | Mapping[str, str] | None = None,
+        token: str | None = None,
+        root_certificates: bytes | None = None,
+        retries: int = 8,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        timeout: float = 300.0,
+    ) -> None:
+        for name, value, low in (
+            ("rank", rank, 0),
+            ("world_size", world_size, 1),
+            ("start_step", start_step, 0),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise SpecError(f"Client: {name} must be an integer >= {low}, got {value!r}")
+        if rank >= world_size:
+            raise SpecError(f"Client: rank must be in [0, {world_size}), got {rank}")
+        if not isinstance(retries, int) or retries < 0 or backoff <= 0 or max_backoff < backoff:
+            raise SpecError(
+                f"Client: retries must be >= 0 and 0 < backoff <= max_backoff, got "
+                f"retries={retries!r}, backoff={backoff!r}, max_backoff={max_backoff!r}"
+            )
+        self.address, self.rank, self.world_size = address, rank, world_size
+        self.as_torch = as_torch
+        self._fingerprint = _fingerprint(fingerprint)
+        token = token if token is not None else os.environ.get(auth.TOKEN_ENV) or None
+        self._metadata = auth.bearer(token) if token else ()
+        self._retries, self._backoff, self._max_backoff, self._timeout = (
+            retries,
+            backoff,
+            max_backoff,
+            timeout,
+        )
+        self._next_step = start_step
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", 1 << 20),
+            # Reconnect attempts follow our own backoff, not grpc's (which grows to 2 minutes).
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 2000),
+        ]
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stream = self._channel.unary_stream(
+            _METHOD + "StreamBatches", request_serializer=pb.StreamBatchesRequest.SerializeToString
+        )
+        self._ack = self._channel.unary_unary(
+            _METHOD + "Ack",
+            request_serializer=pb.AckRequest.SerializeToString,
+            response_deserializer=pb.AckReply.FromString,
+        )
+        self._acker: _Acker | None = None
+        self._checkpoint = self._channel.unary_unary(
+            _METHOD + "Checkpoint",
+            request_serializer=pb.CheckpointRequest.SerializeToString,
+            response_deserializer=pb.CheckpointReply.FromString,
+        )
+        self._status = self._channel.unary_unary(
+            _METHOD + "Status",
+            request_serializer=pb.StatusRequest.SerializeToString,
+            response_deserializer=pb.StatusReply.FromString,
+        )
+        self._closed = False
+
+    @property
+    def next_step(self) -> int:
+        """The step the next batch will have (where a reconnect or a checkpoint starts)."""
+        return self._next_step
+
+    def _sleep_or_raise(self, attempt: int, exc: grpc.RpcError, what: str) -> None:
+        code = exc.code()
+        if code not in _RETRY or attempt >= self._retries:
+            tries = f" after {attempt + 1} tries" if code in _RETRY else ""
+            raise ServiceError(
+                f"{what} from {self.address} failed{tries}: {code.name}: {exc.details()}", code=code.name
+            ) from None
+        time.sleep(min(self._max_backoff, self._backoff * 2**attempt))
+
+    def _send_ack(self, step: int) -> None:
+        request = pb.AckRequest(
+            fingerprint=self._fingerprint, rank=self.rank, world_size=self.world_size, step=step
+        )
+        self._ack(request, metadata=self._metadata, timeout=self._timeout)
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        if self._closed:
+            raise ServiceError("this Client is closed")
+        if self._acker is None:
+            self._acker = _Acker(self._send_ack)
+        acker = self._acker
+        attempt = 0
+        while True:
+            request = pb.StreamBatchesRequest(
+                fingerprint=self._fingerprint,
+                rank=self.rank,
+                world_size=self.world_size,
+                start_step=self._next_step,
+            )
+            call = self._stream(request, metadata=self._metadata)
+            assembler = StepAssembler(as_torch=self.as_torch)
+            try:
+                for raw in call:
+                    got = assembler.feed(raw)
+                    if got is None:
+                        continue
+                    step, batch = got
+                    if step != self._next_step:
+                        raise ServiceError(
+                            f"expected step {self._next_step} from {self.address}, got step {step}"
+                        )
+                    if acker.error is not None:
+                        raise acker.error
+                    self._next_step = step + 1
+                    attempt = 0
+                    acker.ack(self._next_step)
+                    yield step, batch
+                return
+            except grpc.RpcError as exc:
+                self._sleep_or_raise(attempt, exc, f"rank {self.rank}'s stream at step {self._next_step}")
+                attempt += 1
+            finally:
+                call.cancel()
+
+    def _unary(self, method: Any, request: Any, what: str) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return method(request, metadata=self._metadata, timeout=self._timeout)
+            except grpc.RpcError as exc:
+                self._sleep_or_raise(attempt, exc, what)
+                attempt += 1
+
+    def checkpoint(self, step: int | None = None) -> str:
+        """Has the server write the state from which ``step`` (default ``next_step``) is the
+        next batch; returns the checkpoint's path on the server (``zephon serve --resume``)."""
+        step = self._next_step if step is None else step
+        if not isinstance(step, int) or step < 0:
+            raise SpecError(f"Client.checkpoint: step must be an integer >= 0, got {step!r}")
+        request = pb.CheckpointRequest(step=step, fingerprint=self._fingerprint)
+        reply = self._unary(self._checkpoint, request, f"checkpoint at step {step}")
+        return str(reply.path)
+
+    def status(self) -> dict[str, Any]:
+        """The server's status: produced step, held window, lanes' progress, ranks, throughput."""
+        reply = self._unary(self._status, pb.StatusRequest(), "status")
+        return dict(_plain(reply))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._acker is not None:
+                self._acker.close()
+            self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
