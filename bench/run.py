@@ -125,7 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-peers", action="store_true", help="only the contenders of this venv")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=20, help="timed steps per throughput run")
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first batch")
+    p.add_argument("--warmup", type=int, default=15, help="untimed steps after the first batch (read-ahead)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--resume-steps", default="10,100,1000")
     p.add_argument("--resume-batch", type=int, default=8, help="global batch of the resume study")

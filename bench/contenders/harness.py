@@ -158,7 +158,10 @@ def run_elastic(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str
             matched = sum(a == b for a, b in zip(got, expected, strict=True))
             case.update(outcome="match" if matched == count else "mismatch", batches_matching=matched)
         except Exception as exc:  # a refusal is a result: recorded, not raised
-            case.update(outcome="refused", error=f"{type(exc).__name__}: {exc}"[:300])
+            message = str(exc).strip().splitlines()
+            case.update(
+                outcome="refused", error=f"{type(exc).__name__}: {message[-1] if message else ''}"[:300]
+            )
         cases.append(case)
     return {"step": step, "count": count, "checkpoint_workers": workers, "cases": cases}
 
