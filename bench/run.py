@@ -196,17 +196,36 @@ def main(argv: list[str] | None = None) -> int:
     Path(study_path).write_text(study.to_json(), encoding="utf-8")
 
     raw: dict[str, list[dict[str, Any]]] = {"throughput": [], "resume": [], "elastic": []}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+    def write() -> None:
+        """Results so far: written after every phase, so a long run that is cut short keeps them."""
+        results = report.summarise(
+            raw=raw,
+            config=config,
+            workload=json.loads(workload.to_json()),
+            study=json.loads(study.to_json()),
+            data=data_info,
+            unavailable=unavailable,
+            peers={n for n in names if CONTENDERS[n].peer},
+        )
+        (args.out / "bench.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
+        (args.out / "report.md").write_text(report.markdown(results), encoding="utf-8")
+        report.plots(results, args.out)
+
     if "throughput" not in skip:
         task = {"kind": "throughput", "steps": args.steps, "warmup": args.warmup, "workers": args.workers}
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
             for name in order:
                 raw["throughput"].append({"round": r, **run_task(name, main_path, task, args.timeout)})
+            write()
     if "resume" not in skip:
         steps = [int(s) for s in args.resume_steps.split(",") if s]
         for name in (n for n in RESUME_STUDY if n in names):
             task = {"kind": "resume", "steps": steps, "workers": args.workers}
             raw["resume"].append(run_task(name, study_path, task, args.timeout))
+            write()
     if "elastic" not in skip:
         topologies = [
             {"world_size": 1, "workers": args.workers},
@@ -222,20 +241,8 @@ def main(argv: list[str] | None = None) -> int:
                 "topologies": topologies,
             }
             raw["elastic"].append(run_task(name, study_path, task, args.timeout))
-
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    results = report.summarise(
-        raw=raw,
-        config=config,
-        workload=json.loads(workload.to_json()),
-        study=json.loads(study.to_json()),
-        data=data_info,
-        unavailable=unavailable,
-        peers={n for n in names if CONTENDERS[n].peer},
-    )
-    (args.out / "bench.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
-    (args.out / "report.md").write_text(report.markdown(results), encoding="utf-8")
-    report.plots(results, args.out)
+            write()
+    write()
     print(f"bench.run: wrote {args.out}/bench.json, report.md and plots", file=sys.stderr)
     return 0
 
