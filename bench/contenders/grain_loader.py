@@ -11,6 +11,7 @@ checkpoint is the iterator's ``get_state()``.
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 from collections.abc import Iterator
@@ -23,33 +24,33 @@ from bench.workload import TextWorkload, encode, load_tokenizer, shards
 
 
 class JsonlLines:
-    """Random access to the ``text`` of every line of some JSONL files."""
+    """Random access to the ``text`` of every line of some JSONL files (``os.pread``: Grain may
+    read from several threads of a worker at once)."""
 
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths
-        index: list[tuple[int, int]] = []
+        index: list[tuple[int, int, int]] = []
         for k, path in enumerate(paths):
             with open(path, "rb") as f:
                 offset = 0
                 for line in f:
-                    index.append((k, offset))
+                    index.append((k, offset, len(line)))
                     offset += len(line)
         self.index = np.asarray(index, dtype=np.int64)
-        self._files: dict[int, Any] = {}
+        self._fds: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self.index)
 
     def __getitem__(self, i: int) -> str:
-        k, offset = (int(x) for x in self.index[i])
-        f = self._files.get(k)
-        if f is None:
-            f = self._files[k] = open(self.paths[k], "rb")  # noqa: SIM115 - kept for the process's life
-        f.seek(offset)
-        return str(json.loads(f.readline())["text"])
+        k, offset, length = (int(x) for x in self.index[i])
+        fd = self._fds.get(k)
+        if fd is None:
+            fd = self._fds.setdefault(k, os.open(self.paths[k], os.O_RDONLY))
+        return str(json.loads(os.pread(fd, length, offset))["text"])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"paths": self.paths, "index": self.index, "_files": {}}
+        return {"paths": self.paths, "index": self.index, "_fds": {}}
 
 
 class _Encode:
