@@ -109,6 +109,8 @@ def test_tiny_run_writes_results_report_and_plots(tmp_path: Path, monkeypatch: p
         assert 0.0 <= row["padding_fraction"] < 1.0
     assert table["limit"]["over_limit"] == pytest.approx(1.0)
     assert res["throughput"]["best_peer"] == "torch_dataloader"
+    for name in ("zephon_processes_hf", "torch_dataloader"):
+        assert _positive(table[name]["end_to_end_tokens_per_s"]), name
     for run_ in res["raw"]["throughput"]:
         if run_["name"] != "limit":
             assert run_["tokens"] <= 3 * 8 * 128 and run_["first_batch_shape"] == [8, 128]

@@ -52,20 +52,27 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
         first = next(it)
         ttfb = time.perf_counter() - start
         tokens = pad = 0
+        early = real_tokens(first)
         for _ in range(warmup):
-            next(it)
+            early += real_tokens(next(it))
         timed = time.perf_counter()
         for _ in range(steps):
             batch = next(it)
             real = real_tokens(batch)
             tokens += real
             pad += int(batch["segment_ids"].size) - real
-        seconds = time.perf_counter() - timed
+        end = time.perf_counter()
+        seconds = end - timed
     finally:
         session.close()
     return {
         "ttfb_s": ttfb,
+        "warmup_s": timed - start - ttfb,
         "seconds": seconds,
+        # Every token delivered over the whole life of the loader, start-up included: read-ahead
+        # done before the timed window cannot inflate it (unlike tokens_per_s when the window is
+        # shorter than the loader's buffers).
+        "end_to_end_tokens_per_s": (early + tokens) / (end - start),
         "steps": steps,
         "warmup": warmup,
         "tokens": tokens,
