@@ -13,6 +13,8 @@ from typing import Any
 GOAL_LIMIT = 0.8
 GOAL_PEER = 1.0
 GOAL_FLAT = 1.2
+NOISE = 0.10  # a rate above the limit by more than this is not a measurement of steady throughput
+UNSTEADY = 1.25  # first half of the timed window faster than the second by more: a buffer was draining
 ZEPHON = ("zephon_processes_hf", "zephon_processes_auto")
 
 
@@ -55,6 +57,7 @@ def _throughput(runs: list[dict[str, Any]], peers: set[str]) -> dict[str, Any]:
             "ttfb_s": _median([r["ttfb_s"] for r in good if "ttfb_s" in r]),
             "peak_rss_mb": _median([r["peak_rss_bytes"] / 1e6 for r in good]),
             "padding_fraction": _median([r["padding_fraction"] for r in good]),
+            "half_rate_ratio": _median([r["half_rate_ratio"] for r in good if r.get("half_rate_ratio")]),
         }
     limit = table.get("limit", {}).get("tokens_per_s")
     peer_rates = {n: t["tokens_per_s"] for n, t in table.items() if n in peers and t["tokens_per_s"]}
@@ -68,7 +71,23 @@ def _throughput(runs: list[dict[str, Any]], peers: set[str]) -> dict[str, Any]:
         row["over_best_peer"] = _ratio(row["tokens_per_s"], peer_rates.get(best_peer)) if best_peer else None
         paired = [r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")]
         row["over_limit_paired_median"] = _median(paired)
+        row["flags"] = _flags(name, row, limit)
     return {"table": table, "best_peer": best_peer}
+
+
+def _flags(name: str, row: dict[str, Any], limit: float | None) -> list[str]:
+    """Why this row's rate is not a valid steady-state throughput (empty when it looks valid)."""
+    flags = []
+    for key in ("tokens_per_s", "end_to_end_tokens_per_s"):
+        rate = row.get(key)
+        if name != "limit" and limit and rate and rate > limit * (1 + NOISE):
+            flags.append(f"{key} {rate / limit:.2f}x the limit (> {1 + NOISE:.2f}x): read-ahead or a bug")
+    ratio = row.get("half_rate_ratio")
+    if ratio and ratio > UNSTEADY:
+        flags.append(
+            f"timed window not steady: its first half {ratio:.2f}x faster than its second (buffer draining)"
+        )
+    return flags
 
 
 def _resume(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -114,6 +133,14 @@ def summarise(
             "value": z["bytes_last_over_first"],
             "goal": GOAL_FLAT,
         }
+    for name in ZEPHON:
+        for key in (f"{name}_over_limit", f"{name}_over_best_peer"):
+            if key in goals:
+                goals[key]["flags"] = table[name]["flags"]
+        if throughput["best_peer"] and f"{name}_over_best_peer" in goals:
+            goals[f"{name}_over_best_peer"]["flags"] = (
+                goals[f"{name}_over_best_peer"]["flags"] + table[throughput["best_peer"]]["flags"]
+            )
     for key, goal in goals.items():
         value = goal["value"]
         below = key.endswith("last_over_first")
@@ -155,8 +182,9 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "## Throughput",
         "",
-        "| contender | tokens/s after warm-up | / limit | / limit (paired median) | / best peer | end-to-end tokens/s | first batch s | peak RSS MB | padding |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| contender | tokens/s after warm-up | / limit | / limit (paired median) | / best peer "
+        "| end-to-end tokens/s | first batch s | peak RSS MB | padding | window 1st/2nd half | valid |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     table = res["throughput"]["table"]
     for name, row in sorted(table.items(), key=lambda kv: -(kv[1]["tokens_per_s"] or 0)):
@@ -164,15 +192,21 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {name} | {_fmt(row['tokens_per_s'])} | {_fmt(row['over_limit'], '.2f')} "
             f"| {_fmt(row['over_limit_paired_median'], '.2f')} | {_fmt(row['over_best_peer'], '.2f')} "
             f"| {_fmt(row.get('end_to_end_tokens_per_s'))} "
-            f"| {_fmt(row['ttfb_s'], '.2f')} | {_fmt(row['peak_rss_mb'])} | {_fmt(row['padding_fraction'], '.4f')} |"
+            f"| {_fmt(row['ttfb_s'], '.2f')} | {_fmt(row['peak_rss_mb'])} | {_fmt(row['padding_fraction'], '.4f')} "
+            f"| {_fmt(row.get('half_rate_ratio'), '.2f')} | {'**FLAGGED**' if row.get('flags') else 'ok'} |"
         )
     lines.append(f"\nBest peer: {res['throughput']['best_peer']}.")
+    flagged = [(n, f) for n, row in table.items() for f in row.get("flags", [])]
+    if flagged:
+        lines.append("\n**WARNING: these rates are not valid steady-state throughput:**\n")
+        lines += [f"- **{n}: {f}**" for n, f in flagged]
     lines.append(
-        "\n*tokens/s after warm-up* is only a steady-state rate if the timed window is longer than what "
-        "the loader reads ahead (its shuffle buffers, map batches and prefetched batches); when a "
-        "contender's first batch takes much longer than the others', its read-ahead is large and this "
-        "number overstates it. *end-to-end tokens/s* counts every token delivered from the loader's "
-        "construction to its last batch, start-up included, and cannot be inflated that way."
+        "\n*tokens/s after warm-up* is the rate between two deliveries well after the first batch; it "
+        "is a steady-state rate only once the loader's read-ahead (shuffle buffers, map batches, "
+        "prefetched batches) has drained, which *window 1st/2nd half* checks (near 1 when steady). "
+        "*end-to-end tokens/s* counts every token delivered from the loader's construction to its last "
+        "batch, start-up included: read-ahead cannot inflate it, start-up deflates it. A rate above the "
+        f"limit by more than {NOISE:.0%} is flagged as invalid."
     )
     for name, row in table.items():
         if row["failed"]:
@@ -219,7 +253,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", "## Goals", "", "| goal | value | target | met |", "| --- | ---: | ---: | --- |"]
     for key, g in res["goals"].items():
         op = "<=" if key.endswith("last_over_first") else ">="
-        lines.append(f"| {key} | {_fmt(g['value'], '.2f')} | {op} {g['goal']} | {g['met']} |")
+        met = f"{g['met']} (**INVALID: a rate in it is flagged**)" if g.get("flags") else g["met"]
+        lines.append(f"| {key} | {_fmt(g['value'], '.2f')} | {op} {g['goal']} | {met} |")
     lines.append("")
     return "\n".join(lines)
 

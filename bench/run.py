@@ -43,14 +43,26 @@ CONTENDERS: dict[str, Entry] = {
     "limit": Entry("main", "bench.contenders.limit", peer=False),
     "zephon_processes_hf": Entry("main", "bench.contenders.zephon_embedded", ("engine=hf",), peer=False),
     "zephon_processes_auto": Entry("main", "bench.contenders.zephon_embedded", ("engine=auto",), peer=False),
+    # One core, no worker processes: a knob a user may pick, and the quick smoke test's zephon-flow.
+    "zephon_inline_hf": Entry(
+        "main", "bench.contenders.zephon_embedded", ("engine=hf", "backend=inline"), peer=False
+    ),
     "torch_dataloader": Entry("main", "bench.contenders.torch_loader", ("loader=plain",)),
     "torch_stateful": Entry("peers", "bench.contenders.torch_loader", ("loader=stateful",)),
     "torchdata_nodes": Entry("peers", "bench.contenders.torchdata_nodes"),
     "hf_datasets": Entry("peers", "bench.contenders.hf_datasets"),
     "grain": Entry("peers", "bench.contenders.grain_loader"),
 }
-RESUMABLE = ("zephon_processes_hf", "torch_stateful", "torchdata_nodes", "hf_datasets", "grain")
-RESUME_STUDY = ("zephon_processes_hf", "torch_stateful", "hf_datasets")
+DEFAULT = tuple(n for n in CONTENDERS if n != "zephon_inline_hf")
+RESUMABLE = (
+    "zephon_processes_hf",
+    "zephon_inline_hf",
+    "torch_stateful",
+    "torchdata_nodes",
+    "hf_datasets",
+    "grain",
+)
+RESUME_STUDY = ("zephon_processes_hf", "zephon_inline_hf", "torch_stateful", "hf_datasets")
 
 
 def peers_python() -> Path:
@@ -121,11 +133,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workload", help="a workload JSON (skips the data build; for tests and reruns)")
     p.add_argument("--data-root", type=Path, default=None, help="default: $ZEPHON_BENCH_DIR or ~/.cache/...")
     p.add_argument("--shards-per-source", type=int, default=0, help="use only the first N shards (0: all)")
-    p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--contenders", default=",".join(DEFAULT))
     p.add_argument("--no-peers", action="store_true", help="only the contenders of this venv")
     p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per throughput run")
-    p.add_argument("--warmup", type=int, default=15, help="untimed steps after the first batch (read-ahead)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per throughput run")
+    p.add_argument(
+        "--warmup", type=int, default=30, help="untimed steps after the first batch (drains read-ahead)"
+    )
+    p.add_argument(
+        "--throughput-batch", type=int, default=0, help="global batch of the throughput runs (0: workload's)"
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--resume-steps", default="10,100,1000")
     p.add_argument("--resume-batch", type=int, default=8, help="global batch of the resume study")
@@ -192,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     study = workload.replace(global_batch=args.resume_batch)
     work_dir = Path(tempfile.mkdtemp(prefix="zephon-bench-"))
     main_path, study_path = str(work_dir / "workload.json"), str(work_dir / "study.json")
-    Path(main_path).write_text(workload.to_json(), encoding="utf-8")
+    timed = workload.replace(global_batch=args.throughput_batch) if args.throughput_batch else workload
+    Path(main_path).write_text(timed.to_json(), encoding="utf-8")
     Path(study_path).write_text(study.to_json(), encoding="utf-8")
 
     raw: dict[str, list[dict[str, Any]]] = {"throughput": [], "resume": [], "elastic": []}
@@ -203,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         results = report.summarise(
             raw=raw,
             config=config,
-            workload=json.loads(workload.to_json()),
+            workload=json.loads(timed.to_json()),
             study=json.loads(study.to_json()),
             data=data_info,
             unavailable=unavailable,

@@ -42,43 +42,61 @@ class Contender(Protocol):
     ) -> Session: ...
 
 
+def _rate(marks: list[tuple[float, int]], lo: int, hi: int) -> float | None:
+    """Tokens delivered in batches ``lo+1..hi`` over the time between batch ``lo`` and ``hi``."""
+    if hi <= lo or marks[hi][0] <= marks[lo][0]:
+        return None
+    return sum(n for _, n in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
+
+
 def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
-    """Time to the first batch, then ``warmup`` untimed steps, then ``steps`` timed steps."""
+    """Time to the first batch, then ``warmup`` untimed steps, then ``steps`` timed steps.
+
+    Every batch's delivery instant and real-token count is recorded. ``tokens_per_s`` is the rate
+    between the deliveries of batch ``warmup`` and batch ``warmup + steps`` (both after the first);
+    a loader that read ahead more than ``warmup`` steps before that window delivers its buffer in
+    it, so the window is also split in halves: in a steady state their rates agree
+    (``half_rate_ratio`` near 1), while a draining buffer makes the first half faster. The
+    end-to-end rate (construction to last batch) can never be inflated by read-ahead.
+    """
     steps, warmup, workers = int(task["steps"]), int(task["warmup"]), int(task["workers"])
     start = time.perf_counter()
     session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
+    marks: list[tuple[float, int]] = []  # (delivery instant, real tokens) per batch, first = index 0
+    pad = 0
     try:
         it = session.batches()
         first = next(it)
-        ttfb = time.perf_counter() - start
-        tokens = pad = 0
-        early = real_tokens(first)
-        for _ in range(warmup):
-            early += real_tokens(next(it))
-        timed = time.perf_counter()
-        for _ in range(steps):
+        marks.append((time.perf_counter(), real_tokens(first)))
+        for i in range(warmup + steps):
             batch = next(it)
             real = real_tokens(batch)
-            tokens += real
-            pad += int(batch["segment_ids"].size) - real
-        end = time.perf_counter()
-        seconds = end - timed
+            marks.append((time.perf_counter(), real))
+            if i >= warmup:
+                pad += int(batch["segment_ids"].size) - real
     finally:
         session.close()
+    ttfb = marks[0][0] - start
+    lo, hi = warmup, warmup + steps
+    mid = (lo + hi) // 2
+    tokens = sum(n for _, n in marks[lo + 1 :])
+    seconds = marks[hi][0] - marks[lo][0]
+    first_half, second_half = _rate(marks, lo, mid), _rate(marks, mid, hi)
     return {
         "ttfb_s": ttfb,
-        "warmup_s": timed - start - ttfb,
+        "warmup_s": marks[lo][0] - marks[0][0],
         "seconds": seconds,
-        # Every token delivered over the whole life of the loader, start-up included: read-ahead
-        # done before the timed window cannot inflate it (unlike tokens_per_s when the window is
-        # shorter than the loader's buffers).
-        "end_to_end_tokens_per_s": (early + tokens) / (end - start),
+        "end_to_end_tokens_per_s": sum(n for _, n in marks) / (marks[-1][0] - start),
+        "first_half_tokens_per_s": first_half,
+        "second_half_tokens_per_s": second_half,
+        "half_rate_ratio": first_half / second_half if first_half and second_half else None,
         "steps": steps,
         "warmup": warmup,
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "padding_fraction": pad / max(1, tokens + pad),
         "first_batch_shape": list(first["input_ids"].shape),
+        "batch_times_s": [round(t - start, 4) for t, _ in marks],
     }
 
 
