@@ -210,21 +210,24 @@ def selected_engine(data: Any, options: dict[str, Any]) -> str:
     return str(getattr(probe, "selected_engine", "hf"))
 
 
-def make_spec(data: Any, tokenize: dict[str, Any] | None = None) -> Any:
+def make_spec(data: Any, tokenize: dict[str, Any] | None = None, *, per_element: bool = False) -> Any:
     """The issue's demo text pipeline over ``data`` (a ``DemoData``); ``tokenize`` holds extra
-    ``Tokenize`` keyword arguments (see ``tokenize_options``)."""
+    ``Tokenize`` keyword arguments (see ``tokenize_options``); ``per_element`` hides
+    ``Tokenize``'s batched path (``process_batch``), for a before/after comparison."""
     import apache_beam as beam
 
     import zephon_flow as zf
+    from bench._per_element import PerElementTokenize
     from zephon_flow import operators as ops
 
     extra = dict(tokenize or {})
+    tokenizer = PerElementTokenize if per_element else ops.Tokenize
 
     def text_mix(p: beam.Pipeline) -> beam.PCollection:
         docs = p | "docs" >> ops.ReadJsonl(data.docs_jsonl, field="text", split_bytes=JSONL_SPLIT_BYTES)
         code = p | "code" >> ops.ReadParquet(data.code_parquet, column="content")
         mixed = (docs, code) | "mix" >> ops.Mix(weights=list(MIX_WEIGHTS))
-        toks = mixed | "tok" >> beam.ParDo(ops.Tokenize(data.tokenizer_json, append_eos=True, **extra))
+        toks = mixed | "tok" >> beam.ParDo(tokenizer(data.tokenizer_json, append_eos=True, **extra))
         seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=SEQ_LEN))
         return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=SHUFFLE_BUFFER))
 
@@ -449,6 +452,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="hf",
         help="Tokenize's engine, where it has engine= (default hf: the same engine as the limit)",
     )
+    parser.add_argument(
+        "--per-element-tokenize",
+        action="store_true",
+        help="hide Tokenize's batched path (process_batch): the before of a before/after comparison",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny smoke run: few steps, one repeat")
     args = parser.parse_args(argv)
     if args.steps is None:
@@ -502,7 +510,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     tokenize, engine_note = tokenize_options(args.engine)
     engine_used = selected_engine(data, tokenize)
-    spec = make_spec(data, tokenize)
+    spec = make_spec(data, tokenize, per_element=args.per_element_tokenize)
     _ = spec.fingerprint  # computed once per spec; kept out of every timing
     # The first processes Loader of a Python process also starts the backend's process
     # machinery (a forkserver that imports Beam): timed once here, kept out of the repeats.
@@ -569,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     results = summarise(args, data, machine, raw, states, checks, work_tokens, work_bytes, target)
     results["cold_start_processes"] = cold
     results["config"]["tokenize_engine"] = {"requested": engine_note, "selected": engine_used}
+    results["config"]["tokenize_batched"] = not args.per_element_tokenize
     results["machine"]["loadavg_before"] = load_before
     results["machine"]["loadavg_after"] = _loadavg()
     out = Path(args.out)

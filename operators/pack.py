@@ -1,4 +1,4 @@
-"""``Pack``: concatenate token arrays and cut them into fixed-length sequences (stateful)."""
+"""``Pack``: token arrays into fixed-length sequences, by concatenation or best-fit bins (stateful)."""
 
 from __future__ import annotations
 
@@ -16,43 +16,105 @@ from apache_beam.transforms.userstate import (
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import _best_fit
+from zephon_flow.runners.dofns import ProvenanceParam
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+_NO_DOC = np.full(3, -1, dtype=np.int64)
+_NO_DOCS = np.zeros((0, 3), dtype=np.int64)
+STRATEGIES = ("concat", "best_fit")
+#: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
+IGNORE = -100
 
 
 class Pack(beam.DoFn):  # type: ignore[misc]
     """Packs documents (int arrays of ids) into sequences of exactly ``seq_len`` tokens.
 
-    Each output is ``{"input_ids", "position_ids", "segment_ids"}`` (int32, length
-    ``seq_len``). ``position_ids`` restart at 0 at each document and at the start of each
-    sequence (a document continued from the previous sequence starts again at 0);
-    ``segment_ids`` number the documents inside a sequence from 0, so trainers can mask
-    attention across documents. Documents longer than ``seq_len`` continue into the next
-    sequences. At the end of a finite input, the last partial sequence is padded with
-    ``pad_id`` and segment id -1. The carry (an incomplete sequence) is the lane state.
+    Each output is ``{"input_ids", "position_ids", "segment_ids"}`` (int32, length ``seq_len``).
+    ``position_ids`` restart at 0 at each document and at the start of each piece of a document
+    that was cut; ``segment_ids`` number the pieces inside a sequence from 0, so trainers can
+    mask attention across documents. Padding is ``pad_id`` with position 0 and segment id -1, so
+    the padding of any batch is ``(batch["segment_ids"] == -1).sum()``.
+
+    ``strategy="concat"`` (the default) cuts the stream of documents every ``seq_len`` tokens:
+    no padding except the last sequence of a finite input, but documents are cut at sequence
+    boundaries and continue in the next sequence. The carry (an incomplete sequence) is the
+    lane state.
+
+    ``strategy="best_fit"`` cuts a document only when it is longer than ``seq_len`` (into full
+    sequences and a remainder) and packs the rest whole, best-fit-decreasing, and pads: up to
+    ``buffer`` documents wait; when one more comes, all are placed, longest first, each in the
+    open sequence with the least room that fits it; a sequence is emitted when exactly full or
+    when more than ``open_bins`` are open (the fullest first). Waiting documents and open sequences are the
+    lane state. See ``operators/_best_fit.py`` for the exact rules.
+
+    ``labels=True`` adds ``labels`` (int32 [seq_len]): ``input_ids`` with every position that
+    starts a piece (``position_ids == 0``, padding included) set to -100. It follows the Hugging
+    Face convention that the model shifts labels itself: label ``t`` is the target predicted
+    from positions before ``t``, so a masked piece start means no token is ever predicted
+    across a document boundary, and padding is never a target.
+
+    ``provenance=True`` (the default) adds ``documents`` (int64 [k, 3]): one row per segment,
+    in segment order, the id ``(source index, split index, record offset)`` of the record the
+    document came from (``zf.ProvenanceParam``; -1s where the runner gives none). A document
+    continued from the previous sequence appears in both; ``batches.stack`` treats the field as
+    ragged.
     """
 
     CARRY = ReadModifyWriteStateSpec("carry", PickleCoder())
     FLUSH = TimerSpec("flush", TimeDomain.WATERMARK)
 
-    def __init__(self, seq_len: int, *, pad_id: int = 0) -> None:
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        pad_id: int = 0,
+        strategy: str = "concat",
+        buffer: int | None = None,
+        open_bins: int | None = None,
+        labels: bool = False,
+        provenance: bool = True,
+    ) -> None:
         super().__init__()
         if not isinstance(seq_len, int) or seq_len < 1:
             raise SpecError(f"Pack: seq_len must be a positive integer, got {seq_len!r}")
+        if strategy not in STRATEGIES:
+            raise SpecError(f"Pack: strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        if strategy == "concat" and (buffer is not None or open_bins is not None):
+            raise SpecError("Pack: buffer and open_bins apply only to strategy='best_fit'")
+        buffer = 64 if buffer is None else buffer
+        open_bins = 16 if open_bins is None else open_bins
+        if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 0:
+            raise SpecError(f"Pack: buffer must be a non-negative integer, got {buffer!r}")
+        if not isinstance(open_bins, int) or isinstance(open_bins, bool) or open_bins < 1:
+            raise SpecError(f"Pack: open_bins must be a positive integer, got {open_bins!r}")
+        if not isinstance(labels, bool):
+            raise SpecError(f"Pack: labels must be True or False, got {labels!r}")
+        if not isinstance(provenance, bool):
+            raise SpecError(f"Pack: provenance must be True or False, got {provenance!r}")
         self.seq_len = seq_len
         self.pad_id = int(pad_id)
+        self.strategy = strategy
+        self.buffer = buffer
+        self.open_bins = open_bins
+        self.labels = labels
+        self.provenance = provenance
 
     def params(self) -> dict[str, Any]:
-        return {"seq_len": self.seq_len, "pad_id": self.pad_id}
+        out: dict[str, Any] = {"seq_len": self.seq_len, "pad_id": self.pad_id, "strategy": self.strategy}
+        if self.strategy == "best_fit":
+            out.update(buffer=self.buffer, open_bins=self.open_bins)
+        return {**out, "labels": self.labels, "provenance": self.provenance}
 
     def process(
         self,
         element: tuple[int, Any],
         carry: Any = beam.DoFn.StateParam(CARRY),
         flush: Any = beam.DoFn.TimerParam(FLUSH),
+        doc: Any = ProvenanceParam,
     ) -> Any:
-        _lane, doc = element
-        ids = np.asarray(doc)
+        _lane, tokens = element
+        ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise DataError(
                 f"Pack: expected a 1-d integer array of token ids, got {ids.dtype}{list(ids.shape)}"
@@ -62,10 +124,29 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         held = carry.read()
         if held is None:
             flush.set(MAX_TIMESTAMP)
-            c_ids, c_pos, c_seg = _EMPTY, _EMPTY, _EMPTY
+        ids = ids.astype(np.int32, copy=False)
+        doc_id = np.asarray(doc, dtype=np.int64) if isinstance(doc, tuple) else _NO_DOC
+        if self.strategy == "best_fit":
+            state, done = _best_fit.add(
+                _best_fit.fresh() if held is None else held,
+                ids,
+                doc_id,
+                seq_len=self.seq_len,
+                buffer=self.buffer,
+                open_bins=self.open_bins,
+            )
+            carry.write(state)
+            for packed in done:
+                yield self._bin_output(packed)
+            return
+        yield from self._concat(ids, doc_id, held, carry)
+
+    def _concat(self, ids: np.ndarray, doc_id: np.ndarray, held: Any, carry: Any) -> Any:
+        if held is None:
+            c_ids, c_pos, c_seg, c_docs = _EMPTY, _EMPTY, _EMPTY, _NO_DOCS
             next_seg = 0
         else:
-            c_ids, c_pos, c_seg = held["ids"], held["pos"], held["seg"]
+            c_ids, c_pos, c_seg, c_docs = held["ids"], held["pos"], held["seg"], held["docs"]
             next_seg = int(c_seg[-1]) + 1 if c_seg.size else 0
         # Position and segment ids of the whole document at once: the part that fits the
         # open sequence continues it; every later piece starts a sequence, at position 0
@@ -76,30 +157,68 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         later = t >= room
         pos = np.where(later, (t - room) % self.seq_len, t).astype(np.int32, copy=False)
         seg = np.where(later, 0, next_seg).astype(np.int32, copy=False)
-        all_ids = np.concatenate([c_ids, ids.astype(np.int32, copy=False)])
+        all_ids = np.concatenate([c_ids, ids])
         all_pos = np.concatenate([c_pos, pos])
         all_seg = np.concatenate([c_seg, seg])
+        # The documents of the open sequence's segments (the carry's, then this one); every
+        # later sequence holds only this document.
+        table = np.concatenate([c_docs, doc_id.reshape(1, 3)])
+        alone = table[-1:]
         full = all_ids.size // self.seq_len * self.seq_len
         for start in range(0, full, self.seq_len):
             stop = start + self.seq_len
-            yield {
-                "input_ids": all_ids[start:stop].copy(),
-                "position_ids": all_pos[start:stop].copy(),
-                "segment_ids": all_seg[start:stop].copy(),
-            }
+            yield self._output(
+                all_ids[start:stop].copy(),
+                all_pos[start:stop].copy(),
+                all_seg[start:stop].copy(),
+                table if start == 0 else alone,
+            )
+        tail_docs = table if full == 0 else alone if full < all_ids.size else _NO_DOCS
         carry.write(
-            {"ids": all_ids[full:].copy(), "pos": all_pos[full:].copy(), "seg": all_seg[full:].copy()}
+            {
+                "ids": all_ids[full:].copy(),
+                "pos": all_pos[full:].copy(),
+                "seg": all_seg[full:].copy(),
+                "docs": tail_docs,
+            }
         )
 
     @on_timer(FLUSH)
     def flush_tail(self, carry: Any = beam.DoFn.StateParam(CARRY)) -> Any:
         held = carry.read()
         carry.clear()
-        if held is None or held["ids"].size == 0:
+        if held is None:
             return
-        pad = self.seq_len - held["ids"].size
-        yield {
-            "input_ids": np.concatenate([held["ids"], np.full(pad, self.pad_id, dtype=np.int32)]),
-            "position_ids": np.concatenate([held["pos"], np.zeros(pad, dtype=np.int32)]),
-            "segment_ids": np.concatenate([held["seg"], np.full(pad, -1, dtype=np.int32)]),
-        }
+        if self.strategy == "best_fit":
+            for packed in _best_fit.drain(held, seq_len=self.seq_len):
+                yield self._bin_output(packed)
+            return
+        if held["ids"].size:
+            yield self._output(held["ids"], held["pos"], held["seg"], held["docs"])
+
+    def _bin_output(self, packed: _best_fit.Packed) -> dict[str, np.ndarray]:
+        ids, lens, docs = packed
+        ids = ids.copy()  # never hand out a view of the input or of the state
+        pos = np.arange(ids.size, dtype=np.int32)
+        if lens.size == 1:  # a piece of a long document, or a lone document
+            seg = np.zeros(ids.size, dtype=np.int32)
+        else:
+            pos -= np.repeat(np.cumsum(lens, dtype=np.int32) - lens, lens)
+            seg = np.repeat(np.arange(lens.size, dtype=np.int32), lens)
+        return self._output(ids, pos, seg, docs)
+
+    def _output(
+        self, ids: np.ndarray, pos: np.ndarray, seg: np.ndarray, docs: np.ndarray
+    ) -> dict[str, np.ndarray]:
+        """The output dict of one sequence, padded to ``seq_len`` if shorter."""
+        pad = self.seq_len - ids.size
+        if pad:
+            ids = np.concatenate([ids, np.full(pad, self.pad_id, dtype=np.int32)])
+            pos = np.concatenate([pos, np.zeros(pad, dtype=np.int32)])
+            seg = np.concatenate([seg, np.full(pad, -1, dtype=np.int32)])
+        out = {"input_ids": ids, "position_ids": pos, "segment_ids": seg}
+        if self.labels:
+            out["labels"] = np.where(pos == 0, np.int32(IGNORE), ids).astype(np.int32, copy=False)
+        if self.provenance:
+            out["documents"] = docs.copy()
+        return out

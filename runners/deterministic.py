@@ -9,7 +9,6 @@ runs in order per lane), ``describe`` (graph and parameters for the fingerprint)
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +19,7 @@ from apache_beam.transforms import core, window
 from apache_beam.transforms.util import Reshuffle
 
 from zephon_flow.errors import SpecError, UnsupportedTransformError
+from zephon_flow.operators.map import beam_function_identity
 from zephon_flow.operators.mix import Mix
 from zephon_flow.operators.splits import Source
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_seed, is_stateful
@@ -101,11 +101,8 @@ def describe_params(obj: Any) -> Any:
     """The parameters of an operator that change what it produces (for the fingerprint)."""
     if hasattr(obj, "params"):
         return obj.params()
-    if isinstance(obj, core.CallableWrapperDoFn):
-        fn = obj._fn
-        code = getattr(fn, "__code__", None)
-        body = hashlib.sha256(code.co_code + repr(code.co_consts).encode()).hexdigest()[:16] if code else ""
-        return {"fn": getattr(fn, "__qualname__", repr(fn)), "code": body}
+    if isinstance(obj, core.CallableWrapperDoFn):  # beam.Map(fn) and friends: see ops.Map
+        return beam_function_identity(obj)
     plain = {
         k: v for k, v in sorted(vars(obj).items()) if isinstance(v, int | float | str | bool | type(None))
     }

@@ -55,6 +55,25 @@ class _SeedParam:
 SeedParam: Any = _SeedParam()
 
 
+class _ProvenanceParam:
+    """Default-value marker: the runner passes the id of the source record the element came from."""
+
+    def __repr__(self) -> str:
+        return "zephon_flow.ProvenanceParam"
+
+
+#: Declare ``doc=zf.ProvenanceParam`` in a stateful DoFn's ``process`` to receive the id of the
+#: source record its element came from: ``(source index, split index, record offset)``, where the
+#: source index counts the pipeline's sources in the order the runner lists them, the split index
+#: is the source's split table entry and the offset is ``Record.offset``. Elements made by an
+#: earlier stateful DoFn carry the id of the record whose arrival produced them; outputs of timers
+#: carry none (``None``).
+ProvenanceParam: Any = _ProvenanceParam()
+
+#: The id ``ProvenanceParam`` passes: (source index, split index, record offset).
+DocId = tuple[int, int, int]
+
+
 def dofn_seed(spec_seed: int, label: str) -> int:
     """The seed a DoFn labelled ``label`` receives: distinct per transform, fixed per spec."""
     return stable_hash(f"{spec_seed}/{label}")
@@ -72,7 +91,9 @@ def _marked(dofn: beam.DoFn, method: str) -> list[tuple[str, Any]]:
 
 
 def _is_marker(default: Any) -> bool:
-    return isinstance(default, beam.DoFn.StateParam | beam.DoFn.TimerParam | _SeedParam) or any(
+    return isinstance(
+        default, beam.DoFn.StateParam | beam.DoFn.TimerParam | _SeedParam | _ProvenanceParam
+    ) or any(
         default == p
         for p in (
             beam.DoFn.TimestampParam,
@@ -87,29 +108,76 @@ def _is_marker(default: Any) -> bool:
     )
 
 
+def _defines(dofn: beam.DoFn, method: str) -> bool:
+    """Whether the DoFn overrides ``beam.DoFn.<method>`` (on its class or as an attribute)."""
+    impl = getattr(dofn, method)
+    return getattr(impl, "__func__", impl) is not getattr(beam.DoFn, method)
+
+
 class StatelessInvoker:
-    """Runs one stateless DoFn on single elements; picklable, set up lazily once per process."""
+    """Runs one stateless DoFn on single elements or, if it defines ``process_batch``, on lists;
+    picklable, set up lazily once per process.
+
+    zephon-flow's ``process_batch(batch)`` contract: called with a list of elements, it returns
+    (or yields) one list of outputs per element, in order, so outputs stay attributable to the
+    record they came from (a lane's resume cursor counts outputs per record). This differs from
+    Beam's ``process_batch``, which yields output batches; a DoFn written for Beam's batched
+    path is refused at run time by the length and type checks here.
+    """
 
     def __init__(self, label: str, dofn: beam.DoFn) -> None:
-        extra = [n for n, _ in _marked(dofn, "process")]
-        if extra:
-            raise SpecError(
-                f"stateless DoFn {label!r} asks for {', '.join(extra)}; the deterministic runner "
-                f"passes stateless DoFns only the element"
-            )
+        self.has_process = _defines(dofn, "process")
+        self.batched = _defines(dofn, "process_batch")
+        if not (self.has_process or self.batched):
+            raise SpecError(f"stateless DoFn {label!r} defines neither process() nor process_batch()")
+        for method in ("process", "process_batch"):
+            if not _defines(dofn, method):
+                continue
+            extra = [n for n, _ in _marked(dofn, method)]
+            if extra:
+                raise SpecError(
+                    f"stateless DoFn {label!r} asks for {', '.join(extra)} in {method}(); the "
+                    f"deterministic runner passes stateless DoFns only the element (or the batch)"
+                )
         self.label = label
         self.dofn = dofn
         self._ready = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"label": self.label, "dofn": self.dofn, "_ready": False}
+        return {**self.__dict__, "_ready": False}
+
+    def _setup(self) -> None:
+        self.dofn.setup()
+        self._ready = True
 
     def __call__(self, value: Any) -> list[Any]:
         if not self._ready:
-            self.dofn.setup()
-            self._ready = True
+            self._setup()
+        if not self.has_process:
+            return self.call_batch([value])[0]
         out = self.dofn.process(value)
         return [] if out is None else list(out)
+
+    def call_batch(self, values: list[Any]) -> list[list[Any]]:
+        """``process_batch(values)``, checked: one list of outputs per value, in order."""
+        if not self._ready:
+            self._setup()
+        out = self.dofn.process_batch(values)
+        results = out if isinstance(out, list) else [] if out is None else list(out)
+        if len(results) != len(values):
+            raise StageError(
+                f"DoFn {self.label!r}: process_batch returned {len(results)} output lists for "
+                f"{len(values)} elements; zephon-flow's process_batch must return one list of "
+                f"outputs per element, in order"
+            )
+        for i, outputs in enumerate(results):
+            if not isinstance(outputs, list | tuple):
+                raise StageError(
+                    f"DoFn {self.label!r}: process_batch returned a {type(outputs).__name__} for "
+                    f"element {i}; zephon-flow's process_batch must return one list of outputs "
+                    f"per element (not Beam-style output batches)"
+                )
+        return [o if isinstance(o, list) else list(o) for o in results]
 
 
 @dataclass
@@ -149,16 +217,19 @@ class _Binding:
         self.timestamp = next((n for n, d in marked if d == beam.DoFn.TimestampParam), None)
         self.key = next((n for n, d in marked if d == beam.DoFn.KeyParam), None)
         self.seed = [n for n, d in marked if isinstance(d, _SeedParam)]
-        known = set(self.states) | set(self.timers) | set(self.seed) | {self.timestamp, self.key}
+        self.doc = next((n for n, d in marked if isinstance(d, _ProvenanceParam)), None)
+        known = set(self.states) | set(self.timers) | set(self.seed) | {self.timestamp, self.key, self.doc}
         unknown = [n for n, _ in marked if n not in known]
         if unknown:
             raise SpecError(
                 f"stateful DoFn {label!r}: parameter(s) {', '.join(unknown)} of {method}() are not "
                 f"supported; the runner provides StateParam, TimerParam, TimestampParam, KeyParam "
-                f"and zephon_flow.SeedParam"
+                f"zephon_flow.SeedParam and zephon_flow.ProvenanceParam"
             )
 
-    def kwargs(self, label: str, lane: int, seed: int, st: DoFnLaneState, micros: int) -> dict[str, Any]:
+    def kwargs(
+        self, label: str, lane: int, seed: int, st: DoFnLaneState, micros: int, doc: DocId | None = None
+    ) -> dict[str, Any]:
         kw = st.bound.get(id(self))
         if kw is None:
             kw = {n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()}
@@ -167,8 +238,12 @@ class _Binding:
             if self.key:
                 kw[self.key] = lane
             st.bound[id(self)] = kw
-        if self.timestamp:
-            return {**kw, self.timestamp: Timestamp(micros=micros)}
+        if self.timestamp or self.doc:
+            kw = dict(kw)
+            if self.timestamp:
+                kw[self.timestamp] = Timestamp(micros=micros)
+            if self.doc:
+                kw[self.doc] = doc
         return kw
 
 
@@ -191,9 +266,9 @@ class StatefulInvoker:
         }
         dofn.setup()
 
-    def process(self, lane: int, value: Any, st: DoFnLaneState) -> list[Any]:
+    def process(self, lane: int, value: Any, st: DoFnLaneState, doc: DocId | None = None) -> list[Any]:
         """Feeds the element at ``st.position``; returns outputs, then fires timers now due."""
-        kw = self._process.kwargs(self.label, lane, self.seed, st, st.position * _MICROS)
+        kw = self._process.kwargs(self.label, lane, self.seed, st, st.position * _MICROS, doc)
         out = self._process.method((lane, value), **kw)
         results = [] if out is None else list(out)
         st.position += 1

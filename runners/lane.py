@@ -11,7 +11,7 @@ from typing import Any
 from zephon_flow.errors import CorruptStateError
 from zephon_flow.operators.splits import START, Record, Source, dealt_split
 from zephon_flow.runners.backends.base import Backend, ChunkResult
-from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
+from zephon_flow.runners.dofns import DocId, DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.reorder import ReorderBuffer
 from zephon_flow.runners.segment import Chunk, Failure
@@ -37,6 +37,8 @@ class SourceReader:
         self.item, self.position = item, position
         self._records: Iterator[tuple[int, Record]] | None = None
         self.exhausted = False
+        #: The index (in the source's split table) of the split being read.
+        self.split_index = -1
 
     def next(self) -> Record | None:
         """The next record, or None once the source's epochs are used up."""
@@ -59,6 +61,7 @@ class SourceReader:
                     self.exhausted = True
                     return None
                 self._records = self._source.read_split(splits[index], self.position)
+                self.split_index = index
             step = next(self._records, None)
             if step is not None:
                 self.position, record = step
@@ -99,8 +102,8 @@ class LaneFeed:
         self._chunk_records, self._depth = chunk_records, depth
         self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(f"lane {lane} stateless results")
         # Per chunk in flight, in order: cursors before each record, the cursor after the
-        # last one, and the backend's future (cancelled on close).
-        self._inflight: deque[tuple[list[FeedCursor], FeedCursor, Future[ChunkResult]]] = deque()
+        # last one, each record's provenance id, and the backend's future (cancelled on close).
+        self._inflight: deque[tuple[list[FeedCursor], FeedCursor, list[DocId], Future[ChunkResult]]] = deque()
         self._ended = False
         # Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows
         # by one per chunk taken, so the first outputs after a (re)start need one small
@@ -112,22 +115,24 @@ class LaneFeed:
     def _cursor(self) -> FeedCursor:
         return FeedCursor(self._mix_position, [r.cursor for r in self._readers])
 
-    def _read(self) -> tuple[int, Record] | None:
+    def _read(self) -> tuple[int, Record, DocId] | None:
         if self._plan.mixer is None:
             index = 0
         else:
             index = self._plan.mixer.choose(self._mix_seed, self._lane, self._mix_position)
-        record = self._readers[index].next()
+        reader = self._readers[index]
+        record = reader.next()
         if record is None:
             return None
         self._mix_position += 1
-        return index, record
+        return index, record, (index, reader.split_index, record.offset)
 
     def _submit_one(self) -> bool:
         if self._ended:
             return False
         chunk: Chunk = []
         befores: list[FeedCursor] = []
+        docs: list[DocId] = []
         size = 0
         for _ in range(min(self._chunk_records, 1 << min(self._submitted, 30))):
             before = self._cursor()
@@ -135,9 +140,11 @@ class LaneFeed:
             if item is None:
                 self._ended = True
                 break
+            index, record, doc = item
             befores.append(before)
-            chunk.append(item)
-            size += _payload_size(item[1])
+            chunk.append((index, record))
+            docs.append(doc)
+            size += _payload_size(record)
             if size >= CHUNK_BYTES:
                 break
         if not chunk:
@@ -146,7 +153,7 @@ class LaneFeed:
         seq = self._reorder.expect()
         after = self._cursor()
         future = self._backend.submit(chunk)
-        self._inflight.append((befores, after, future))
+        self._inflight.append((befores, after, docs, future))
         future.add_done_callback(functools.partial(self._deliver, seq))
         return True
 
@@ -162,14 +169,14 @@ class LaneFeed:
         while self._reorder.in_flight() < budget and self._submit_one():
             pass
 
-    def __iter__(self) -> Iterator[tuple[Any, FeedCursor]]:
+    def __iter__(self) -> Iterator[tuple[Any, FeedCursor, DocId]]:
         while True:
             self._top_up()
             if self._reorder.in_flight() == 0:
                 return
             result = self._reorder.take()
             self._taken += 1
-            befores, after, _ = self._inflight.popleft()
+            befores, after, docs, _ = self._inflight.popleft()
             if isinstance(result, Failure):
                 result.reraise()
             assert isinstance(result, list)
@@ -181,10 +188,10 @@ class LaneFeed:
                         resume = FeedCursor(befores[i].mix_position, befores[i].sources, j + 1)
                     else:
                         resume = befores[i + 1] if i + 1 < len(befores) else after
-                    yield outputs[j], resume
+                    yield outputs[j], resume, docs[i]
 
     def close(self) -> None:
-        for _, _, future in self._inflight:
+        for *_, future in self._inflight:
             future.cancel()
 
 
@@ -249,7 +256,7 @@ class LaneRunner:
         )
         self._stream = iter(self._feed)
 
-    def _push(self, index: int, value: Any) -> None:
+    def _push(self, index: int, value: Any, doc: DocId | None) -> None:
         back = self._plan.back
         if index == len(back):
             self._pending.append(value)
@@ -257,11 +264,11 @@ class LaneRunner:
         step = back[index]
         with dofn_errors(step.label, f"lane {self.lane}, after source cursor {self._cursor.to_plain()}"):
             if isinstance(step, StatefulInvoker):
-                outputs = step.process(self.lane, value, self._stages[step.label])
+                outputs = step.process(self.lane, value, self._stages[step.label], doc)
             else:
                 outputs = step(value)
         for out in outputs:
-            self._push(index + 1, out)
+            self._push(index + 1, out, doc)
 
     def _end_of_input(self) -> None:
         back = self._plan.back
@@ -270,7 +277,7 @@ class LaneRunner:
                 with dofn_errors(step.label, f"lane {self.lane}, in a timer at the end of its input"):
                     outputs = step.fire_timers(self.lane, self._stages[step.label], None)
                 for out in outputs:
-                    self._push(i + 1, out)
+                    self._push(i + 1, out, None)
         self._ended = True
 
     def next_window(self) -> list[Any] | None:
@@ -280,8 +287,8 @@ class LaneRunner:
             if item is None:
                 self._end_of_input()
                 break
-            value, resume = item
-            self._push(0, value)
+            value, resume, doc = item
+            self._push(0, value, doc)
             self._cursor = resume
         if len(self._pending) < self._window:
             return None

@@ -3,7 +3,9 @@
 The deterministic runner calls stateful DoFns directly with state it owns. These tests run the
 same DoFns, on the same keyed input in the same order, under Beam's FnApiRunner and under our
 ``StatefulInvoker``, and compare what comes out (as multisets: Beam promises no output order,
-but every output here depends on the order and content of what came before it).
+but every output here depends on the order and content of what came before it). The
+stateless helpers, which define zephon-flow's ``process_batch``, must run on Beam through
+``process`` and give what our front segment gives.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from apache_beam.transforms.userstate import (
     on_timer,
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
+from helpers import Corpus
 
 from zephon_flow import operators as ops
-from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker
+from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, StatelessInvoker
 
 
 class Ledger(beam.DoFn):
@@ -101,3 +104,57 @@ def test_pack_matches_beam() -> None:
         return tuple(sample[k].tobytes() for k in ("input_ids", "position_ids", "segment_ids"))  # type: ignore[return-value]
 
     _beams(ops.Pack(seq_len=16), docs, as_key=as_key)
+
+
+def test_best_fit_pack_with_labels_matches_beam() -> None:
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 100, size=int(n), dtype=np.int32) for n in rng.integers(1, 40, size=50)]
+
+    def pack() -> ops.Pack:
+        return ops.Pack(seq_len=16, strategy="best_fit", buffer=5, open_bins=3, labels=True)
+
+    ours = _ours(pack(), docs)
+    assert sum(int((s["segment_ids"] >= 0).sum()) for s in ours) == sum(len(d) for d in docs)
+
+    def as_key(sample: dict[str, np.ndarray]) -> tuple[bytes, ...]:
+        return tuple(sample[k].tobytes() for k in sorted(sample))
+
+    _beams(pack(), docs, as_key=as_key)
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def _short(word: str) -> bool:
+    return len(word) <= 4
+
+
+def _upper_all(words: list[str]) -> list[str]:
+    return [w.upper() for w in words]
+
+
+def test_map_filter_flat_map_and_tokenize_run_on_beam_through_process(corpus: Corpus) -> None:
+    # Each defines zephon-flow's process_batch (one output list per element); Beam must still
+    # accept them and call process, giving what our front segment gives.
+    texts = ["the quick brown fox", "jumps over", "", "the lazy dog alpha omega"]
+    steps = [
+        ops.FlatMap(_words),
+        ops.Filter(_short),
+        ops.Map(_upper_all, batched=True),
+        ops.Map(str.lower),
+        ops.Tokenize(corpus.tokenizer_json),
+    ]
+    values: list[Any] = list(texts)
+    for i, dofn in enumerate(steps):
+        outputs = StatelessInvoker(f"step {i}", dofn).call_batch(values)
+        values = [out for outs in outputs for out in outs]
+    assert 0 < len(values) < sum(len(t.split()) for t in texts)
+
+    with beam.Pipeline(runner=FnApiRunner()) as p:
+        pcoll = p | beam.Create(texts)
+        for i, dofn in enumerate(steps):
+            pcoll = pcoll | f"step {i}" >> beam.ParDo(dofn)
+        assert_that(
+            pcoll | beam.Map(lambda a: tuple(a.tolist())), equal_to([tuple(v.tolist()) for v in values])
+        )

@@ -66,7 +66,8 @@ def test_packs_hand_made_documents_and_pads_the_tail(tmp_path: Path) -> None:
         # End of the finite input: the tail is padded with pad_id and segment id -1.
         ([13, 99, 99, 99], [0, 0, 0, 0], [0, -1, -1, -1]),
     ]
-    assert all(b[k].dtype == np.int32 for b in batches for k in b)
+    assert all(b[k].dtype == np.int32 for b in batches for k in ("input_ids", "position_ids", "segment_ids"))
+    assert all(b["documents"].dtype == np.int64 for b in batches)
 
 
 def test_endless_input_packs_across_the_epoch_boundary(tmp_path: Path) -> None:

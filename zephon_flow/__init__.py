@@ -16,7 +16,7 @@ from zephon_flow.errors import (  # noqa: E402
     ZephonError,
 )
 from zephon_flow.loader import Loader  # noqa: E402
-from zephon_flow.runners.dofns import SeedParam  # noqa: E402
+from zephon_flow.runners.dofns import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.spec import LoaderSpec  # noqa: E402
 from zephon_flow.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
 
@@ -26,6 +26,7 @@ __all__ = [
     "DataError",
     "Loader",
     "LoaderSpec",
+    "ProvenanceParam",
     "SeedParam",
     "SpecError",
     "StateError",

@@ -12,6 +12,12 @@ from zephon_flow.errors import StageError
 
 Batch = dict[str, np.ndarray]
 
+#: Fields whose length differs per sample (provenance: one row per document in a sequence).
+#: ``stack`` concatenates their rows and adds ``<field>_count`` (int32, rows per sample), so a
+#: batch stays a dict of plain arrays; ``split_ragged`` takes them apart again.
+RAGGED_FIELDS = ("documents",)
+COUNT_SUFFIX = "_count"
+
 
 def stack(samples: Sequence[Any], *, where: str) -> Batch:
     """Stacks samples (dicts of equally shaped arrays, or arrays) into one dict of arrays."""
@@ -25,8 +31,35 @@ def stack(samples: Sequence[Any], *, where: str) -> Batch:
                 raise StageError(
                     f"{where}: sample {i} has keys {sorted(s) if isinstance(s, Mapping) else type(s).__name__}, expected {keys}"
                 )
-        return {k: _stack_field([s[k] for s in samples], where=f"{where}, field {k!r}") for k in keys}
+        batch: Batch = {}
+        for k in keys:
+            values = [s[k] for s in samples]
+            if k in RAGGED_FIELDS:
+                if k + COUNT_SUFFIX in first:
+                    raise StageError(f"{where}: samples may not carry both {k!r} and {k + COUNT_SUFFIX!r}")
+                batch[k], batch[k + COUNT_SUFFIX] = _concat_ragged(values, where=f"{where}, field {k!r}")
+            else:
+                batch[k] = _stack_field(values, where=f"{where}, field {k!r}")
+        return batch
     return {"data": _stack_field(list(samples), where=where)}
+
+
+def _concat_ragged(values: list[Any], *, where: str) -> tuple[np.ndarray, np.ndarray]:
+    arrays = [np.asarray(v) for v in values]
+    tail, dtype = arrays[0].shape[1:], arrays[0].dtype
+    for i, a in enumerate(arrays):
+        if a.ndim < 1 or a.shape[1:] != tail or a.dtype != dtype:
+            raise StageError(
+                f"{where}: sample {i} is {a.dtype}{list(a.shape)}, expected {dtype}[n, {', '.join(map(str, tail))}]"
+            )
+    counts = np.array([a.shape[0] for a in arrays], dtype=np.int32)
+    return np.concatenate(arrays), counts
+
+
+def split_ragged(batch: Mapping[str, np.ndarray], field: str = "documents") -> list[np.ndarray]:
+    """The per-sample rows of a ragged field of a stacked batch (views, not copies)."""
+    counts = np.asarray(batch[field + COUNT_SUFFIX])
+    return np.split(np.asarray(batch[field]), np.cumsum(counts)[:-1])
 
 
 def _stack_field(values: list[Any], *, where: str) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""The ``zephon`` command line: digests of global batches, digest diffs, and the demo."""
+"""The ``zephon`` command line: digests of global batches, digest diffs, inspection, the demo."""
 
 from __future__ import annotations
 
@@ -98,6 +98,31 @@ def _diff(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from zephon_flow.inspection import inspect_step, render
+    from zephon_flow.state import load_state
+
+    spec = load_spec(args.target)
+    state = load_state(args.state) if args.state else None
+    views = inspect_step(
+        spec,
+        args.step,
+        rank=args.rank,
+        world_size=args.world_size,
+        state=state,
+        backend=args.backend,
+        workers=args.workers,
+    )
+    if args.json:
+        print(json.dumps([dataclasses.asdict(v) for v in views], indent=1))
+    else:
+        print(render(views, step=args.step, rank=args.rank, world_size=args.world_size))
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from zephon_flow.demo import run_demo
 
@@ -124,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("a")
     f.add_argument("b")
     f.set_defaults(func=_diff)
+
+    i = sub.add_parser("inspect", help="show the documents of every sequence of one step")
+    i.add_argument("target", metavar="MODULE:SPEC")
+    i.add_argument("--step", type=int, required=True)
+    i.add_argument("--rank", type=int, default=0)
+    i.add_argument("--world-size", type=int, default=1)
+    i.add_argument("--state", help="start from this checkpoint (of a step at or before --step)")
+    i.add_argument("--backend", choices=BACKENDS, default="inline")
+    i.add_argument("--workers", type=int, default=1)
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    i.set_defaults(func=_inspect)
 
     m = sub.add_parser("demo", help="build a small real corpus and show elastic determinism")
     m.add_argument("--steps", type=int, default=300)

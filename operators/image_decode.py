@@ -1,0 +1,196 @@
+"""``DecodeImage``: encoded image bytes to an ``H x W x C`` uint8 array with Pillow (stateless)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from PIL import ExifTags, Image, ImageOps
+
+from zephon_flow.errors import DataError, SpecError
+
+#: Output modes: ``"RGB"`` gives ``H x W x 3``, ``"L"`` (grey) gives ``H x W x 1``.
+MODES = ("RGB", "L")
+#: Formats opened by default: the common raster formats whose decoders are built into Pillow
+#: (never, e.g., EPS, which Pillow hands to Ghostscript).
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+#: The fields read by default: WebDataset's usual image extensions, the first one present.
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
+#: Pillow modes holding 16 (or more) bits per sample: scaled to 8 bits as ``v * 255 / 65535``.
+_WIDE = ("I", "I;16", "I;16B", "I;16L", "I;16N")
+
+
+def sample_name(element: Any) -> str:
+    """How errors name a sample: its ``__key__`` when it has one."""
+    if isinstance(element, Mapping) and "__key__" in element:
+        return f"sample {element['__key__']!r}"
+    return "the sample"
+
+
+def _size_option(name: str, value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in pair):
+        raise SpecError(f"DecodeImage: {name} must be a positive int or (height, width), got {value!r}")
+    return int(pair[0]), int(pair[1])
+
+
+class DecodeImage(beam.DoFn):  # type: ignore[misc]
+    """Decodes ``element[field]`` (bytes) and stores the pixels under ``element[output]``.
+
+    ``field`` may list several names (by default ``IMAGE_FIELDS``: ``"jpg"``, ``"jpeg"``,
+    ``"png"``, ``"webp"``): the first one the sample has is decoded.
+
+    The element is a dict (e.g. a WebDataset sample ``{"__key__", "jpg", "txt"}``); the output
+    is a new dict without ``field`` (unless ``keep_input``) and with ``output`` holding a
+    C-contiguous ``uint8`` array ``[H, W, 3]`` (``mode="RGB"``) or ``[H, W, 1]`` (``"L"``).
+    A bare ``bytes`` element gives the bare array.
+
+    Conversion is fixed, so the same bytes always give the same pixels (for one Pillow
+    version): EXIF orientation is applied (``exif_transpose``); images with transparency
+    (``RGBA``, ``LA``, palettes with a transparent index) are composited over ``background``;
+    16-bit images are scaled to 8 bits (``round(v * 255 / 65535)``); CMYK, YCbCr, palette and
+    1-bit images go through Pillow's own conversion.
+
+    ``max_pixels`` guards against decompression bombs: the size is read from the header and
+    an image with more pixels is refused (``DataError``) before any pixel is decoded.
+    Pillow's global ``MAX_IMAGE_PIXELS`` is left alone.
+
+    ``draft_size=(h, w)`` (or an int) lets the JPEG decoder work at 1/2, 1/4 or 1/8 scale, the
+    smallest scale that still gives at least ``h x w`` pixels: several times faster when a
+    ``ResizeImage`` to that size follows (pass it the same size). It changes the pixels, so
+    it is part of the fingerprint; other formats ignore it.
+
+    Only ``formats`` are opened (Pillow's names; by default ``FORMATS``); anything else is a
+    ``DataError`` like bytes that are not an image. Of an animated image, the first frame.
+    """
+
+    def __init__(
+        self,
+        *,
+        field: str | Sequence[str] = IMAGE_FIELDS,
+        output: str = "image",
+        max_pixels: int = 64_000_000,
+        draft_size: int | tuple[int, int] | None = None,
+        mode: str = "RGB",
+        exif_transpose: bool = True,
+        background: tuple[int, int, int] = (255, 255, 255),
+        keep_input: bool = False,
+        formats: tuple[str, ...] = FORMATS,
+    ) -> None:
+        super().__init__()
+        fields = (field,) if isinstance(field, str) else tuple(field)
+        if not fields or not all(isinstance(f, str) and f for f in fields):
+            raise SpecError(f"DecodeImage: field must be a non-empty string or strings, got {field!r}")
+        if not isinstance(output, str) or not output:
+            raise SpecError(f"DecodeImage: output must be a non-empty string, got {output!r}")
+        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+            raise SpecError(f"DecodeImage: max_pixels must be a positive integer, got {max_pixels!r}")
+        if mode not in MODES:
+            raise SpecError(f"DecodeImage: mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
+        bg = tuple(background)
+        if len(bg) != 3 or not all(isinstance(v, int) and 0 <= v <= 255 for v in bg):
+            raise SpecError(f"DecodeImage: background must be three ints in 0..255, got {background!r}")
+        if isinstance(formats, str) or not formats or not all(isinstance(f, str) and f for f in formats):
+            raise SpecError(f"DecodeImage: formats must be a tuple of Pillow format names, got {formats!r}")
+        self.formats = tuple(f.upper() for f in formats)
+        self.fields = fields
+        self.output = output
+        self.max_pixels = max_pixels
+        self.draft_size = _size_option("draft_size", draft_size)
+        self.mode = mode
+        self.exif_transpose = bool(exif_transpose)
+        self.background = (int(bg[0]), int(bg[1]), int(bg[2]))
+        self.keep_input = bool(keep_input)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "field": list(self.fields),
+            "output": self.output,
+            "max_pixels": self.max_pixels,
+            "draft_size": None if self.draft_size is None else list(self.draft_size),
+            "mode": self.mode,
+            "exif_transpose": self.exif_transpose,
+            "background": list(self.background),
+            "keep_input": self.keep_input,
+            "formats": list(self.formats),
+        }
+
+    def process(self, element: Any) -> Any:
+        if isinstance(element, bytes | bytearray | memoryview):
+            yield self.decode(bytes(element), "the sample")
+            return
+        wanted = " or ".join(map(repr, self.fields))
+        if not isinstance(element, Mapping):
+            raise DataError(
+                f"DecodeImage: expected a dict sample with a {wanted} field (or bytes), "
+                f"got {type(element).__name__}"
+            )
+        name = sample_name(element)
+        field = next((f for f in self.fields if f in element), None)
+        if field is None:
+            raise DataError(
+                f"DecodeImage: {name} has no field {wanted} (it has {sorted(element)}); "
+                f"set DecodeImage(field=...)"
+            )
+        data = element[field]
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise DataError(f"DecodeImage: field {field!r} of {name} holds {type(data).__name__}, not bytes")
+        out = {k: v for k, v in element.items() if self.keep_input or k != field}
+        out[self.output] = self.decode(bytes(data), name, field)
+        yield out
+
+    def decode(self, data: bytes, name: str, field: str | None = None) -> np.ndarray:
+        """The pixels of one encoded image; ``name`` and ``field`` say where in errors."""
+        where = f"field {field or self.fields[0]!r} of {name}"
+        try:
+            with Image.open(io.BytesIO(data), formats=self.formats) as im:
+                pixels = im.size[0] * im.size[1]
+                if pixels > self.max_pixels:
+                    raise DataError(
+                        f"DecodeImage: the image in {where} is {im.size[0]}x{im.size[1]} = {pixels} "
+                        f"pixels, over max_pixels={self.max_pixels} (a decompression bomb?); raise "
+                        f"DecodeImage(max_pixels=...) if such images are expected"
+                    )
+                if self.draft_size is not None and im.format == "JPEG":
+                    h, w = self.draft_size
+                    im.draft(im.mode, (w, h))
+                im.load()
+                return self._convert(im, where)
+        except DataError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise DataError(f"DecodeImage: Pillow refuses the image in {where}: {exc}") from exc
+        except (OSError, ValueError, SyntaxError, EOFError) as exc:
+            # UnidentifiedImageError is an OSError; truncated data raises OSError or SyntaxError.
+            raise DataError(
+                f"DecodeImage: cannot decode the image in {where} ({len(data)} bytes): {exc}"
+            ) from exc
+
+    def _convert(self, im: Image.Image, where: str) -> np.ndarray:
+        # exif_transpose copies the image even when there is nothing to turn: ask first.
+        if self.exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
+            im = ImageOps.exif_transpose(im)
+        if im.mode in _WIDE:
+            wide = np.asarray(im).astype(np.int64)
+            grey = ((np.clip(wide, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
+            im = Image.fromarray(grey)
+        elif im.mode == "F":
+            raise DataError(
+                f"DecodeImage: the image in {where} holds floating-point pixels (Pillow mode 'F'), "
+                f"which have no fixed 8-bit meaning; convert such images before the pipeline"
+            )
+        if im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in im.info:
+            rgba = im.convert("RGBA")
+            base = Image.new("RGBA", rgba.size, (*self.background, 255))
+            im = Image.alpha_composite(base, rgba)
+        if im.mode != self.mode:
+            im = im.convert(self.mode)
+        arr = np.asarray(im, dtype=np.uint8)
+        if arr.ndim == 2:
+            arr = arr[:, :, None]
+        return np.ascontiguousarray(arr)

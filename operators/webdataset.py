@@ -1,0 +1,377 @@
+"""ReadWebDataset: a source of samples from WebDataset tar shards, members grouped by key."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators.splits import START, Record, Source, Split
+
+_BLOCK = tarfile.BLOCKSIZE
+_COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ": "xz"}
+
+
+def member_key(name: str) -> tuple[str, str] | None:
+    """``(key, extension)`` of a member name by the WebDataset convention, or None without one.
+
+    The key is the path up to the first dot of the basename; the extension is the rest, lower-
+    cased: ``"a/b/000017.seg.png"`` -> ``("a/b/000017", "seg.png")``.
+    """
+    directory, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    if not (stem and dot and ext):
+        return None
+    return (f"{directory}/{stem}" if directory else stem), ext.lower()
+
+
+@dataclass(frozen=True)
+class TarSample:
+    """A sample as read from its shard: its key and its members in shard order."""
+
+    key: str
+    #: ``(member name, extension, data)``; data is None for a member no field asks for.
+    members: tuple[tuple[str, str, bytes | None], ...]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of member data it carries (what a chunk of records weighs)."""
+        return sum(len(data) for _, _, data in self.members if data is not None)
+
+
+class ReadWebDataset(Source):
+    """Samples of WebDataset tar shards: consecutive members sharing a key form one sample.
+
+    ``fields`` are the extensions every sample must have; ``"jpg;png"`` accepts either (the
+    first one listed that the sample has). The element is a dict ``{"__key__": key, ext: value}``
+    with one entry per field, keyed by the extension found. Values are the member's bytes,
+    except for ``text_fields`` (default ``("txt",)``), decoded as UTF-8 to ``str`` so that a
+    caption can go straight to ``Tokenize``. Members no field asks for are not read; members
+    that are not regular files (directories, links) or whose basename has no extension are
+    ignored. Shards must be uncompressed tar files (a compressed stream cannot be entered in the
+    middle).
+
+    - **Splits**: runs of ``samples_per_split`` samples: ``Split(shard, first, stop)`` counts
+      samples. ``make_splits`` reads every member *header* of every shard once (not the data)
+      and keeps the byte offset of each split's first member, so ``read_split`` seeks straight
+      to it.
+    - **Positions**: the number of the next sample in the shard; a record's ``offset`` is its
+      sample number in the shard. Resuming inside a split re-reads the headers (never the
+      data) of the samples before the position, at most ``samples_per_split``.
+    - **Epochs**: ``epochs=None`` reads forever, each epoch dealing the splits anew; with a
+      number, a lane's stream of this source ends after that many passes.
+    - **Errors** (``DataError``, naming the shard and this operator): at listing, a zero-byte
+      shard or one that is not an uncompressed tar; from ``read_split``, a shard cut short
+      inside a member's header or data (naming the member), or a damaged header. Damage is
+      found at listing but raised only when a lane reaches it, from the split that ends there,
+      so with ``on_error="skip"`` the samples before it are read on every run and topology.
+      From ``decode``: a sample without a required member (naming the key and the missing
+      extension), with two members of one field's extension, or with text that is not UTF-8.
+    """
+
+    def __init__(
+        self,
+        pattern: str,
+        *,
+        fields: Sequence[str] = ("jpg", "txt"),
+        text_fields: Sequence[str] = ("txt",),
+        samples_per_split: int = 100,
+        epochs: int | None = None,
+        on_error: str = "raise",
+        label: str | None = None,
+    ) -> None:
+        super().__init__(pattern, epochs=epochs, on_error=on_error, label=label)
+        name = type(self).__name__
+        self.fields = _parse_fields(name, fields)
+        wanted = {ext for alternatives in self.fields for ext in alternatives}
+        if isinstance(text_fields, str) or not all(isinstance(t, str) for t in text_fields):
+            raise SpecError(f"{name}: text_fields must be a sequence of extensions, got {text_fields!r}")
+        self.text_fields = tuple(t.lower() for t in text_fields)
+        for ext in self.text_fields:
+            if ext not in wanted:
+                raise SpecError(f"{name}: text_fields names {ext!r}, which is not among fields {fields!r}")
+        if (
+            isinstance(samples_per_split, bool)
+            or not isinstance(samples_per_split, int)
+            or samples_per_split < 1
+        ):
+            raise SpecError(
+                f"{name}: samples_per_split must be a positive integer, got {samples_per_split!r}"
+            )
+        self.samples_per_split = samples_per_split
+        self._wanted = frozenset(wanted)
+        #: Per shard, the byte offset of the first member of each of its splits.
+        self._offsets: dict[str, list[int]] | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            **super().params(),
+            "fields": [";".join(alternatives) for alternatives in self.fields],
+            "text_fields": list(self.text_fields),
+            "samples_per_split": self.samples_per_split,
+        }
+
+    # -- listing -----------------------------------------------------------------------
+    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+        splits: list[Split] = []
+        index: dict[str, list[int]] = {}
+        step = self.samples_per_split
+        for path in paths:
+            index[path], n = self._index(path)
+            splits.extend(Split(path, s, min(s + step, n)) for s in range(0, n, step))
+        self._offsets = index  # assigned whole: lanes' feeds may list concurrently
+        return splits
+
+    def _index(self, path: str) -> tuple[list[int], int]:
+        """The first member's offset of every ``samples_per_split``-th sample, and the sample count.
+
+        A damaged shard counts the sample at the damage too, so that its last split ends there
+        and reading it raises the damage.
+        """
+        offsets: list[int] = []
+        n = 0
+        with self._open(path) as (fh, size):
+            if size == 0:
+                raise DataError(
+                    f"{self.operator_name}: {path} is empty (0 bytes), not a tar shard; "
+                    f"remove it or narrow the glob {self.pattern!r}"
+                )
+            try:
+                for group in _Grouper(self, fh, path, size).groups(0, 0):
+                    if n % self.samples_per_split == 0:
+                        offsets.append(group.offset)
+                    n += 1
+            except _Damage as damage:
+                if n % self.samples_per_split == 0:
+                    offsets.append(damage.resume_offset)
+                n += 1
+        return offsets, n
+
+    # -- reading -----------------------------------------------------------------------
+    def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
+        first = split.start if position == START else position
+        if not split.start <= first <= split.stop:
+            raise DataError(
+                f"{self.operator_name}: cannot resume samples [{split.start}, {split.stop}) of "
+                f"{split.path} at sample {first}; did the shard change since the checkpoint?"
+            )
+        if self._offsets is None:
+            self.splits()
+        index = self._offsets
+        assert index is not None
+        starts = index.get(split.path, [])
+        k = split.start // self.samples_per_split
+        if split.start % self.samples_per_split or k >= len(starts):
+            raise DataError(
+                f"{self.operator_name}: samples [{split.start}, {split.stop}) of {split.path} are "
+                "not a split of this source; did the shard change since the splits were listed?"
+            )
+        return self._samples(split, starts[k], first)
+
+    def _samples(self, split: Split, start: int, first: int) -> Iterator[tuple[int, Record]]:
+        path = split.path
+        if first == split.stop:
+            return
+        with self._open(path) as (fh, size):
+            for group in _Grouper(self, fh, path, size).groups(start, split.start):
+                if group.number >= first:
+                    sample = TarSample(
+                        group.key, tuple(self._read_member(fh, path, m) for m in group.members)
+                    )
+                    n = group.number
+                    yield n + 1, Record(sample, path, f"sample {n} (key {group.key!r})", n)
+                if group.number + 1 == split.stop:
+                    return
+        raise DataError(
+            f"{self.operator_name}: {path} ends before sample {split.stop - 1}; "
+            "did the shard change since the splits were listed?"
+        )
+
+    def _read_member(self, fh: IO[bytes], path: str, member: _Member) -> tuple[str, str, bytes | None]:
+        name, ext, info = member
+        if ext not in self._wanted:
+            return name, ext, None
+        fh.seek(info.offset_data)
+        data = fh.read(info.size)
+        if len(data) != info.size:
+            raise DataError(
+                f"{self.operator_name}: {path} is truncated: member {name!r} has {len(data)} of its "
+                f"{info.size} bytes; did the shard change since the splits were listed?"
+            )
+        return name, ext, data
+
+    def _open(self, path: str) -> _OpenShard:
+        return _OpenShard(path, self.operator_name)
+
+    # -- decoding (runs in workers on a pickled copy of this transform) ------------------
+    def decode(self, record: Record, operator: str) -> list[Any]:
+        sample: TarSample = record.payload
+        where = f"{record.path} at {record.where}"
+        element: dict[str, Any] = {"__key__": sample.key}
+        for alternatives in self.fields:
+            present = [m for m in sample.members if m[1] in alternatives]
+            if not present:
+                has = ", ".join(repr(ext) for _, ext, _ in sample.members) or "no members"
+                wanted = " or ".join(repr(ext) for ext in alternatives)
+                raise DataError(
+                    f"{operator}: {where} has no {wanted} member (it has {has}); "
+                    f"every sample needs {', '.join(repr(';'.join(a)) for a in self.fields)}"
+                )
+            ext = next(e for e in alternatives if any(m[1] == e for m in present))
+            chosen = [m for m in present if m[1] == ext]
+            if len(chosen) > 1:
+                names = ", ".join(repr(m[0]) for m in chosen)
+                raise DataError(f"{operator}: {where} has {len(chosen)} {ext!r} members ({names})")
+            name, _, data = chosen[0]
+            assert data is not None
+            element[ext] = self._text(data, name, where, operator) if ext in self.text_fields else data
+        return [element]
+
+    @staticmethod
+    def _text(data: bytes, name: str, where: str, operator: str) -> str:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(
+                f"{operator}: {where}: member {name!r} is not valid UTF-8 at byte {exc.start}: "
+                f"{exc.reason} (0x{data[exc.start]:02x})"
+            ) from exc
+
+
+def _parse_fields(name: str, fields: Sequence[str]) -> tuple[tuple[str, ...], ...]:
+    """``["jpg;png", "txt"]`` -> ``(("jpg", "png"), ("txt",))``, refusing malformed lists."""
+    if isinstance(fields, str) or not fields or not all(isinstance(f, str) for f in fields):
+        raise SpecError(f"{name}: fields must be a non-empty sequence of extensions, got {fields!r}")
+    parsed = tuple(tuple(ext.strip().lower() for ext in f.split(";")) for f in fields)
+    seen: set[str] = set()
+    for alternatives in parsed:
+        for ext in alternatives:
+            if not ext or ext.startswith(".") or "/" in ext or ext == "__key__":
+                raise SpecError(f"{name}: {ext!r} in fields {fields!r} is not an extension like 'jpg'")
+            if ext in seen:
+                raise SpecError(f"{name}: the extension {ext!r} appears twice in fields {fields!r}")
+            seen.add(ext)
+    return parsed
+
+
+# -- reading a shard ---------------------------------------------------------------------------
+_Member = tuple[str, str, tarfile.TarInfo]
+
+
+@dataclass
+class _Group:
+    number: int  # the sample's number in the shard
+    key: str
+    offset: int  # where the header(s) of its first member start
+    members: list[_Member] = field(default_factory=list)
+
+
+class _Damage(DataError):
+    """A shard is damaged; ``resume_offset`` is where reading must start to meet the damage."""
+
+    def __init__(self, message: str, resume_offset: int = 0) -> None:
+        super().__init__(message)
+        self.resume_offset = resume_offset
+
+
+class _OpenShard:
+    """``with _OpenShard(path, op) as (fh, size)``: the shard opened for reading, and its size."""
+
+    def __init__(self, path: str, operator: str) -> None:
+        self._path, self._op = path, operator
+        self._fh: IO[bytes] | None = None
+
+    def __enter__(self) -> tuple[IO[bytes], int]:
+        try:
+            self._fh = open(self._path, "rb")
+            return self._fh, os.fstat(self._fh.fileno()).st_size
+        except OSError as exc:
+            self.__exit__()
+            raise DataError(f"{self._op}: cannot read {self._path}: {exc.strerror or exc}") from exc
+
+    def __exit__(self, *_: object) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+class _Grouper:
+    """Walks a shard's member headers from a byte offset and groups members into samples."""
+
+    def __init__(self, source: ReadWebDataset, fh: IO[bytes], path: str, size: int) -> None:
+        self._op, self._fh, self._path, self._size = source.operator_name, fh, path, size
+
+    def groups(self, start: int, first_number: int) -> Iterator[_Group]:
+        """Samples from the member whose header starts at ``start``, numbered from ``first_number``.
+
+        A sample is complete when a member with another key (or the end) follows it, so damage
+        raises ``_Damage`` before the sample it falls in is yielded.
+        """
+        group: _Group | None = None
+        try:
+            for info in self._regular_members(start):
+                named = member_key(info.name)
+                if named is None:
+                    continue
+                key, ext = named
+                if group is None or key != group.key:
+                    if group is not None:
+                        yield group
+                    group = _Group(first_number if group is None else group.number + 1, key, info.offset)
+                if info.offset_data + info.size > self._size:
+                    raise _Damage(
+                        f"{self._op}: {self._path} is truncated: member {info.name!r} (sample "
+                        f"{group.number}) has {info.size} bytes from byte {info.offset_data}, "
+                        f"but the file ends at byte {self._size}"
+                    )
+                group.members.append((info.name, ext, info))
+        except _Damage as damage:
+            raise _Damage(str(damage), group.offset if group is not None else start) from None
+        if group is not None:
+            yield group
+
+    def _regular_members(self, start: int) -> Iterator[tarfile.TarInfo]:
+        """The regular-file members from ``start`` to the end of the archive; damage raises."""
+        self._fh.seek(start)
+        prev: tarfile.TarInfo | None = None
+        try:
+            tar = tarfile.TarFile(fileobj=self._fh)
+            while (info := tar.next()) is not None:
+                prev = info
+                if info.isreg():
+                    yield info
+        except tarfile.TarError as exc:
+            at = tar.offset if prev is not None else start
+            if self._fh.tell() < self._size:
+                raise self._damaged(at, prev, str(exc)) from None
+            raise self._damaged(
+                at, prev, f"the file ends inside the member whose header is at byte {at}"
+            ) from None
+        self._check_end(tar.offset, prev)
+
+    def _check_end(self, at: int, prev: tarfile.TarInfo | None) -> None:
+        """``tarfile`` ends quietly at any bad header after the first: tell an end from damage."""
+        if at == self._size:
+            return  # the last member ends the file (no end-of-archive blocks)
+        self._fh.seek(at)
+        block = self._fh.read(_BLOCK)
+        if len(block) == _BLOCK and not block.strip(b"\0"):
+            return  # the end-of-archive marker
+        if len(block) < _BLOCK:
+            raise self._damaged(at, prev, f"the file ends inside the header at byte {at}")
+        raise self._damaged(at, prev, f"bad tar header at byte {at}")
+
+    def _damaged(self, at: int, prev: tarfile.TarInfo | None, reason: str) -> DataError:
+        if prev is None and at == 0:
+            self._fh.seek(0)
+            head = self._fh.read(6)
+            kind = next((k for magic, k in _COMPRESSED_MAGIC.items() if head.startswith(magic)), None)
+            hint = f" (it looks {kind}-compressed; decompress the shard)" if kind else ""
+            return DataError(f"{self._op}: {self._path} is not an uncompressed tar file{hint}: {reason}")
+        after = f"after member {prev.name!r}" if prev is not None else f"at byte {at}"
+        truncated = "the file ends inside" in reason
+        what = "is truncated" if truncated else "is damaged"
+        return _Damage(f"{self._op}: {self._path} {what} {after}: {reason}")

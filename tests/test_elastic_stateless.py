@@ -1,0 +1,117 @@
+"""Elastic determinism with ops.Map, ops.Filter and ops.FlatMap, batched and not, at every place in a lane.
+
+The pipeline has the helpers in a source's own chain (before the mix), in the common front
+(after it, around Tokenize) and in the ordered back (between Pack and Shuffle, run inline on
+the lane's thread). Every run is compared, digest by digest, with one uninterrupted
+single-rank inline run.
+"""
+
+from __future__ import annotations
+
+import apache_beam as beam
+import numpy as np
+import pytest
+from helpers import Corpus
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_elastic_property import WORLD_SIZES, Segment, run_in_segments, segments
+
+import zephon_flow as zf
+from zephon_flow import operators as ops
+from zephon_flow.simulate import global_digests
+
+LANES, BATCH, STEPS = 4, 12, 10
+
+
+def halves(text: str) -> list[str]:
+    """A document becomes its two halves (by words): several outputs per record."""
+    words = text.split()
+    mid = len(words) // 2
+    return [" ".join(part) for part in (words[:mid], words[mid:]) if part]
+
+
+def not_a_multiple_of_three(text: str) -> bool:
+    """Drops about a third of the documents (a record with no output)."""
+    return len(text.split()) % 3 != 0
+
+
+def swap_words_batch(texts: list[str]) -> list[str]:
+    return [t.replace("alpha", "omega").replace("lazy", "quick") for t in texts]
+
+
+def long_enough_batch(docs: list[np.ndarray]) -> list[bool]:
+    return [len(d) >= 4 for d in docs]
+
+
+def with_total(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {**sample, "total": np.int64(sample["input_ids"].sum())}
+
+
+def stateless_spec(corpus: Corpus, *, seed: int = 0) -> zf.LoaderSpec:
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text", split_bytes=500)
+        web = web | "halves" >> beam.ParDo(ops.FlatMap(halves))
+        code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content")
+        code = code | "thin" >> beam.ParDo(ops.Filter(not_a_multiple_of_three))
+        docs = (web, code) | "mix" >> ops.Mix(weights=[0.6, 0.4])
+        docs = docs | "swap" >> beam.ParDo(ops.Map(swap_words_batch, batched=True))
+        toks = docs | "tok" >> beam.ParDo(ops.Tokenize(corpus.tokenizer_json))
+        toks = toks | "long" >> beam.ParDo(ops.Filter(long_enough_batch, batched=True))
+        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=16))
+        seqs = seqs | "total" >> beam.ParDo(ops.Map(with_total))
+        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=4))
+
+    return zf.LoaderSpec(build, lanes=LANES, seed=seed, global_batch_size=BATCH)
+
+
+@pytest.fixture(scope="module")
+def spec(corpus: Corpus) -> zf.LoaderSpec:
+    return stateless_spec(corpus)
+
+
+@pytest.fixture(scope="module")
+def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
+    ref = global_digests(spec, steps=STEPS)
+    assert len(ref) == STEPS and len({d for _, d in ref}) == STEPS
+    return ref
+
+
+def test_the_helpers_are_where_the_test_says(spec: zf.LoaderSpec) -> None:
+    plan = spec.compile()
+    assert [[s.label for s in sp.chain] for sp in plan.sources] == [["halves"], ["thin"]]
+    assert [s.label for s in plan.common] == ["swap", "tok", "long"]
+    assert [s.label for s in plan.back] == ["pack", "total", "shuffle"]
+    with zf.Loader(spec) as loader:
+        batch = next(iter(loader))[1]
+    assert batch["total"].tolist() == batch["input_ids"].sum(axis=1).tolist()
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, STEPS - 1), max_size=3, unique=True).map(sorted),
+    plan=st.lists(segments, min_size=4, max_size=4),
+)
+def test_any_topology_and_resume_points_give_the_reference_batches(
+    spec: zf.LoaderSpec, reference: list[tuple[int, str]], cuts: list[int], plan: list[Segment]
+) -> None:
+    assert run_in_segments(spec, STEPS, cuts, plan) == reference
+
+
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w in (2, 3, 12)])
+def test_other_world_sizes_give_the_reference_batches(
+    spec: zf.LoaderSpec, reference: list[tuple[int, str]], world_size: int
+) -> None:
+    assert global_digests(spec, steps=STEPS, world_size=world_size, backend="threads", workers=2) == reference
+
+
+@pytest.mark.slow
+def test_processes_backend_resumes_a_threads_run(
+    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    plan = [Segment(6, "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 5, 3)]
+    assert run_in_segments(spec, STEPS, [4], plan) == reference
+
+
+def test_two_seeds_give_different_batches(corpus: Corpus, reference: list[tuple[int, str]]) -> None:
+    other = global_digests(stateless_spec(corpus, seed=1), steps=STEPS)
+    assert all(a != b for a, b in zip(other, reference, strict=True))
