@@ -61,23 +61,33 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
     """
     steps, warmup, workers = int(task["steps"]), int(task["warmup"]), int(task["workers"])
     start = time.perf_counter()
+    born = _cpu_seconds()
     session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
     marks: list[tuple[float, int]] = []  # (delivery instant, real tokens) per batch, first = index 0
     pad = 0
+    cpu: dict[str, float] = {}
+    life: dict[str, float] = {}
     try:
         it = session.batches()
         first = next(it)
         marks.append((time.perf_counter(), real_tokens(first)))
         for i in range(warmup + steps):
+            if i == warmup:
+                cpu = _cpu_seconds()
             batch = next(it)
             real = real_tokens(batch)
             marks.append((time.perf_counter(), real))
             if i >= warmup:
                 pad += int(batch["segment_ids"].size) - real
+        end_cpu = _cpu_seconds()
+        cpu = {k: v - cpu.get(k, 0.0) for k, v in end_cpu.items()}
+        # whole life, start-up included: CPU per delivered token, where every core-second went
+        life = {k: v - born.get(k, 0.0) for k, v in end_cpu.items()}
     finally:
         session.close()
     ttfb = marks[0][0] - start
     lo, hi = warmup, warmup + steps
+    window = marks[hi][0] - marks[lo][0]
     mid = (lo + hi) // 2
     tokens = sum(n for _, n in marks[lo + 1 :])
     seconds = marks[hi][0] - marks[lo][0]
@@ -97,7 +107,31 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
         "padding_fraction": pad / max(1, tokens + pad),
         "first_batch_shape": list(first["input_ids"].shape),
         "batch_times_s": [round(t - start, 4) for t, _ in marks],
+        # CPU cores busy during the timed window: this (consumer) process, and its child processes
+        "main_cpu_cores": cpu.get("main", 0.0) / window if window > 0 else None,
+        "children_cpu_cores": cpu["children"] / window if "children" in cpu and window > 0 else None,
+        "life_main_cpu_s": life.get("main"),
+        "life_children_cpu_s": life.get("children"),
+        "life_tokens": sum(n for _, n in marks),
     }
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (all threads) and, with psutil, of its live children."""
+    out = {"main": time.process_time()}
+    try:
+        import psutil
+    except ImportError:
+        return out
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    out["children"] = total
+    return out
 
 
 def _take(session: Session, n: int) -> list[Batch]:
