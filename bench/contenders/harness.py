@@ -1,0 +1,252 @@
+"""One contender's process: runs a task (throughput, resume or elastic) and prints one JSON line.
+
+Every loader is wrapped in the same small interface (``Contender.open`` -> ``Session``), so the
+measurements are taken by one piece of code for all of them. The orchestrator starts a process
+per task: ``python -m bench.contenders.<name> --workload W.json --task T.json``. Needs only the
+standard library and numpy (the peers' venv has no zephon-flow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from bench.workload import TextWorkload, concat, digest, load_workload, real_tokens
+
+Batch = dict[str, Any]
+
+
+class Session(Protocol):
+    """An open loader: this rank's batches (``global_batch / world_size`` sequences each)."""
+
+    def batches(self) -> Iterator[Batch]: ...
+
+    def checkpoint(self) -> bytes:
+        """The loader's state after the last batch taken, as the bytes a user would store."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Contender(Protocol):
+    name: str
+    resumable: bool
+
+    def open(
+        self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
+    ) -> Session: ...
+
+
+def _rate(marks: list[tuple[float, int]], lo: int, hi: int) -> float | None:
+    """Tokens delivered in batches ``lo+1..hi`` over the time between batch ``lo`` and ``hi``."""
+    if hi <= lo or marks[hi][0] <= marks[lo][0]:
+        return None
+    return sum(n for _, n in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
+
+
+def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
+    """Time to the first batch, then ``warmup`` untimed steps, then ``steps`` timed steps.
+
+    Every batch's delivery instant and real-token count is recorded. ``tokens_per_s`` is the rate
+    between the deliveries of batch ``warmup`` and batch ``warmup + steps`` (both after the first);
+    a loader that read ahead more than ``warmup`` steps before that window delivers its buffer in
+    it, so the window is also split in halves: in a steady state their rates agree
+    (``half_rate_ratio`` near 1), while a draining buffer makes the first half faster. The
+    end-to-end rate (construction to last batch) can never be inflated by read-ahead.
+    """
+    steps, warmup, workers = int(task["steps"]), int(task["warmup"]), int(task["workers"])
+    start = time.perf_counter()
+    born = _cpu_seconds()
+    session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
+    marks: list[tuple[float, int]] = []  # (delivery instant, real tokens) per batch, first = index 0
+    pad = 0
+    cpu: dict[str, float] = {}
+    life: dict[str, float] = {}
+    try:
+        it = session.batches()
+        first = next(it)
+        marks.append((time.perf_counter(), real_tokens(first)))
+        for i in range(warmup + steps):
+            if i == warmup:
+                cpu = _cpu_seconds()
+            batch = next(it)
+            real = real_tokens(batch)
+            marks.append((time.perf_counter(), real))
+            if i >= warmup:
+                pad += int(batch["segment_ids"].size) - real
+        end_cpu = _cpu_seconds()
+        cpu = {k: v - cpu.get(k, 0.0) for k, v in end_cpu.items()}
+        # whole life, start-up included: CPU per delivered token, where every core-second went
+        life = {k: v - born.get(k, 0.0) for k, v in end_cpu.items()}
+    finally:
+        session.close()
+    ttfb = marks[0][0] - start
+    lo, hi = warmup, warmup + steps
+    window = marks[hi][0] - marks[lo][0]
+    mid = (lo + hi) // 2
+    tokens = sum(n for _, n in marks[lo + 1 :])
+    seconds = marks[hi][0] - marks[lo][0]
+    first_half, second_half = _rate(marks, lo, mid), _rate(marks, mid, hi)
+    return {
+        "ttfb_s": ttfb,
+        "warmup_s": marks[lo][0] - marks[0][0],
+        "seconds": seconds,
+        "end_to_end_tokens_per_s": sum(n for _, n in marks) / (marks[-1][0] - start),
+        "first_half_tokens_per_s": first_half,
+        "second_half_tokens_per_s": second_half,
+        "half_rate_ratio": first_half / second_half if first_half and second_half else None,
+        "steps": steps,
+        "warmup": warmup,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "padding_fraction": pad / max(1, tokens + pad),
+        "first_batch_shape": list(first["input_ids"].shape),
+        "batch_times_s": [round(t - start, 4) for t, _ in marks],
+        # CPU cores busy during the timed window: this (consumer) process, and its child processes
+        "main_cpu_cores": cpu.get("main", 0.0) / window if window > 0 else None,
+        "children_cpu_cores": cpu["children"] / window if "children" in cpu and window > 0 else None,
+        "life_main_cpu_s": life.get("main"),
+        "life_children_cpu_s": life.get("children"),
+        "life_tokens": sum(n for _, n in marks),
+    }
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this process (all threads) and, with psutil, of its live children."""
+    out = {"main": time.process_time()}
+    try:
+        import psutil
+    except ImportError:
+        return out
+    total = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    out["children"] = total
+    return out
+
+
+def _take(session: Session, n: int) -> list[Batch]:
+    it = session.batches()
+    return [next(it) for _ in range(n)]
+
+
+def run_resume(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
+    """One uninterrupted run to the last step, a checkpoint before each listed step; then for
+    each checkpoint a new loader from it, timed to its first batch and compared by digest."""
+    workers, steps = int(task["workers"]), sorted(int(s) for s in task["steps"])
+    want = set(steps)
+    blobs: dict[int, bytes] = {}
+    digests: dict[int, str] = {}
+    save_s: dict[int, float] = {}
+    session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
+    try:
+        it = session.batches()
+        for step in range(steps[-1] + 1):
+            if step in want:
+                t = time.perf_counter()
+                blobs[step] = session.checkpoint()
+                save_s[step] = time.perf_counter() - t
+            batch = next(it)
+            if step in want:
+                digests[step] = digest(batch)
+    finally:
+        session.close()
+    points = []
+    for step in steps:
+        start = time.perf_counter()
+        resumed = c.open(w, rank=0, world_size=1, workers=workers, state=blobs[step])
+        try:
+            batch = next(resumed.batches())
+            ttfb = time.perf_counter() - start
+        finally:
+            resumed.close()
+        points.append(
+            {
+                "step": step,
+                "checkpoint_bytes": len(blobs[step]),
+                "save_s": save_s[step],
+                "ttfb_s": ttfb,
+                "matches_uninterrupted": digest(batch) == digests[step],
+            }
+        )
+    return {"points": points}
+
+
+def _resumed_digests(
+    c: Contender, w: TextWorkload, blob: bytes, world_size: int, workers: int, count: int
+) -> list[str]:
+    sessions = [
+        c.open(w, rank=r, world_size=world_size, workers=workers, state=blob) for r in range(world_size)
+    ]
+    try:
+        per_rank = [_take(s, count) for s in sessions]
+    finally:
+        for s in sessions:
+            s.close()
+    return [digest(concat([per_rank[r][i] for r in range(world_size)])) for i in range(count)]
+
+
+def run_elastic(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
+    """Checkpoint at ``step`` with (1 rank, ``workers``), resume under other topologies, and
+    compare the next ``count`` global batches with the uninterrupted run's, by digest."""
+    step, count, workers = int(task["step"]), int(task["count"]), int(task["workers"])
+    session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
+    try:
+        it = session.batches()
+        for _ in range(step):
+            next(it)
+        blob = session.checkpoint()
+        expected = [digest(next(it)) for _ in range(count)]
+    finally:
+        session.close()
+    cases = []
+    for topo in task["topologies"]:
+        world, wk = int(topo["world_size"]), int(topo["workers"])
+        case: dict[str, Any] = {"world_size": world, "workers": wk}
+        try:
+            got = _resumed_digests(c, w, blob, world, wk, count)
+            matched = sum(a == b for a, b in zip(got, expected, strict=True))
+            case.update(outcome="match" if matched == count else "mismatch", batches_matching=matched)
+        except Exception as exc:  # a refusal is a result: recorded, not raised
+            message = str(exc).strip().splitlines()
+            case.update(
+                outcome="refused", error=f"{type(exc).__name__}: {message[-1] if message else ''}"[:300]
+            )
+        cases.append(case)
+    return {"step": step, "count": count, "checkpoint_workers": workers, "cases": cases}
+
+
+TASKS = {"throughput": run_throughput, "resume": run_resume, "elastic": run_elastic}
+
+
+def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = None) -> int:
+    """Entry point of a contender module: ``make(options)`` builds the contender."""
+    parser = argparse.ArgumentParser(description="a bench contender")
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--task", required=True, help="a JSON object with 'kind' and its parameters")
+    parser.add_argument("--option", action="append", default=[], help="KEY=VALUE for the contender")
+    args = parser.parse_args(argv)
+    contender = make(dict(o.split("=", 1) for o in args.option))
+    workload = load_workload(args.workload)
+    task = json.loads(args.task)
+    result: dict[str, Any] = {"contender": contender.name, "kind": task["kind"]}
+    try:
+        if task["kind"] != "throughput" and not contender.resumable:
+            result["unsupported"] = f"{contender.name} has no checkpoint"
+        else:
+            result.update(TASKS[task["kind"]](contender, workload, task))
+        result["ok"] = True
+    except Exception as exc:
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    sys.stdout.flush()
+    print("BENCH-RESULT " + json.dumps(result), flush=True)
+    return 0 if result["ok"] else 1

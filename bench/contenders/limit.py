@@ -1,0 +1,89 @@
+"""Contender: the limit of the work itself, the HF tokenizer alone in ``workers`` processes.
+
+No loader: each process loads the tokenizer, reads its share of the mixed documents into memory
+(``bench.workload.iter_mixed``, the same draw the plain peers use), encodes a few untimed, then
+waits at a barrier with the others and encodes the rest one ``encode`` call per document, EOS
+appended, ids turned into an int32 array (as every contender does). tokens/s = all processes'
+tokens over the slowest one's time. Packing, shuffling and batching cost nothing here, so no
+loader doing the same tokenization on the same cores can beat it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+from bench.workload import encode, iter_mixed, load_tokenizer, load_workload
+
+CHARS_PER_TOKEN = 3.5  # to size the in-memory share; the measured rate does not depend on it
+WARM_DOCS = 50
+
+
+def _worker(path: str, part: int, parts: int, target: int, barrier: Any, out: Any) -> None:
+    w = load_workload(path)
+    tok, eos = load_tokenizer(w)
+    texts: list[str] = []
+    chars = 0
+    for text in iter_mixed(w, part, parts):
+        texts.append(text)
+        chars += len(text)
+        if chars >= target * CHARS_PER_TOKEN and len(texts) > WARM_DOCS:
+            break
+    for text in texts[:WARM_DOCS]:
+        encode(tok, eos, text)
+    work = texts[WARM_DOCS:]
+    barrier.wait()
+    start = time.perf_counter()
+    tokens = 0
+    for text in work:
+        tokens += len(encode(tok, eos, text))
+    out.put({"part": part, "tokens": tokens, "docs": len(work), "seconds": time.perf_counter() - start})
+
+
+def measure(workload_path: str, steps: int, workers: int) -> dict[str, Any]:
+    w = load_workload(workload_path)
+    target = steps * w.global_batch * w.seq_len // workers
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(workers), ctx.Queue()
+    procs = [
+        ctx.Process(target=_worker, args=(workload_path, k, workers, target, barrier, out))
+        for k in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    seconds = max(r["seconds"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "padding_fraction": 0.0,
+        "worker_seconds": [r["seconds"] for r in results],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the tokenizer alone")
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--task", required=True)
+    parser.add_argument("--option", action="append", default=[])
+    args = parser.parse_args(argv)
+    task = json.loads(args.task)
+    result: dict[str, Any] = {"contender": "limit", "kind": task["kind"]}
+    if task["kind"] != "throughput":
+        result.update(ok=True, unsupported="the limit has no loader state")
+    else:
+        result.update(measure(args.workload, int(task["steps"]), int(task["workers"])), ok=True)
+    print("BENCH-RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Contender: PyTorch ``DataLoader`` (or torchdata's ``StatefulDataLoader``) over an
+``IterableDataset`` doing the workload's steps (``bench.workload.plain_sequences``).
+
+Options: ``loader=plain|stateful``. Each worker of each rank reads a disjoint share of every
+source (line ``i`` goes to share ``i mod (world_size * workers)``), mixes, tokenizes, packs and
+shuffles it with its part of the total shuffle buffer; the loader batches
+``global_batch / world_size`` sequences. ``stateful`` checkpoints with ``state_dict()``, which for
+an iterable dataset without its own ``state_dict`` records how many batches each worker gave,
+and on resume skips that many again (torchdata's documented fallback). Runs in either venv.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from bench.contenders.harness import Batch, main
+from bench.workload import TextWorkload, plain_sequences
+
+
+def _dataset(w: TextWorkload, rank: int, world_size: int) -> Any:
+    import torch.utils.data as tud
+
+    class TextPipeline(tud.IterableDataset):  # type: ignore[misc, type-arg]
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            info = tud.get_worker_info()
+            worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+            yield from plain_sequences(w, rank * workers + worker, world_size * workers)
+
+    return TextPipeline()
+
+
+class _Session:
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+        self._it: Any = None
+
+    def batches(self) -> Iterator[Batch]:
+        if self._it is None:
+            self._it = iter(self._loader)
+        for batch in self._it:
+            yield {k: v.numpy() for k, v in batch.items()}
+
+    def checkpoint(self) -> bytes:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self._loader.state_dict(), buf)
+        return buf.getvalue()
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
+class TorchLoader:
+    def __init__(self, options: dict[str, str]) -> None:
+        self.kind = options.get("loader", "plain")
+        self.name = f"torch_{self.kind}"
+        self.resumable = self.kind == "stateful"
+
+    def open(
+        self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
+    ) -> _Session:
+        import torch
+
+        kwargs: dict[str, Any] = {
+            "batch_size": workload.global_batch // world_size,
+            "num_workers": workers,
+            "persistent_workers": False,
+        }
+        if workers > 0:
+            kwargs["prefetch_factor"] = 2
+        dataset = _dataset(workload, rank, world_size)
+        if self.kind == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            loader: Any = StatefulDataLoader(dataset, **kwargs)
+            if state is not None:
+                loader.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+        else:
+            if state is not None:
+                raise NotImplementedError("torch DataLoader has no state")
+            loader = torch.utils.data.DataLoader(dataset, **kwargs)
+        return _Session(loader)
+
+
+if __name__ == "__main__":
+    sys.exit(main(TorchLoader))

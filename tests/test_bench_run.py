@@ -1,0 +1,211 @@
+"""Smoke test of ``bench.run``: a tiny generated input, a few steps, the main venv's contenders.
+
+Checks that the results JSON, the report and the plots are written and that the numbers are
+sane (positive, consistent with each other), never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write_source(folder: Path, texts: list[str], per_shard: int) -> str:
+    folder.mkdir(parents=True)
+    for i in range(0, len(texts), per_shard):
+        with open(folder / f"shard-{i // per_shard:05d}.jsonl", "w", encoding="utf-8") as f:
+            for text in texts[i : i + per_shard]:
+                f.write(json.dumps({"text": text}) + "\n")
+    return str(folder / "shard-*.jsonl")
+
+
+def _small_gpt2(path: Path, merges: int = 2000) -> str:
+    """GPT-2's first ``merges`` merges (ids 256 + merge number): the same kind of tokenizer as
+    the benchmark's, quick to load in every contender process."""
+    from bench import gpt2
+
+    doc = gpt2.gpt2_document()
+    doc["model"]["vocab"] = {t: i for t, i in doc["model"]["vocab"].items() if i < 256 + merges}
+    doc["model"]["merges"] = doc["model"]["merges"][:merges]
+    doc["added_tokens"][0]["id"] = 256 + merges
+    doc["model"]["vocab"][gpt2.EOS] = 256 + merges
+    path.write_text(json.dumps(doc), encoding="utf-8")
+    return str(path)
+
+
+def _tiny_workload(tmp_path: Path) -> Path:
+    from bench.workload import TextWorkload
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    code = [p.read_text(encoding="utf-8")[:6000] for p in sorted(stdlib.glob("[a-c]*.py"))[:40]]
+    docs = [(p.read_text(encoding="utf-8")[:6000]) for p in sorted((stdlib / "email").glob("*.py"))]
+    prose = [text.replace("def ", "the ") for text in code[::-1]]
+    workload = TextWorkload(
+        tokenizer=_small_gpt2(tmp_path / "gpt2-small.json"),
+        sources={
+            "code": _write_source(tmp_path / "code", code, 10),
+            "docs": _write_source(tmp_path / "docs", docs, 10),
+            "prose": _write_source(tmp_path / "prose", prose, 10),
+        },
+        weights={"code": 0.4, "docs": 0.3, "prose": 0.3},
+        seq_len=128,
+        global_batch=8,
+        lanes=4,
+        shuffle_per_lane=4,
+    )
+    path = tmp_path / "workload.json"
+    path.write_text(workload.to_json(), encoding="utf-8")
+    return path
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _run_tiny(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zephon: str) -> dict[str, Any]:
+    """The orchestrator on the tiny input with the limit, ``zephon`` and torch's DataLoader."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import run
+
+    workload = _tiny_workload(tmp_path)
+    out = tmp_path / "results"
+    code = run.main(
+        [
+            "--workload",
+            str(workload),
+            "--no-peers",
+            "--contenders",
+            f"limit,{zephon},torch_dataloader",
+            "--steps",
+            "4",
+            "--warmup",
+            "2",
+            "--rounds",
+            "1",
+            "--resume-steps",
+            "1,4",
+            "--elastic-step",
+            "2",
+            "--elastic-count",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    res: dict[str, Any] = json.loads((out / "bench.json").read_text(encoding="utf-8"))
+    res["report_md"] = (out / "report.md").read_text(encoding="utf-8")
+    for png in ("throughput.png", "resume_ttfb.png", "checkpoint_bytes.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+    return res
+
+
+def _check(res: dict[str, Any], zephon: str) -> None:
+    table = res["throughput"]["table"]
+    assert set(table) == {"limit", zephon, "torch_dataloader"}
+    for name, row in table.items():
+        assert row["failed"] == [], (name, row["failed"])
+        assert _positive(row["tokens_per_s"]) and _positive(row["peak_rss_mb"]), name
+        assert 0.0 <= row["padding_fraction"] < 1.0
+    assert table["limit"]["over_limit"] == pytest.approx(1.0)
+    assert res["throughput"]["best_peer"] == "torch_dataloader"
+    for name in (zephon, "torch_dataloader"):
+        assert _positive(table[name]["end_to_end_tokens_per_s"]), name
+        assert isinstance(table[name]["flags"], list), name
+    for run_ in res["raw"]["throughput"]:
+        if run_["name"] != "limit":
+            assert run_["tokens"] <= 4 * 8 * 128 and run_["first_batch_shape"] == [8, 128]
+            # one delivery instant per batch (first + warm-up + timed), in order
+            assert len(run_["batch_times_s"]) == 1 + 2 + 4
+            assert run_["batch_times_s"] == sorted(run_["batch_times_s"])
+            assert _positive(run_["half_rate_ratio"])
+
+    resume = res["resume"][zephon]
+    assert [p["step"] for p in resume["points"]] == [1, 4]
+    assert resume["all_match"] is True
+    assert all(_positive(p["checkpoint_bytes"]) and _positive(p["ttfb_s"]) for p in resume["points"])
+
+    cases = res["elastic"][zephon]["cases"]
+    assert [(c["world_size"], c["workers"]) for c in cases] == [(1, 2), (1, 1), (2, 2)]
+    assert all(c["outcome"] == "match" for c in cases), cases
+    assert res["unavailable"] == {}
+
+    report = res["report_md"]
+    assert f"| {zephon} |" in report and "## Elasticity" in report
+
+
+@pytest.mark.timeout(300)
+def test_tiny_run_writes_results_report_and_plots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _check(_run_tiny(tmp_path, monkeypatch, "zephon_inline_hf"), "zephon_inline_hf")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tiny_run_with_the_processes_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _check(_run_tiny(tmp_path, monkeypatch, "zephon_processes_hf"), "zephon_processes_hf")
+
+
+def _fake_run(name: str, rate: float, half_ratio: float, round_: int = 0) -> dict[str, Any]:
+    return {
+        "name": name,
+        "round": round_,
+        "ok": True,
+        "tokens_per_s": rate,
+        "end_to_end_tokens_per_s": rate / 2,
+        "half_rate_ratio": half_ratio,
+        "ttfb_s": 1.0,
+        "peak_rss_bytes": 1e8,
+        "padding_fraction": 0.0,
+    }
+
+
+def test_report_flags_rates_above_the_limit_and_unsteady_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import report
+
+    runs = [
+        _fake_run("limit", 100.0, 1.0),
+        _fake_run("zephon_processes_hf", 90.0, 1.05),
+        _fake_run("hf_datasets", 1500.0, 1.0),  # 15x the limit: impossible
+        _fake_run("grain", 105.0, 3.0),  # within noise of the limit, but its buffer was draining
+    ]
+    raw: dict[str, list[dict[str, Any]]] = {"throughput": runs, "resume": [], "elastic": []}
+    res = report.summarise(
+        raw=raw,
+        config={"workers": 2, "steps": 60, "warmup": 30, "rounds": 1},
+        workload={
+            "sources": {},
+            "weights": {},
+            "seq_len": 8,
+            "shuffle_per_lane": 1,
+            "lanes": 1,
+            "global_batch": 1,
+        },
+        study={"global_batch": 1},
+        data={},
+        unavailable={},
+        peers={"hf_datasets", "grain"},
+    )
+    table = res["throughput"]["table"]
+    assert table["limit"]["flags"] == [] and table["zephon_processes_hf"]["flags"] == []
+    assert table["hf_datasets"]["flags"] == [
+        "tokens_per_s 15.00x the limit (> 1.10x): read-ahead or a bug",
+        "end_to_end_tokens_per_s 7.50x the limit (> 1.10x): read-ahead or a bug",
+    ]
+    assert table["grain"]["flags"] == [
+        "timed window not steady: its first half 3.00x faster than its second (buffer draining)"
+    ]
+    # zephon's ratio to the best peer is computed against a flagged rate, so the goal says so
+    goal = res["goals"]["zephon_processes_hf_over_best_peer"]
+    assert goal["value"] == pytest.approx(0.06) and goal["flags"] == table["hf_datasets"]["flags"]
+    text = report.markdown(res)
+    assert "**WARNING: these rates are not valid steady-state throughput:**" in text
+    assert "- **hf_datasets: tokens_per_s 15.00x the limit" in text
+    assert "INVALID" in text
