@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.errors import DataError
+from zephon_flow.operators._column import ColumnSource, column_rows
+from zephon_flow.operators.splits import START, Record, Split
 
-# Rows turned into Python objects at a time, so a large record batch is not converted at once.
-_BATCH_ROWS = 4096
 _FILE_MAGIC = b"ARROW1"
 _FEATHER_V1_MAGIC = b"FEA1"
 
 
-class ReadArrow(Source):
+class ReadArrow(ColumnSource):
     """Documents from the string column ``column`` of Arrow IPC files, one record batch per split.
 
     Reads the IPC *file* format (Feather v2, ``.arrow``/``.feather``: batches are found through the
@@ -37,23 +35,6 @@ class ReadArrow(Source):
       it has), a batch that is gone since listing, and in ``decode`` a value that is not a
       string (naming the batch and row). ``on_error="skip"`` lets the runner drop such records.
     """
-
-    def __init__(
-        self,
-        pattern: str,
-        *,
-        column: str = "text",
-        epochs: int | None = None,
-        on_error: str = "raise",
-        label: str | None = None,
-    ) -> None:
-        super().__init__(pattern, epochs=epochs, on_error=on_error, label=label)
-        if not isinstance(column, str) or not column:
-            raise SpecError(f"{type(self).__name__}: column must be a non-empty string, got {column!r}")
-        self.column = column
-
-    def params(self) -> dict[str, Any]:
-        return {**super().params(), "column": self.column}
 
     # -- listing -----------------------------------------------------------------------
     def make_splits(self, paths: Sequence[str]) -> list[Split]:
@@ -75,25 +56,7 @@ class ReadArrow(Source):
                 f"{self.operator_name}: cannot resume record batch {batch} of {split.path} at row "
                 f"{first}: it holds {len(values)} rows; did the file change since the checkpoint?"
             )
-        return _rows(split.path, batch, values, first)
-
-    # -- decoding (runs in workers on a pickled copy of this transform) ------------------
-    def decode(self, record: Record, operator: str) -> list[Any]:
-        value = record.payload
-        if value is None or value == "":
-            return []
-        if not isinstance(value, str):
-            raise DataError(
-                f"{operator}: the column {self.column!r} in {record.path} at {record.where} "
-                f"holds a {type(value).__name__}, not a string"
-            )
-        return [value]
-
-
-def _rows(path: str, batch: int, values: pa.Array, first: int) -> Iterator[tuple[int, Record]]:
-    for begin in range(first, len(values), _BATCH_ROWS):
-        for row, value in enumerate(values.slice(begin, _BATCH_ROWS).to_pylist(), begin):
-            yield row + 1, Record(value, path, f"record batch {batch} row {row}", row)
+        return column_rows(split.path, f"record batch {batch}", values, first)
 
 
 class _IpcFile:

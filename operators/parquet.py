@@ -4,41 +4,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators.splits import START, Record, Source, Split
-
-# Rows turned into Python objects at a time, so a large row group is not converted at once.
-_BATCH_ROWS = 4096
+from zephon_flow.errors import DataError
+from zephon_flow.operators._column import ColumnSource, column_rows
+from zephon_flow.operators.splits import START, Record, Split
 
 
-class ReadParquet(Source):
+class ReadParquet(ColumnSource):
     """Documents from the string column ``column``, dealt one row group per split.
 
     A split is ``Split(path, g, g + 1)`` for row group ``g``; a position counts the rows of that
     group already consumed. Only ``column`` is read. Null and empty values give no document.
     """
-
-    def __init__(
-        self,
-        pattern: str,
-        *,
-        column: str = "text",
-        epochs: int | None = None,
-        on_error: str = "raise",
-        label: str | None = None,
-    ) -> None:
-        super().__init__(pattern, epochs=epochs, on_error=on_error, label=label)
-        if not isinstance(column, str) or not column:
-            raise SpecError(f"{type(self).__name__}: column must be a non-empty string, got {column!r}")
-        self.column = column
-
-    def params(self) -> dict[str, Any]:
-        return {**super().params(), "column": self.column}
 
     # -- listing -----------------------------------------------------------------------
     def make_splits(self, paths: Sequence[str]) -> list[Split]:
@@ -79,7 +59,7 @@ class ReadParquet(Source):
                 f"{self.operator_name}: cannot resume row group {group} of {split.path} at row "
                 f"{first}: it holds {len(values)} rows; did the file change since the checkpoint?"
             )
-        return self._rows(split.path, group, values, first)
+        return column_rows(split.path, f"row group {group}", values, first)
 
     def _read_group(self, path: str, group: int) -> pa.ChunkedArray:
         with self._open(path) as pf:
@@ -95,21 +75,3 @@ class ReadParquet(Source):
                     f"{self.operator_name}: cannot read row group {group} of {path}: {exc}"
                 ) from exc
         return table.column(0)
-
-    @staticmethod
-    def _rows(path: str, group: int, values: pa.ChunkedArray, first: int) -> Iterator[tuple[int, Record]]:
-        for begin in range(first, len(values), _BATCH_ROWS):
-            for row, value in enumerate(values.slice(begin, _BATCH_ROWS).to_pylist(), begin):
-                yield row + 1, Record(value, path, f"row group {group} row {row}", row)
-
-    # -- decoding (runs in workers on a pickled copy of this transform) ------------------
-    def decode(self, record: Record, operator: str) -> list[Any]:
-        value = record.payload
-        if value is None or value == "":
-            return []
-        if not isinstance(value, str):
-            raise DataError(
-                f"{operator}: the column {self.column!r} in {record.path} at {record.where} "
-                f"holds a {type(value).__name__}, not a string"
-            )
-        return [value]
