@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import apache_beam as beam
 import pytest
+from elastic import BATCH, WORLD_SIZES, Segment, any_topology_test, reference_digests, resume_test
 from helpers import Corpus
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_elastic_property import WORLD_SIZES, Segment, run_in_segments, segments
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.simulate import global_digests
 
-LANES, BATCH, STEPS = 4, 12, 16
+LANES, STEPS = 4, 16
 
 
 def mix_spec(corpus: Corpus) -> zf.LoaderSpec:
@@ -44,8 +41,7 @@ def spec(corpus: Corpus) -> zf.LoaderSpec:
 @pytest.fixture(scope="module")
 def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
     final: list[dict[str, object]] = []
-    ref = global_digests(spec, steps=STEPS, final_state=final)
-    assert len(ref) == STEPS and len({d for _, d in ref}) == STEPS
+    ref = reference_digests(spec, STEPS, final_state=final)
     # The run covers what it is meant to: some lane dropped the code source from its mix.
     lane_states = final[0]["lane_states"]
     assert isinstance(lane_states, list)
@@ -53,18 +49,10 @@ def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
     return ref
 
 
-@settings(max_examples=8, deadline=None)
-@given(
-    cuts=st.lists(st.integers(1, STEPS - 1), max_size=3, unique=True).map(sorted),
-    plan=st.lists(segments, min_size=4, max_size=4),
+test_a_scheduled_renormalizing_mix_is_elastic = any_topology_test(STEPS)
+test_processes_backend_with_a_schedule = resume_test(
+    STEPS,
+    9,
+    [Segment(WORLD_SIZES[-1], "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 4, 3)],
+    slow=True,
 )
-def test_a_scheduled_renormalizing_mix_is_elastic(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], cuts: list[int], plan: list[Segment]
-) -> None:
-    assert run_in_segments(spec, STEPS, cuts, plan) == reference
-
-
-@pytest.mark.slow
-def test_processes_backend_with_a_schedule(spec: zf.LoaderSpec, reference: list[tuple[int, str]]) -> None:
-    plan = [Segment(WORLD_SIZES[-1], "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 4, 3)]
-    assert run_in_segments(spec, STEPS, [9], plan) == reference

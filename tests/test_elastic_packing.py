@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import apache_beam as beam
 import pytest
+from elastic import BATCH, WORLD_SIZES, Segment, any_topology_test, reference_fixture, resume_test
 from helpers import Corpus, run_batches
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_elastic_property import WORLD_SIZES, Segment, run_in_segments, segments
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.simulate import global_digests
 
-LANES, BATCH, STEPS = 4, 12, 8
+LANES, STEPS = 4, 8
 
 
 def best_fit_spec(corpus: Corpus, *, seed: int = 0) -> zf.LoaderSpec:
@@ -39,11 +37,7 @@ def spec(corpus: Corpus) -> zf.LoaderSpec:
     return best_fit_spec(corpus)
 
 
-@pytest.fixture(scope="module")
-def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
-    ref = global_digests(spec, steps=STEPS)
-    assert len(ref) == STEPS and len({d for _, d in ref}) == STEPS
-    return ref
+reference = reference_fixture(STEPS)
 
 
 def test_best_fit_pads_and_labels(spec: zf.LoaderSpec) -> None:
@@ -60,22 +54,12 @@ def test_best_fit_pads_and_labels(spec: zf.LoaderSpec) -> None:
     assert pads > 0, "best_fit pads the sequences it cannot fill"
 
 
-@settings(max_examples=6, deadline=None)
-@given(
-    cuts=st.lists(st.integers(1, STEPS - 1), max_size=2, unique=True).map(sorted),
-    plan=st.lists(segments, min_size=3, max_size=3),
+test_any_topology_and_resume_points_give_the_reference_batches = any_topology_test(
+    STEPS, examples=6, resumes=2
 )
-def test_any_topology_and_resume_points_give_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], cuts: list[int], plan: list[Segment]
-) -> None:
-    assert run_in_segments(spec, STEPS, cuts, plan) == reference
-
-
-def test_processes_backend_resumes_a_threads_run_from_more_ranks(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
-) -> None:
-    plan = [Segment(max(WORLD_SIZES), "threads", 2, 2, 3, 2), Segment(1, "processes", 2, 2, 4, 3)]
-    assert run_in_segments(spec, STEPS, [4], plan) == reference
+test_processes_backend_resumes_a_threads_run_from_more_ranks = resume_test(
+    STEPS, 4, [Segment(max(WORLD_SIZES), "threads", 2, 2, 3, 2), Segment(1, "processes", 2, 2, 4, 3)]
+)
 
 
 def test_another_seed_gives_other_batches(corpus: Corpus, reference: list[tuple[int, str]]) -> None:

@@ -5,73 +5,26 @@ Every run is compared, digest by digest, with one uninterrupted single-rank inli
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-from typing import Any
-
 import apache_beam as beam
 import pytest
+from elastic import (
+    BATCH,
+    WORLD_SIZES,
+    Segment,
+    any_topology_test,
+    reference_fixture,
+    resume_test,
+    run_in_segments,
+    world_sizes_test,
+)
 from helpers import Corpus, example_spec
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.demo_data import DemoData
 from zephon_flow.simulate import global_digests
 
-LANES, BATCH, STEPS = 4, 12, 10
-WORLD_SIZES = [w for w in range(1, BATCH + 1) if BATCH % w == 0]  # 1, 2, 3, 4, 6, 12 (> LANES)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One stretch of a run on one topology."""
-
-    world_size: int
-    backend: str
-    workers: int
-    prefetch: int
-    chunk_records: int
-    prefetch_chunks: int
-
-    def options(self) -> dict[str, Any]:
-        return {
-            "world_size": self.world_size,
-            "backend": self.backend,
-            "workers": self.workers,
-            "prefetch": self.prefetch,
-            "chunk_records": self.chunk_records,
-            "prefetch_chunks": self.prefetch_chunks,
-        }
-
-
-segments = st.builds(
-    Segment,
-    world_size=st.sampled_from(WORLD_SIZES),
-    backend=st.sampled_from(["inline", "threads"]),
-    workers=st.integers(1, 3),
-    prefetch=st.integers(1, 3),
-    chunk_records=st.integers(1, 20),
-    prefetch_chunks=st.integers(1, 4),
-)
-
-
-def run_in_segments(
-    spec: zf.LoaderSpec, steps: int, cuts: list[int], plan: list[Segment]
-) -> list[tuple[int, str]]:
-    """Runs ``steps`` batches, stopping after each of ``cuts`` batches and resuming on the next
-    segment's topology from the merged state, carried as checkpoint bytes."""
-    bounds = [0, *cuts, steps]
-    digests: list[tuple[int, str]] = []
-    state: bytes | None = None
-    for (start, stop), seg in zip(itertools.pairwise(bounds), plan, strict=False):
-        final: list[dict[str, Any]] = []
-        got = global_digests(spec, steps=stop - start, state=state, final_state=final, **seg.options())
-        assert [s for s, _ in got] == list(range(start, stop))
-        digests += got
-        state = zf.encode_state(final[0])
-    return digests
+LANES, STEPS = 4, 10
 
 
 @pytest.fixture(scope="module")
@@ -79,43 +32,17 @@ def spec(corpus: Corpus) -> zf.LoaderSpec:
     return example_spec(corpus, lanes=LANES, global_batch_size=BATCH, seq_len=16, buffer=4)
 
 
-@pytest.fixture(scope="module")
-def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
-    ref = global_digests(spec, steps=STEPS)
-    assert len(ref) == STEPS and len({d for _, d in ref}) == STEPS
-    return ref
+reference = reference_fixture(STEPS)
+test_any_topology_and_resume_points_give_the_reference_batches = any_topology_test(STEPS, examples=12)
+test_every_world_size_gives_the_reference_batches = world_sizes_test(STEPS, WORLD_SIZES)
 
 
-@settings(max_examples=12, deadline=None)
-@given(
-    cuts=st.lists(st.integers(1, STEPS - 1), max_size=3, unique=True).map(sorted),
-    plan=st.lists(segments, min_size=4, max_size=4),
+test_processes_backend_resumes_a_threads_run_from_more_ranks = resume_test(
+    STEPS, 3, [Segment(6, "threads", 2, 2, 3, 2), Segment(1, "processes", 2, 2, 4, 3)]
 )
-def test_any_topology_and_resume_points_give_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], cuts: list[int], plan: list[Segment]
-) -> None:
-    assert run_in_segments(spec, STEPS, cuts, plan) == reference
-
-
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_every_world_size_gives_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], world_size: int
-) -> None:
-    assert global_digests(spec, steps=STEPS, world_size=world_size, backend="threads", workers=2) == reference
-
-
-def test_processes_backend_resumes_a_threads_run_from_more_ranks(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
-) -> None:
-    plan = [Segment(6, "threads", 2, 2, 3, 2), Segment(1, "processes", 2, 2, 4, 3)]
-    assert run_in_segments(spec, STEPS, [3], plan) == reference
-
-
-def test_processes_backend_on_two_ranks_then_back_to_inline(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
-) -> None:
-    plan = [Segment(2, "processes", 2, 2, 16, 4), Segment(12, "inline", 1, 1, 1, 1)]
-    assert run_in_segments(spec, STEPS, [6], plan) == reference
+test_processes_backend_on_two_ranks_then_back_to_inline = resume_test(
+    STEPS, 6, [Segment(2, "processes", 2, 2, 16, 4), Segment(12, "inline", 1, 1, 1, 1)]
+)
 
 
 def test_loader_options_do_not_change_the_batches(

@@ -16,16 +16,22 @@ import apache_beam as beam
 import pyarrow as pa
 import pyarrow.feather as feather
 import pytest
+from elastic import (
+    BATCH,
+    WORLD_SIZES,
+    Segment,
+    any_topology_test,
+    reference_fixture,
+    resume_test,
+    world_sizes_test,
+)
 from helpers import Corpus, tagged_texts
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_elastic_property import WORLD_SIZES, Segment, run_in_segments, segments
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.simulate import global_digests
 
-LANES, BATCH, STEPS = 4, 12, 8
+LANES, STEPS = 4, 8
 
 
 class Caption(beam.DoFn):  # type: ignore[misc]
@@ -90,37 +96,14 @@ def spec(files: Files) -> zf.LoaderSpec:
     return sources_spec(files)
 
 
-@pytest.fixture(scope="module")
-def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
-    ref = global_digests(spec, steps=STEPS)
-    assert len(ref) == STEPS and len({d for _, d in ref}) == STEPS
-    return ref
-
-
-@settings(max_examples=8, deadline=None)
-@given(
-    cuts=st.lists(st.integers(1, STEPS - 1), max_size=3, unique=True).map(sorted),
-    plan=st.lists(segments, min_size=4, max_size=4),
+reference = reference_fixture(STEPS)
+test_any_topology_and_resume_points_give_the_reference_batches = any_topology_test(STEPS, examples=8)
+test_world_sizes_give_the_reference_batches = world_sizes_test(
+    STEPS, [w for w in WORLD_SIZES if w in (1, 3, 12)]
 )
-def test_any_topology_and_resume_points_give_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], cuts: list[int], plan: list[Segment]
-) -> None:
-    assert run_in_segments(spec, STEPS, cuts, plan) == reference
-
-
-@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w in (1, 3, 12)])
-def test_world_sizes_give_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], world_size: int
-) -> None:
-    assert global_digests(spec, steps=STEPS, world_size=world_size, backend="threads", workers=2) == reference
-
-
-@pytest.mark.slow
-def test_processes_backend_resumes_a_threads_run(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
-) -> None:
-    plan = [Segment(4, "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 4, 3)]
-    assert run_in_segments(spec, STEPS, [3], plan) == reference
+test_processes_backend_resumes_a_threads_run = resume_test(
+    STEPS, 3, [Segment(4, "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 4, 3)], slow=True
+)
 
 
 def test_every_source_contributes_and_a_second_seed_differs(

@@ -11,16 +11,22 @@ from __future__ import annotations
 import apache_beam as beam
 import numpy as np
 import pytest
+from elastic import (
+    BATCH,
+    WORLD_SIZES,
+    Segment,
+    any_topology_test,
+    reference_fixture,
+    resume_test,
+    world_sizes_test,
+)
 from helpers import Corpus
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_elastic_property import WORLD_SIZES, Segment, run_in_segments, segments
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.simulate import global_digests
 
-LANES, BATCH, STEPS = 4, 12, 10
+LANES, STEPS = 4, 10
 
 
 def halves(text: str) -> list[str]:
@@ -69,11 +75,14 @@ def spec(corpus: Corpus) -> zf.LoaderSpec:
     return stateless_spec(corpus)
 
 
-@pytest.fixture(scope="module")
-def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
-    ref = global_digests(spec, steps=STEPS)
-    assert len(ref) == STEPS and len({d for _, d in ref}) == STEPS
-    return ref
+reference = reference_fixture(STEPS)
+test_any_topology_and_resume_points_give_the_reference_batches = any_topology_test(STEPS, examples=6)
+test_other_world_sizes_give_the_reference_batches = world_sizes_test(
+    STEPS, [w for w in WORLD_SIZES if w in (2, 3, 12)]
+)
+test_processes_backend_resumes_a_threads_run = resume_test(
+    STEPS, 4, [Segment(6, "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 5, 3)], slow=True
+)
 
 
 def test_the_helpers_are_where_the_test_says(spec: zf.LoaderSpec) -> None:
@@ -84,32 +93,6 @@ def test_the_helpers_are_where_the_test_says(spec: zf.LoaderSpec) -> None:
     with zf.Loader(spec) as loader:
         batch = next(iter(loader))[1]
     assert batch["total"].tolist() == batch["input_ids"].sum(axis=1).tolist()
-
-
-@settings(max_examples=6, deadline=None)
-@given(
-    cuts=st.lists(st.integers(1, STEPS - 1), max_size=3, unique=True).map(sorted),
-    plan=st.lists(segments, min_size=4, max_size=4),
-)
-def test_any_topology_and_resume_points_give_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], cuts: list[int], plan: list[Segment]
-) -> None:
-    assert run_in_segments(spec, STEPS, cuts, plan) == reference
-
-
-@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if w in (2, 3, 12)])
-def test_other_world_sizes_give_the_reference_batches(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]], world_size: int
-) -> None:
-    assert global_digests(spec, steps=STEPS, world_size=world_size, backend="threads", workers=2) == reference
-
-
-@pytest.mark.slow
-def test_processes_backend_resumes_a_threads_run(
-    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
-) -> None:
-    plan = [Segment(6, "threads", 2, 2, 3, 2), Segment(2, "processes", 2, 2, 5, 3)]
-    assert run_in_segments(spec, STEPS, [4], plan) == reference
 
 
 def test_two_seeds_give_different_batches(corpus: Corpus, reference: list[tuple[int, str]]) -> None:
