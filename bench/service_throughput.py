@@ -42,6 +42,7 @@ SIZES = {"1MiB": 64, "4MiB": 252}  # rows per message; 252 rows stay under the 4
 RAW_METHOD = "/bench.Raw/Stream"
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "service_throughput.json")
 TOKENS_PER_STEP = 32 * 512  # the demo pipeline's global batch
+WINDOW = 8  # the server's window (its default); messages carry it, so the raw ones are as long
 
 
 class RepeatingLoader:
@@ -82,7 +83,7 @@ def _serve_service(rows: int, ports: Any) -> None:
 
     spec = zf.LoaderSpec(build, lanes=1, global_batch_size=rows)
     # Every repeat reconnects where the previous one stopped: keep enough steps for that.
-    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=8, keep=64).start()
+    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=WINDOW, keep=64).start()
     ports.put(server.port)
     server.wait()
 
@@ -153,7 +154,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for label, rows in SIZES.items():
-        (message,) = encode_step(0, synthetic_batch(rows))
+        (message,) = encode_step(0, synthetic_batch(rows), window=WINDOW)
         size = len(message)
         messages = max(20, (total_mib << 20) // size)
         raw_proc, raw_port = _start(_serve_raw, size)
