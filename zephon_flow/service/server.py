@@ -60,7 +60,7 @@ class BatchServer:
         workers: int = 1,
         checkpoint_dir: str | None = None,
         resume: str | None = None,
-        window: int = 8,
+        window: int = 32,
         keep: int = 8,
         token: str | None = None,
         tls: tuple[str, str] | None = None,
