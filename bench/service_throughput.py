@@ -42,6 +42,7 @@ SIZES = {"1MiB": 64, "4MiB": 252}  # rows per message; 252 rows stay under the 4
 RAW_METHOD = "/bench.Raw/Stream"
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "service_throughput.json")
 TOKENS_PER_STEP = 32 * 512  # the demo pipeline's global batch
+WINDOW = 32  # the server's window (its default); messages carry it, so the raw ones are as long
 
 
 class RepeatingLoader:
@@ -82,7 +83,7 @@ def _serve_service(rows: int, ports: Any) -> None:
 
     spec = zf.LoaderSpec(build, lanes=1, global_batch_size=rows)
     # Every repeat reconnects where the previous one stopped: keep enough steps for that.
-    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=8, keep=64).start()
+    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=WINDOW, keep=64).start()
     ports.put(server.port)
     server.wait()
 
@@ -148,26 +149,39 @@ def read_service(port: int, messages: int, message_bytes: int, start_step: int) 
         return time.perf_counter() - start, messages * message_bytes, client.next_step
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads; Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def transport(repeats: int, total_mib: int) -> dict[str, Any]:
     from zephon_flow.service.wire import encode_step
 
     out: dict[str, Any] = {}
     for label, rows in SIZES.items():
-        (message,) = encode_step(0, synthetic_batch(rows))
+        (message,) = encode_step(0, synthetic_batch(rows), window=WINDOW)
         size = len(message)
         messages = max(20, (total_mib << 20) // size)
         raw_proc, raw_port = _start(_serve_raw, size)
         svc_proc, svc_port = _start(_serve_service, rows)
         runs: dict[str, list[float]] = {"raw": [], "service": []}
+        # CPU milliseconds per message of each side: steadier than MB/s on a shared machine.
+        cpu: dict[str, list[float]] = {f"{n}_{side}": [] for n in runs for side in ("server", "client")}
         next_step = 0
         try:
             for rep in range(repeats):
                 order = ["raw", "service"] if rep % 2 == 0 else ["service", "raw"]
                 for name in order:
+                    pid = (raw_proc if name == "raw" else svc_proc).pid
+                    server_cpu, client_cpu = _cpu_seconds(pid), time.process_time()
                     if name == "raw":
                         seconds, nbytes = read_raw(raw_port, messages)
                     else:
                         seconds, nbytes, next_step = read_service(svc_port, messages, size, next_step)
+                    cpu[f"{name}_server"].append((_cpu_seconds(pid) - server_cpu) * 1e3 / messages)
+                    cpu[f"{name}_client"].append((time.process_time() - client_cpu) * 1e3 / messages)
                     runs[name].append(nbytes / seconds)
                     _say(f"{label} {name}: {nbytes / seconds / 1e6:,.0f} MB/s")
         finally:
@@ -184,6 +198,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
             "service_batches_per_s": svc_bps / size,
             "service_over_raw": svc_bps / raw_bps,
             "paired_ratios": [s / r for s, r in zip(runs["service"], runs["raw"], strict=True)],
+            **{f"{key}_cpu_ms_per_message": statistics.median(v) for key, v in cpu.items()},
         }
     return out
 

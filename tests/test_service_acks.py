@@ -126,3 +126,55 @@ def test_acks_need_the_token(spec: zf.LoaderSpec) -> None:
             assert [step for step, _ in zip(range(WINDOW * 3), client, strict=False)] == list(range(9))
     finally:
         srv.stop(grace=None)
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_acks_every_half_window_and_a_checkpoint_after_unacked_steps(
+    spec: zf.LoaderSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
+) -> None:
+    stride = max(1, window // 2)
+    steps = 3 * window + stride - 1  # ends stride - 1 steps past the last acknowledgement sent
+    srv = BatchServer(spec, window=window, keep=0, checkpoint_dir=str(tmp_path)).start()
+    try:
+        client = zf.Client(_address(srv), 0, 1, fingerprint=spec.fingerprint)
+        sent: list[int] = []
+        send = client._send_ack
+
+        def recording(step: int, timeout: float | None = None) -> None:
+            sent.append(step)
+            send(step, timeout)
+
+        monkeypatch.setattr(client, "_send_ack", recording)
+        # window=1: the stream waits for each step's acknowledgement, so this never finishes
+        # if one is held back; window=8: the acknowledgements go every 4 steps (coalesced).
+        got = [(s, zf.batch_digest(b)) for _, (s, b) in zip(range(steps), client, strict=False)]
+        assert got == rank_digests(spec, 0, 1, steps)
+        background = list(sent)
+        assert background and all(s % stride == 0 for s in background)
+        assert max(background) <= steps
+        # The checkpoint at the step the trainer is at acknowledges what was taken first.
+        path = client.checkpoint()
+        assert path == str(tmp_path / f"step-{steps}.zfstate")
+        assert zf.load_state(path)["step"] == steps
+        status = client.status()
+        assert status["ranks"][0]["next_step"] == steps  # type: ignore[index]
+        assert status["first_step"] == steps  # keep=0: every step before it is released
+        with pytest.raises(zf.ServiceError, match=f"step {steps - 1} is no longer held") as info:
+            client.checkpoint(steps - 1)
+        assert info.value.code == "OUT_OF_RANGE"
+        client.close()
+    finally:
+        srv.stop(grace=None)
+
+
+def test_close_acknowledges_the_steps_taken(spec: zf.LoaderSpec) -> None:
+    srv = BatchServer(spec, window=8, keep=0).start()
+    try:
+        with zf.Client(_address(srv), 0, 1) as client:
+            assert [s for _, (s, _) in zip(range(3), client, strict=False)] == [0, 1, 2]  # below the stride
+        with zf.Client(_address(srv), 0, 1) as observer:
+            status = observer.status()
+        assert status["ranks"][0]["next_step"] == 3  # type: ignore[index]
+        assert status["first_step"] == 3
+    finally:
+        srv.stop(grace=None)

@@ -157,3 +157,36 @@ def test_acknowledgements_move_forward_only_and_are_checked() -> None:
     assert info.value.code == "FAILED_PRECONDITION"
     window.join(0, 1, 1)  # a reconnect at an earlier step moves the rank back
     assert window.status().positions == {0: 1}
+
+
+def test_take_records_sent_waits_for_acks_and_for_production() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=3, keep=0)
+    window.join(0, 1, 0)
+    assert window.take(0, 1, 0, _never) is None  # nothing produced yet and the client is gone
+    _fill(window)
+    taken = [window.take(0, 1, s, lambda: True) for s in range(3)]
+    assert [int(b["step"][0]) for b in taken if b is not None] == [0, 1, 2]
+    # Step 3 would be the fourth in flight: it waits, here until its client is gone.
+    assert window.take(0, 1, 3, _never) is None
+    assert window.status().sent == {0: 3}
+    window.ack(0, 1, 1)
+    window.add(_batch(3), _state(4))
+    got = window.take(0, 1, 3, lambda: True)
+    assert got is not None and int(got["step"][0]) == 3
+    window.finish()
+    window.ack(0, 1, 3)
+    assert window.take(0, 1, 4, lambda: True) is None  # the data ended
+    assert window.status().sent == {0: 4}
+
+
+def test_take_refuses_a_released_step_and_reports_a_failed_pipeline() -> None:
+    window = StepWindow(first_step=0, first_state=_state(0), ahead=2, keep=0)
+    window.join(0, 1, 0)
+    _fill(window)
+    window.ack(0, 1, 2)
+    with pytest.raises(WindowError, match=r"step 1 is no longer held: the server holds steps \[2, 2\)"):
+        window.take(0, 1, 1, lambda: True)
+    window.finish(RuntimeError("boom"))
+    with pytest.raises(WindowError, match="the pipeline failed at step 2: boom") as info:
+        window.take(0, 1, 2, lambda: True)
+    assert info.value.code == "INTERNAL"

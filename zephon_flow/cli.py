@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1)
     s.add_argument("--checkpoint-dir", help="where Checkpoint(step) writes DIR/step-<step>.zfstate")
     s.add_argument("--resume", metavar="DIR/step-STEP.zfstate", help="start from this checkpoint file")
-    s.add_argument("--window", type=int, default=8, help="steps produced ahead of the slowest rank")
+    s.add_argument("--window", type=int, default=32, help="steps produced ahead of the slowest rank")
     s.add_argument("--keep", type=int, default=8, help="steps held behind the slowest rank, for reconnects")
     s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")

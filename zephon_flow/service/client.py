@@ -56,12 +56,13 @@ def _is_repeated(field: Any) -> bool:
 
 class _Acker:
     """Tells the server, from a background thread, the step up to which the rank has taken its
-    batches; acknowledgements made while one is in flight are coalesced into the latest."""
+    batches; acknowledgements made while one is in flight are coalesced into the latest.
+    ``done`` is the highest step the server has confirmed."""
 
     def __init__(self, send: Callable[[int], None]) -> None:
         self._send = send
         self._cond = threading.Condition()
-        self._wanted = self._sent = -1
+        self._wanted = self._sent = self.done = -1
         self._closed = False
         self.error: ServiceError | None = None
         self._thread = threading.Thread(target=self._run, name="zephon-client-ack", daemon=True)
@@ -82,6 +83,7 @@ class _Acker:
                 step = self._sent = self._wanted
             try:
                 self._send(step)
+                self.confirmed(step)
             except grpc.RpcError as exc:
                 if exc.code() not in _ACK_LOST:
                     self.error = ServiceError(
@@ -90,6 +92,10 @@ class _Acker:
                     )
             except ValueError:  # the channel was closed under us
                 return
+
+    def confirmed(self, step: int) -> None:
+        with self._cond:
+            self.done = max(self.done, step)
 
     def close(self) -> None:
         with self._cond:
@@ -102,8 +108,10 @@ class Client:
 
     ``batch`` maps field names to numpy arrays (torch tensors with ``as_torch=True``) viewing
     the received bytes without a copy; treat them as read-only. Iteration ends when the
-    server's data ends. Each step handed out is acknowledged to the server (``Ack``, from a
-    background thread, coalesced): the server holds steps and sends ahead counting from
+    server's data ends. The steps handed out are acknowledged to the server (``Ack``, from a
+    background thread, coalesced) every ``max(1, window // 2)`` steps, ``window`` being what
+    the server says in its messages (every step if it does not say), and always before
+    ``checkpoint()`` and at ``close()``: the server holds steps and sends ahead counting from
     acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A
     dropped connection (``UNAVAILABLE``) is retried from ``next_step`` with exponential
     backoff (``retries`` tries from ``backoff`` seconds, doubling, at most ``max_backoff``);
@@ -155,6 +163,7 @@ class Client:
             timeout,
         )
         self._next_step = start_step
+        self._acked = start_step  # the server knows the rank has taken every step before this
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", 1 << 20),
@@ -203,11 +212,11 @@ class Client:
             ) from None
         time.sleep(min(self._max_backoff, self._backoff * 2**attempt))
 
-    def _send_ack(self, step: int) -> None:
+    def _send_ack(self, step: int, timeout: float | None = None) -> None:
         request = pb.AckRequest(
             fingerprint=self._fingerprint, rank=self.rank, world_size=self.world_size, step=step
         )
-        self._ack(request, metadata=self._metadata, timeout=self._timeout)
+        self._ack(request, metadata=self._metadata, timeout=self._timeout if timeout is None else timeout)
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if self._closed:
@@ -225,6 +234,7 @@ class Client:
             )
             call = self._stream(request, metadata=self._metadata)
             assembler = StepAssembler(as_torch=self.as_torch)
+            self._acked = self._next_step  # the stream starts the rank's position there
             try:
                 for raw in call:
                     got = assembler.feed(raw)
@@ -239,7 +249,10 @@ class Client:
                         raise acker.error
                     self._next_step = step + 1
                     attempt = 0
-                    acker.ack(self._next_step)
+                    # Within the window: the stream never waits for an acknowledgement not sent.
+                    if self._next_step - self._acked >= max(1, assembler.window // 2):
+                        self._acked = self._next_step
+                        acker.ack(self._next_step)
                     yield step, batch
                 return
             except grpc.RpcError as exc:
@@ -263,6 +276,7 @@ class Client:
         step = self._next_step if step is None else step
         if not isinstance(step, int) or step < 0:
             raise SpecError(f"Client.checkpoint: step must be an integer >= 0, got {step!r}")
+        self._flush_acks(self._timeout)
         request = pb.CheckpointRequest(step=step, fingerprint=self._fingerprint)
         reply = self._unary(self._checkpoint, request, f"checkpoint at step {step}")
         return str(reply.path)
@@ -272,11 +286,24 @@ class Client:
         reply = self._unary(self._status, pb.StatusRequest(), "status")
         return dict(_plain(reply))
 
+    def _flush_acks(self, timeout: float) -> None:
+        """Acknowledges, now and synchronously, every step handed out unless the server has
+        confirmed it. Best effort: a lost or refused acknowledgement only keeps more held."""
+        acker, step = self._acker, self._next_step
+        if acker is None or acker.done >= step:
+            return
+        try:
+            self._send_ack(step, timeout)
+        except (grpc.RpcError, ValueError):
+            return
+        acker.confirmed(step)
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             if self._acker is not None:
                 self._acker.close()
+                self._flush_acks(timeout=5.0)
             self._channel.close()
 
     def __enter__(self) -> Client:

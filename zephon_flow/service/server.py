@@ -60,7 +60,7 @@ class BatchServer:
         workers: int = 1,
         checkpoint_dir: str | None = None,
         resume: str | None = None,
-        window: int = 8,
+        window: int = 32,
         keep: int = 8,
         token: str | None = None,
         tls: tuple[str, str] | None = None,
@@ -209,21 +209,22 @@ class BatchServer:
             window.join(rank, world_size, step)
         except WindowError as exc:
             _abort(context, exc.code, str(exc))
+        start, stop, ahead = rows.start, rows.stop, window.ahead
         try:
-            while window.wait_to_send(rank, world_size, step, context.is_active):
+            while True:
                 try:
-                    batch = window.get(step, context.is_active)
+                    batch = window.take(rank, world_size, step, context.is_active)
                 except WindowError as exc:
                     _abort(context, exc.code, str(exc))
                 if batch is None:
                     return
-                part = slice_rows(batch, rows.start, rows.stop)
-                for message in encode_step(step, part, chunk_bytes=self._chunk_bytes):
-                    with self._bytes_lock:
-                        self._bytes_served += len(message)
-                    yield message
+                messages = encode_step(
+                    step, slice_rows(batch, start, stop), chunk_bytes=self._chunk_bytes, window=ahead
+                )
+                with self._bytes_lock:
+                    self._bytes_served += sum(len(m) for m in messages)
+                yield from messages
                 step += 1
-                window.sent(rank, world_size, step)
         finally:
             window.leave(rank, world_size)
 

@@ -47,8 +47,8 @@ class WindowStatus:
 
 class StepWindow:
     """Thread-safe: one producer thread calls ``wait_for_room``/``add``/``finish``; stream
-    handlers call ``join``/``wait_to_send``/``get``/``sent``/``leave``; acknowledgements call
-    ``ack``; checkpoints call ``state_for``."""
+    handlers call ``join``/``take`` (or ``wait_to_send``/``get``/``sent``)/``leave``;
+    acknowledgements call ``ack``; checkpoints call ``state_for``."""
 
     def __init__(self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8) -> None:
         if ahead < 1 or keep < 0:
@@ -169,6 +169,30 @@ class StepWindow:
                     return False
                 self._cond.wait(0.2)
             return active()
+
+    def take(self, rank: int, world_size: int, step: int, active: Callable[[], bool]) -> Batch | None:
+        """For ``rank``'s stream, which has sent every step before ``step``: records that (as
+        ``sent``), waits as ``wait_to_send`` and then as ``get``, under one lock; returns global
+        batch ``step``, or None when the stream should end (data ended or client gone)."""
+        with self._cond:
+            current = world_size == self._world_size
+            if current:
+                self._sent[rank] = step
+            while current and step >= self._positions[rank] + self.ahead:
+                if not active():
+                    return None
+                self._cond.wait(0.2)
+                current = world_size == self._world_size
+            while step >= self._produced:
+                if self._error is not None:
+                    raise WindowError(
+                        "INTERNAL", f"the pipeline failed at step {self._produced}: {self._error}"
+                    )
+                if self._ended or not active():
+                    return None
+                self._cond.wait(0.2)
+            self._check_step(step)
+            return self._batches[step]
 
     def sent(self, rank: int, world_size: int, next_step: int) -> None:
         """``rank``'s stream has sent every step before ``next_step`` (shown by ``status``)."""

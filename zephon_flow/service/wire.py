@@ -9,7 +9,7 @@ fits in one message, and assembles a step of several messages into one buffer.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,22 +101,30 @@ def _cut(segments: list[memoryview | bytes], start: int, stop: int) -> list[memo
 
 
 def encode_step(
-    step: int, batch: Mapping[str, np.ndarray], *, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[bytes]:
-    """The serialized ``BatchChunk`` messages of one step's slice."""
+    step: int, batch: Mapping[str, np.ndarray], *, chunk_bytes: int = CHUNK_BYTES, window: int = 0
+) -> list[bytes]:
+    """The serialized ``BatchChunk`` messages of one step's slice; part 0 carries ``window``."""
     headers, segments, size = _layout(batch)
     parts = max(1, -(-size // chunk_bytes))
+    out: list[bytes] = []
     for part in range(parts):
         lo, hi = part * chunk_bytes, min(size, (part + 1) * chunk_bytes)
+        first = part == 0
         head = pb.BatchChunk(
-            step=step, part=part, parts=parts, arrays=headers if part == 0 else [], payload_size=size
+            step=step,
+            part=part,
+            parts=parts,
+            arrays=headers if first else [],
+            payload_size=size,
+            window=window if first else 0,
         ).SerializeToString()
         length = _varint(hi - lo)
         # Pad so the payload starts at a multiple of 16 in the message: 2 + k bytes of padding field.
         k = -(len(head) + 2 + len(_PAYLOAD_TAG) + len(length)) % 16
-        yield b"".join(
-            [head, _ALIGN_TAG, bytes([k]), bytes(k), _PAYLOAD_TAG, length, *_cut(segments, lo, hi)]
+        out.append(
+            b"".join([head, _ALIGN_TAG, bytes([k]), bytes(k), _PAYLOAD_TAG, length, *_cut(segments, lo, hi)])
         )
+    return out
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -182,9 +190,13 @@ class StepAssembler:
     def __init__(self, *, as_torch: bool = False) -> None:
         self._as_torch = as_torch
         self._pending: _Pending | None = None
+        self.window = 0
+        """The server's window, from the last part 0 fed (0: the server does not say)."""
 
     def feed(self, raw: bytes) -> tuple[int, dict[str, Any]] | None:
         chunk, payload = split_payload(raw)
+        if chunk.part == 0:
+            self.window = chunk.window
         if chunk.parts == 1 and chunk.part == 0 and self._pending is None:
             if len(payload) != chunk.payload_size:
                 raise ServiceError(

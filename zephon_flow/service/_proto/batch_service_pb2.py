@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dzephon/v1/batch_service.proto\x12\tzephon.v1\"a\n\x14StreamBatchesRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nstart_step\x18\x04 \x01(\x04\"Q\n\nAckRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\"\n\n\x08\x41\x63kReply\"Y\n\x0b\x41rrayHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\x95\x01\n\nBatchChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05parts\x18\x03 \x01(\r\x12&\n\x06\x61rrays\x18\x04 \x03(\x0b\x32\x16.zephon.v1.ArrayHeader\x12\x14\n\x0cpayload_size\x18\x05 \x01(\x04\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\r\n\x05\x61lign\x18\x07 \x01(\x0c\"6\n\x11\x43heckpointRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"-\n\x0f\x43heckpointReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"<\n\x0cLaneProgress\x12\x0c\n\x04lane\x18\x01 \x01(\r\x12\x0f\n\x07records\x18\x02 \x01(\x04\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\"U\n\x0cRankPosition\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tnext_step\x18\x02 \x01(\x04\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x11\n\tsent_step\x18\x04 \x01(\x04\"\x8c\x02\n\x0bStatusReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nfirst_step\x18\x03 \x01(\x04\x12\x15\n\rproduced_step\x18\x04 \x01(\x04\x12\r\n\x05\x65nded\x18\x05 \x01(\x08\x12&\n\x05lanes\x18\x06 \x03(\x0b\x32\x17.zephon.v1.LaneProgress\x12&\n\x05ranks\x18\x07 \x03(\x0b\x32\x17.zephon.v1.RankPosition\x12\x1a\n\x12\x62\x61tches_per_second\x18\x08 \x01(\x01\x12\x18\n\x10\x62ytes_per_second\x18\t \x01(\x01\x12\x14\n\x0c\x62ytes_served\x18\n \x01(\x04\x32\x90\x02\n\x0c\x42\x61tchService\x12I\n\rStreamBatches\x12\x1f.zephon.v1.StreamBatchesRequest\x1a\x15.zephon.v1.BatchChunk0\x01\x12\x31\n\x03\x41\x63k\x12\x15.zephon.v1.AckRequest\x1a\x13.zephon.v1.AckReply\x12\x46\n\nCheckpoint\x12\x1c.zephon.v1.CheckpointRequest\x1a\x1a.zephon.v1.CheckpointReply\x12:\n\x06Status\x12\x18.zephon.v1.StatusRequest\x1a\x16.zephon.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dzephon/v1/batch_service.proto\x12\tzephon.v1\"a\n\x14StreamBatchesRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nstart_step\x18\x04 \x01(\x04\"Q\n\nAckRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x0c\n\x04step\x18\x04 \x01(\x04\"\n\n\x08\x41\x63kReply\"Y\n\x0b\x41rrayHeader\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12\x0e\n\x06nbytes\x18\x05 \x01(\x04\"\xa5\x01\n\nBatchChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04part\x18\x02 \x01(\r\x12\r\n\x05parts\x18\x03 \x01(\r\x12&\n\x06\x61rrays\x18\x04 \x03(\x0b\x32\x16.zephon.v1.ArrayHeader\x12\x14\n\x0cpayload_size\x18\x05 \x01(\x04\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\r\n\x05\x61lign\x18\x07 \x01(\x0c\x12\x0e\n\x06window\x18\x08 \x01(\r\"6\n\x11\x43heckpointRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"-\n\x0f\x43heckpointReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04path\x18\x02 \x01(\t\"\x0f\n\rStatusRequest\"<\n\x0cLaneProgress\x12\x0c\n\x04lane\x18\x01 \x01(\r\x12\x0f\n\x07records\x18\x02 \x01(\x04\x12\r\n\x05\x65nded\x18\x03 \x01(\x08\"U\n\x0cRankPosition\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\tnext_step\x18\x02 \x01(\x04\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x11\n\tsent_step\x18\x04 \x01(\x04\"\x8c\x02\n\x0bStatusReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x12\n\nfirst_step\x18\x03 \x01(\x04\x12\x15\n\rproduced_step\x18\x04 \x01(\x04\x12\r\n\x05\x65nded\x18\x05 \x01(\x08\x12&\n\x05lanes\x18\x06 \x03(\x0b\x32\x17.zephon.v1.LaneProgress\x12&\n\x05ranks\x18\x07 \x03(\x0b\x32\x17.zephon.v1.RankPosition\x12\x1a\n\x12\x62\x61tches_per_second\x18\x08 \x01(\x01\x12\x18\n\x10\x62ytes_per_second\x18\t \x01(\x01\x12\x14\n\x0c\x62ytes_served\x18\n \x01(\x04\x32\x90\x02\n\x0c\x42\x61tchService\x12I\n\rStreamBatches\x12\x1f.zephon.v1.StreamBatchesRequest\x1a\x15.zephon.v1.BatchChunk0\x01\x12\x31\n\x03\x41\x63k\x12\x15.zephon.v1.AckRequest\x1a\x13.zephon.v1.AckReply\x12\x46\n\nCheckpoint\x12\x1c.zephon.v1.CheckpointRequest\x1a\x1a.zephon.v1.CheckpointReply\x12:\n\x06Status\x12\x18.zephon.v1.StatusRequest\x1a\x16.zephon.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,19 +41,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ARRAYHEADER']._serialized_start=238
   _globals['_ARRAYHEADER']._serialized_end=327
   _globals['_BATCHCHUNK']._serialized_start=330
-  _globals['_BATCHCHUNK']._serialized_end=479
-  _globals['_CHECKPOINTREQUEST']._serialized_start=481
-  _globals['_CHECKPOINTREQUEST']._serialized_end=535
-  _globals['_CHECKPOINTREPLY']._serialized_start=537
-  _globals['_CHECKPOINTREPLY']._serialized_end=582
-  _globals['_STATUSREQUEST']._serialized_start=584
-  _globals['_STATUSREQUEST']._serialized_end=599
-  _globals['_LANEPROGRESS']._serialized_start=601
-  _globals['_LANEPROGRESS']._serialized_end=661
-  _globals['_RANKPOSITION']._serialized_start=663
-  _globals['_RANKPOSITION']._serialized_end=748
-  _globals['_STATUSREPLY']._serialized_start=751
-  _globals['_STATUSREPLY']._serialized_end=1019
-  _globals['_BATCHSERVICE']._serialized_start=1022
-  _globals['_BATCHSERVICE']._serialized_end=1294
+  _globals['_BATCHCHUNK']._serialized_end=495
+  _globals['_CHECKPOINTREQUEST']._serialized_start=497
+  _globals['_CHECKPOINTREQUEST']._serialized_end=551
+  _globals['_CHECKPOINTREPLY']._serialized_start=553
+  _globals['_CHECKPOINTREPLY']._serialized_end=598
+  _globals['_STATUSREQUEST']._serialized_start=600
+  _globals['_STATUSREQUEST']._serialized_end=615
+  _globals['_LANEPROGRESS']._serialized_start=617
+  _globals['_LANEPROGRESS']._serialized_end=677
+  _globals['_RANKPOSITION']._serialized_start=679
+  _globals['_RANKPOSITION']._serialized_end=764
+  _globals['_STATUSREPLY']._serialized_start=767
+  _globals['_STATUSREPLY']._serialized_end=1035
+  _globals['_BATCHSERVICE']._serialized_start=1038
+  _globals['_BATCHSERVICE']._serialized_end=1310
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,7 @@ class ArrayHeader(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BatchChunk(_message.Message):
-    __slots__ = ("step", "part", "parts", "arrays", "payload_size", "payload", "align")
+    __slots__ = ("step", "part", "parts", "arrays", "payload_size", "payload", "align", "window")
     STEP_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,7 @@ class BatchChunk(_message.Message):
     PAYLOAD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     ALIGN_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
     step: int
     part: int
     parts: int
@@ -65,7 +66,8 @@ class BatchChunk(_message.Message):
     payload_size: int
     payload: bytes
     align: bytes
-    def __init__(self, step: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[ArrayHeader, _Mapping]]] = ..., payload_size: _Optional[int] = ..., payload: _Optional[bytes] = ..., align: _Optional[bytes] = ...) -> None: ...
+    window: int
+    def __init__(self, step: _Optional[int] = ..., part: _Optional[int] = ..., parts: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[ArrayHeader, _Mapping]]] = ..., payload_size: _Optional[int] = ..., payload: _Optional[bytes] = ..., align: _Optional[bytes] = ..., window: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("step", "fingerprint")

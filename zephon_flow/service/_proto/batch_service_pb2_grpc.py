@@ -64,7 +64,8 @@ class BatchServiceServicer:
         """Streams this rank's slice of global batches start_step, start_step + 1, ... in order.
         The stream ends (OK) when the pipeline's data ends. It sends at most the server's window
         of steps past the rank's acknowledged step (start_step, then what Ack says) and waits
-        there: a reader must acknowledge what it takes.
+        there: a reader must acknowledge what it takes (at least every max(1, window / 2) steps,
+        see BatchChunk.window).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
