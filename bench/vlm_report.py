@@ -17,6 +17,7 @@ RATES = ("images_per_s", "caption_tokens_per_s", "end_to_end_images_per_s", "end
 LABELS = {
     "limit": "limit (Pillow + HF tokenizer alone, 2 processes)",
     ZEPHON: "zephon-flow, processes x2",
+    "zephon_inline": "zephon-flow, inline (1 core)",
     PEER: "torch DataLoader, num_workers=2",
 }
 
@@ -87,15 +88,12 @@ def summarise(
         paired = [r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")]
         row["over_limit_paired_median"] = _median(paired)
         row["flags"] = _flags(name, row, limit)
+    # zephon-flow's batches have the peer's fields and shapes (plus its ``documents`` provenance)
     same_shapes = None
-    if (
-        ZEPHON in table
-        and PEER in table
-        and table[ZEPHON]["first_batch_shapes"]
-        and peer["first_batch_shapes"]
-    ):
-        ours, theirs = table[ZEPHON]["first_batch_shapes"], peer["first_batch_shapes"]
-        same_shapes = all(ours.get(k) == v for k, v in theirs.items())
+    theirs = peer.get("first_batch_shapes")
+    ours = [row["first_batch_shapes"] for n, row in table.items() if n.startswith("zephon_")]
+    if theirs and ours and all(ours):
+        same_shapes = all(shapes.get(k) == v for shapes in ours for k, v in theirs.items())
     return {
         "workload": workload,
         "config": config,

@@ -35,18 +35,26 @@ from bench.vlm import (
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTENDERS = {
-    "limit": "bench.contenders.vlm_limit",
-    "zephon_processes": "bench.contenders.vlm_zephon",
-    "torch_dataloader": "bench.contenders.vlm_torch",
+#: name -> (module, what it adds to the task)
+CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "limit": ("bench.contenders.vlm_limit", {}),
+    "zephon_processes": ("bench.contenders.vlm_zephon", {"backend": "processes"}),
+    "torch_dataloader": ("bench.contenders.vlm_torch", {}),
+    # One core, no worker processes: not run by default; the quick smoke test's zephon-flow.
+    "zephon_inline": ("bench.contenders.vlm_zephon", {"backend": "inline"}),
 }
+DEFAULT = ("limit", "zephon_processes", "torch_dataloader")
 CHECK_SAMPLES = 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workloads", default="text,vlm", help="comma list of workloads to run: text,vlm")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma list of workloads to run (default text,vlm; only text when --workload is given alone)",
+    )
     p.add_argument("--vlm-workload", help="a VLM workload JSON (skips the data build; for tests and reruns)")
-    p.add_argument("--vlm-contenders", default=",".join(CONTENDERS))
+    p.add_argument("--vlm-contenders", default=",".join(DEFAULT), help=f"of {', '.join(CONTENDERS)}")
     p.add_argument("--vlm-steps", type=int, default=200, help="timed steps per VLM throughput run")
     p.add_argument("--vlm-warmup", type=int, default=60, help="untimed VLM steps after the first batch")
     p.add_argument("--vlm-batch", type=int, default=0, help="VLM global batch in sequences (0: 8)")
@@ -54,7 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def wanted(args: argparse.Namespace) -> tuple[bool, bool]:
     """(run the text workload, run the VLM workload) from ``--workloads`` and ``--skip``."""
-    names = set(filter(None, args.workloads.split(","))) - set(filter(None, args.skip.split(",")))
+    default = "text" if args.workload and not args.vlm_workload else "text,vlm"
+    names = set(filter(None, (args.workloads or default).split(","))) - set(
+        filter(None, args.skip.split(","))
+    )
     unknown = names - {"text", "vlm"}
     if unknown:
         raise SystemExit(f"bench.run: unknown workload(s) {sorted(unknown)}; known: text, vlm")
@@ -112,7 +123,8 @@ def _tree_rss(pid: int) -> int:
 
 def run_one(name: str, workload_path: str, task: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One contender process; its JSON result plus wall time and the peak RSS of its tree."""
-    cmd = [sys.executable, "-m", CONTENDERS[name], "--workload", workload_path, "--task", json.dumps(task)]
+    module, extra = CONTENDERS[name]
+    cmd = [sys.executable, "-m", module, "--workload", workload_path, "--task", json.dumps({**task, **extra})]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:

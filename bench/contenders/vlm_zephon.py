@@ -62,4 +62,4 @@ def run(w: VlmWorkload, task: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.exit(contender_main("zephon_processes", run))
+    sys.exit(contender_main("zephon", run))
