@@ -10,6 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from bench import vlm_report
+
 GOAL_LIMIT = 0.8
 GOAL_PEER = 1.0
 GOAL_FLAT = 1.2
@@ -265,6 +267,7 @@ def markdown(res: dict[str, Any]) -> str:
         op = "<=" if key.endswith("last_over_first") else ">="
         met = f"{g['met']} (**INVALID: a rate in it is flagged**)" if g.get("flags") else g["met"]
         lines.append(f"| {key} | {_fmt(g['value'], '.2f')} | {op} {g['goal']} | {met} |")
+    lines += vlm_report.markdown_lines(res.get("vlm"))
     lines.append("")
     return "\n".join(lines)
 
@@ -275,6 +278,7 @@ def plots(res: dict[str, Any], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    vlm_report.plot(res.get("vlm"), out)
     table = res["throughput"]["table"]
     names = [n for n in table if table[n]["tokens_per_s"]]
     if names:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import vlm_report, vlm_run
 from bench.workload import TextWorkload, load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,9 +149,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume-batch", type=int, default=8, help="global batch of the resume study")
     p.add_argument("--elastic-step", type=int, default=20)
     p.add_argument("--elastic-count", type=int, default=3)
-    p.add_argument("--skip", default="", help="comma list of phases to skip: throughput,resume,elastic")
+    p.add_argument(
+        "--skip", default="", help="comma list to skip: phases throughput,resume,elastic; workloads text,vlm"
+    )
     p.add_argument("--timeout", type=float, default=3600.0, help="per contender process, seconds")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    vlm_run.add_arguments(p)  # --workloads, --vlm-*
     return p.parse_args(argv)
 
 
@@ -195,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
+    text, vision = vlm_run.wanted(args)  # the vision-language workload runs first: bench/vlm_run.py
+    vlm_results = vlm_run.run(args) if vision else None
+    if not text:
+        return vlm_report.write_alone(vlm_results, args.out)
     if args.workload:
         workload, data_info = load_workload(args.workload), {"workload_file": args.workload}
     else:
@@ -227,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             unavailable=unavailable,
             peers={n for n in names if CONTENDERS[n].peer},
         )
+        results["vlm"] = vlm_results
         (args.out / "bench.json").write_text(json.dumps(results, indent=1), encoding="utf-8")
         (args.out / "report.md").write_text(report.markdown(results), encoding="utf-8")
         report.plots(results, args.out)

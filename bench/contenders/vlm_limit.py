@@ -1,0 +1,66 @@
+"""VLM contender: the limit of the work itself, decode + resize + caption tokenize in 2 processes.
+
+No loader, no packing, no batches: each of ``workers`` spawned processes holds its share of the
+samples (every ``workers``-th) in memory as bytes, does a few untimed, waits at a barrier with
+the others, then runs ``decode_resize`` and the HF tokenizer (EOS appended) over its share in
+order, whole passes only (so every process sees its share's mix of small stamps and large
+photos), until it has done at least its part of ``steps x global_batch x max_images`` images.
+images/s = all processes' images over the slowest one's time; caption tokens/s likewise.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+from bench.vlm import VlmWorkload, contender_main, decode_resize, encode, iter_samples, load_tokenizer
+
+WARM_SAMPLES = 8
+
+
+def _worker(w: VlmWorkload, part: int, parts: int, target: int, barrier: Any, out: Any) -> None:
+    tok, eos = load_tokenizer(w)
+    samples = [(data, caption) for _key, data, caption in iter_samples(w, part, parts)]
+    for data, caption in samples[:WARM_SAMPLES]:
+        decode_resize(data, w.size)
+        encode(tok, eos, caption)
+    passes = max(1, math.ceil(target / max(1, len(samples))))
+    barrier.wait()
+    start = time.perf_counter()
+    images = tokens = 0
+    for _ in range(passes):
+        for data, caption in samples:
+            decode_resize(data, w.size)
+            tokens += len(encode(tok, eos, caption))
+            images += 1
+    out.put({"part": part, "images": images, "tokens": tokens, "seconds": time.perf_counter() - start})
+
+
+def run(w: VlmWorkload, task: dict[str, Any]) -> dict[str, Any]:
+    workers = int(task["workers"])
+    target = int(task["steps"]) * w.global_batch * w.max_images // workers
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(w, k, workers, target, barrier, out)) for k in range(workers)]
+    for p in procs:
+        p.start()
+    results = [out.get() for _ in procs]
+    for p in procs:
+        p.join()
+    seconds = max(r["seconds"] for r in results)
+    images, tokens = sum(r["images"] for r in results), sum(r["tokens"] for r in results)
+    return {
+        "images": images,
+        "caption_tokens": tokens,
+        "seconds": seconds,
+        "images_per_s": images / seconds,
+        "caption_tokens_per_s": tokens / seconds,
+        "worker_seconds": [r["seconds"] for r in results],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(contender_main("limit", run))
