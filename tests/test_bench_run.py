@@ -246,3 +246,59 @@ def test_report_flags_rates_above_the_limit_and_unsteady_windows(monkeypatch: py
     assert "**WARNING: these rates are not valid steady-state throughput:**" in text
     assert "- **hf_datasets: tokens_per_s 15.00x the limit" in text
     assert "INVALID" in text
+
+
+def test_report_keeps_the_points_of_a_resume_study_cut_by_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import report
+
+    def point(step: int, ttfb: float) -> dict[str, Any]:
+        samples = [{"step": step + i, "checkpoint_bytes": 100 + i, "save_s": 0.1} for i in range(3)]
+        samples[0].update(ttfb_s=ttfb, matches_uninterrupted=True)
+        return {
+            "step": step,
+            "reached_s": float(step),
+            "checkpoint_bytes": 101.0,
+            "ttfb_s": ttfb,
+            "matches_uninterrupted": True,
+            "samples": samples,
+        }
+
+    # the last line a peer printed before it was killed: 2 of its 3 points
+    cut = {
+        "name": "torch_stateful",
+        "ok": True,
+        "partial": True,
+        "timed_out": True,
+        "timeout_s": 60.0,
+        "uninterrupted_s": 50.0,
+        "last_step": 1002,
+        "points": [point(10, 2.0), point(100, 5.0)],
+    }
+    dead = {"name": "hf_datasets", "ok": False, "timed_out": True, "error": "timed out after 60 s; "}
+    res = report.summarise(
+        raw={"throughput": [], "resume": [cut, dead], "elastic": []},
+        config={"workers": 2, "steps": 1, "warmup": 1, "rounds": 1},
+        workload={
+            "sources": {},
+            "weights": {},
+            "seq_len": 8,
+            "shuffle_per_lane": 1,
+            "lanes": 1,
+            "global_batch": 1,
+        },
+        study={"global_batch": 8},
+        data={},
+        unavailable={},
+        peers=set(),
+    )
+    r = res["resume"]["torch_stateful"]
+    assert r["timed_out"] is True and r["ttfb_last_over_first"] == pytest.approx(2.5)
+    assert res["resume"]["hf_datasets"]["timed_out"] is True
+    assert "zephon_resume_ttfb_last_over_first" not in res["goals"]  # no zephon-flow study ran
+    text = report.markdown(res)
+    assert "| torch_stateful | 100 | 5.00 [5.00] | 101 [100, 101, 102] | True | 100.0 |" in text
+    assert "the uninterrupted run to step 1,002 took 50 s; **the task hit its timeout (60 s)" in text
+    assert "| hf_datasets | - | failed (timed out): timed out after 60 s;" in text
