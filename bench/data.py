@@ -4,20 +4,28 @@
 ``dpkg -x`` unpacks each into ``<root>/extracted/<package>``, and the text is written as three
 sources of JSONL shards (one document per line, ``{"text", "path"}``) in ``<root>/text/<source>``:
 
-- **code**: Go's standard library sources (``golang-1.19-src``: ``src/**/*.go``) and Python's
-  (``libpython3.11-stdlib``: ``*.py``), one file per document;
-- **docs**: the Linux kernel's documentation (``linux-doc-6.1``: ``*.rst.gz``), Python's
-  (``python3.11-doc``: ``_sources/**/*.rst.txt``) and Perl's (``perl-doc``: ``*.pod``);
-- **prose**: the GNU Collaborative International Dictionary of English (``dict-gcide``:
-  ``gcide.dict.dz``, cut into documents of about 8 KB at blank lines) and the Anarchist FAQ
-  (``anarchism``: ``markdown/*.md.gz``).
+- **code**: Go's standard library sources (``golang-1.19-src``: ``src/**/*.go``), Python's
+  standard library and its test suite (``libpython3.11-stdlib``, ``libpython3.11-testsuite``:
+  ``*.py``) and Perl's core modules (``perl-modules-5.36``: ``*.pm``), one file per document;
+- **docs**: the Linux kernel's documentation (``linux-doc-6.1``: ``*.rst.gz``), Python's and
+  Sphinx's (``python3.11-doc``, ``sphinx-doc``: ``_sources/**/*.rst.txt``), Perl's (``perl-doc``:
+  ``*.pod``), Node.js's API reference (``nodejs-doc``: ``api/*.md.gz``) and the C library and
+  system-call manual pages (``manpages-dev``: ``man2``/``man3`` troff), one file per document;
+- **prose**: the GNU Collaborative International Dictionary of English (``dict-gcide``), the
+  Free On-line Dictionary of Computing (``dict-foldoc``) and WordNet (``dict-wn``), each dictd
+  file cut into documents of about 8 KB (at blank lines, or for WordNet before a headword), the
+  Anarchist FAQ (``anarchism``: ``markdown/*.md.gz``) and the ``fortunes`` collections (one
+  file per document).
 
 Images for the vision-language workload go to ``<root>/images/*.tar`` (WebDataset style: a
 ``.png`` or ``.jpg`` and a ``.txt`` caption per sample): ``tuxpaint-stamps-default`` stamps with
 their human-written English captions, and ``opencv-doc``'s ``examples/data`` photos, captioned
 by their file name only (they have no captions). Every step is skipped when its output exists;
-``<root>/manifest.json`` lists every shard with its size and sha256. The root is
-``$ZEPHON_BENCH_DIR`` or ``~/.cache/zephon-flow/bench``.
+``<root>/manifest.json`` lists every shard with its size and sha256, and per source what went
+in (``text_inputs``: package, the ``.deb`` unpacked, glob, how documents are cut, files,
+documents and bytes per input). A source whose inputs changed is rebuilt (its old shards
+removed); the other sources and the images are kept. The root is ``$ZEPHON_BENCH_DIR`` or
+``~/.cache/zephon-flow/bench``.
 """
 
 from __future__ import annotations
@@ -31,21 +39,13 @@ import os
 import subprocess
 import sys
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 SHARD_BYTES = 32 * 1024 * 1024
 PROSE_DOC_BYTES = 8 * 1024
-PACKAGES = (
-    "golang-1.19-src",
-    "libpython3.11-stdlib",
-    "linux-doc-6.1",
-    "python3.11-doc",
-    "perl-doc",
-    "dict-gcide",
-    "anarchism",
-)
 IMAGE_PACKAGES = ("tuxpaint-stamps-default", "opencv-doc")
 
 Doc = tuple[str, str]  # (path relative to the package root, text)
@@ -102,29 +102,99 @@ def _paragraph_docs(name: str, text: str, size: int) -> Iterator[Doc]:
         yield f"{name}#{start}", "\n\n".join(parts)
 
 
-def code_docs(root: Path) -> Iterator[Doc]:
-    yield from _files(fetch(root, "golang-1.19-src"), "usr/share/go-1.19/src/**/*.go")
-    yield from _files(fetch(root, "libpython3.11-stdlib"), "usr/lib/python3.11/**/*.py")
+def _entry_docs(name: str, text: str, size: int) -> Iterator[Doc]:
+    """Documents of about ``size`` characters, cut before a line that starts a new entry (a line
+    that does not begin with white space: a dictd headword, as in WordNet's file)."""
+    lines: list[str] = []
+    length = start = 0
+    for line in text.split("\n"):
+        if length >= size and line[:1] not in ("", " ", "\t"):
+            yield f"{name}#{start}", "\n".join(lines)
+            start += length
+            lines, length = [], 0
+        lines.append(line)
+        length += len(line) + 1
+    if lines:
+        yield f"{name}#{start}", "\n".join(lines)
 
 
-def docs_docs(root: Path) -> Iterator[Doc]:
-    yield from _files(fetch(root, "linux-doc-6.1"), "usr/share/doc/linux-doc-6.1/**/*.rst.gz")
-    yield from _files(fetch(root, "python3.11-doc"), "usr/share/doc/python3.11/html/_sources/**/*.rst.txt")
-    yield from _files(fetch(root, "perl-doc"), "usr/share/perl/**/*.pod")
+@dataclass(frozen=True)
+class Input:
+    """One package's share of a source: which files, and how they become documents."""
+
+    package: str
+    pattern: str  # glob under the unpacked package's root
+    cut: str = "file"  # "file": one document per file; "paragraphs"/"entries": ~8 KB pieces
+    bare_names: bool = False  # only files without a suffix (fortune files, not their .dat/.u8)
+
+    def docs(self, root: Path) -> Iterator[Doc]:
+        for name, text in _files(fetch(root, self.package), self.pattern):
+            if self.bare_names and Path(name).suffix:
+                continue
+            if self.cut == "paragraphs":
+                yield from _paragraph_docs(name, text, PROSE_DOC_BYTES)
+            elif self.cut == "entries":
+                yield from _entry_docs(name, text, PROSE_DOC_BYTES)
+            else:
+                yield name, text
 
 
-def prose_docs(root: Path) -> Iterator[Doc]:
-    base = fetch(root, "dict-gcide")
-    for name, text in _files(base, "usr/share/dictd/gcide.dict.dz"):
-        yield from _paragraph_docs(name, text, PROSE_DOC_BYTES)
-    yield from _files(fetch(root, "anarchism"), "usr/share/doc/anarchism/markdown/*.md.gz")
-
-
-SOURCES: dict[str, Callable[[Path], Iterator[Doc]]] = {
-    "code": code_docs,
-    "docs": docs_docs,
-    "prose": prose_docs,
+SOURCES: dict[str, tuple[Input, ...]] = {
+    "code": (
+        Input("golang-1.19-src", "usr/share/go-1.19/src/**/*.go"),
+        Input("libpython3.11-stdlib", "usr/lib/python3.11/**/*.py"),
+        Input("libpython3.11-testsuite", "usr/lib/python3.11/test/**/*.py"),
+        Input("perl-modules-5.36", "usr/share/perl/**/*.pm"),
+    ),
+    "docs": (
+        Input("linux-doc-6.1", "usr/share/doc/linux-doc-6.1/**/*.rst.gz"),
+        Input("python3.11-doc", "usr/share/doc/python3.11/html/_sources/**/*.rst.txt"),
+        Input("perl-doc", "usr/share/perl/**/*.pod"),
+        Input("sphinx-doc", "usr/share/doc/sphinx-doc/html/_sources/**/*.rst.txt"),
+        Input("nodejs-doc", "usr/share/doc/nodejs/api/*.md.gz"),
+        Input("manpages-dev", "usr/share/man/man[23]/*.gz"),
+    ),
+    "prose": (
+        Input("dict-gcide", "usr/share/dictd/gcide.dict.dz", cut="paragraphs"),
+        Input("dict-foldoc", "usr/share/dictd/foldoc.dict.dz", cut="paragraphs"),
+        Input("dict-wn", "usr/share/dictd/wn.dict.dz", cut="entries"),
+        Input("anarchism", "usr/share/doc/anarchism/markdown/*.md.gz"),
+        Input("fortunes", "usr/share/games/fortunes/*", bare_names=True),
+    ),
 }
+
+
+class _Tally:
+    """Counts, per input, the files read and the documents and text bytes that went into a source."""
+
+    def __init__(self, root: Path, inputs: tuple[Input, ...]) -> None:
+        self.root, self.inputs = root, inputs
+        self.rows: list[dict[str, Any]] = []
+
+    def docs(self) -> Iterator[Doc]:
+        for inp in self.inputs:
+            row: dict[str, Any] = {**asdict(inp), "files": 0, "docs": 0, "text_bytes": 0}
+            self.rows.append(row)
+            files: set[str] = set()
+            for name, text in inp.docs(self.root):
+                if not text.strip():
+                    continue
+                files.add(name.split("#", 1)[0])
+                row["docs"] += 1
+                row["text_bytes"] += len(text.encode("utf-8"))
+                yield name, text
+            row["files"] = len(files)
+            done = fetch(self.root, inp.package) / ".done"
+            row["deb"] = done.read_text(encoding="utf-8").strip()
+
+
+def _same_inputs(recorded: list[dict[str, Any]] | None, inputs: tuple[Input, ...]) -> bool:
+    if recorded is None:
+        return False
+    keys = ("package", "pattern", "cut", "bare_names")
+    return [tuple(r.get(k) for k in keys) for r in recorded] == [
+        tuple(asdict(i)[k] for k in keys) for i in inputs
+    ]
 
 
 # -- shards and manifest ------------------------------------------------------------------------
@@ -220,11 +290,20 @@ def build(root: Path | None = None, *, images: bool = True) -> dict[str, Any]:
     if manifest_path.exists():
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     text = manifest.setdefault("text", {})
-    for name, docs in SOURCES.items():
-        if name not in text:
-            print(f"bench.data: building source {name}", file=sys.stderr)
-            text[name] = write_shards(docs(root), root / "text" / name)
-            _save(manifest_path, manifest)
+    recorded = manifest.setdefault("text_inputs", {})
+    for name, inputs in SOURCES.items():
+        if name in text and _same_inputs(recorded.get(name), inputs):
+            continue
+        print(f"bench.data: building source {name}", file=sys.stderr)
+        out = root / "text" / name
+        for old in out.glob("shard-*.jsonl"):
+            old.unlink()  # a rebuild may write fewer shards: none of the old may stay in the glob
+        text.pop(name, None)
+        manifest.pop("tokenizer", None)  # verified on a sample of the text: verify again
+        tally = _Tally(root, inputs)
+        text[name] = write_shards(tally.docs(), out)
+        recorded[name] = tally.rows
+        _save(manifest_path, manifest)
     if images and "images" not in manifest:
         print("bench.data: building image shards", file=sys.stderr)
         manifest["images"] = build_images(root, root / "images")
@@ -261,8 +340,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-images", action="store_true")
     args = parser.parse_args(argv)
     manifest = build(args.root, images=not args.no_images)
+    total = 0
     for name, shards in manifest["text"].items():
-        print(f"{name}: {len(shards)} shards, {sum(s['bytes'] for s in shards) / 1e6:.1f} MB")
+        size = sum(s["bytes"] for s in shards)
+        total += size
+        print(f"{name}: {len(shards)} shards, {size / 1e6:.1f} MB")
+        for row in manifest["text_inputs"][name]:
+            print(
+                f"  {row['deb']}: {row['files']} files, {row['docs']} docs, {row['text_bytes'] / 1e6:.1f} MB"
+            )
+    print(f"text in all: {total / 1e6:.1f} MB")
     print("tokenizer verified:", manifest["tokenizer"]["identical"])
     return 0
 

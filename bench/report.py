@@ -18,6 +18,7 @@ GOAL_FLAT = 1.2
 NOISE = 0.10  # a rate above the limit by more than this is not a measurement of steady throughput
 UNSTEADY = 1.25  # first half of the timed window faster than the second by more: a buffer was draining
 ZEPHON = ("zephon_processes_hf", "zephon_processes_auto")
+RESUME_ZEPHON = ("zephon_processes_hf", "zephon_inline_hf")
 OTHER_ENGINE = {"zephon_processes_auto"}  # not the limit's HF tokenizer: may beat it legitimately
 
 
@@ -100,17 +101,28 @@ def _flags(name: str, row: dict[str, Any], limit: float | None) -> list[str]:
 
 
 def _resume(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per contender: its points (medians of the consecutive checkpoints and of the resumes, raw
+    samples beside them), how long its uninterrupted run took, and last-over-first ratios."""
     out: dict[str, Any] = {}
     for run in runs:
-        if not run["ok"] or "points" not in run:
-            out[run["name"]] = {"error": run.get("error") or run.get("unsupported")}
+        if not run["ok"] or not run.get("points"):
+            why = run.get("error") or run.get("unsupported") or "no point finished"
+            out[run["name"]] = {"error": why, "timed_out": run.get("timed_out", False)}
             continue
         points = run["points"]
         first, last = points[0], points[-1]
         out[run["name"]] = {
             "points": points,
+            "uninterrupted_s": run.get("uninterrupted_s"),
+            "last_step": run.get("last_step"),
+            "consecutive": run.get("consecutive"),
+            "resumes": run.get("resumes"),
+            "timed_out": run.get("timed_out", False),
+            "timeout_s": run.get("timeout_s"),
             "ttfb_last_over_first": _ratio(last["ttfb_s"], first["ttfb_s"]),
             "bytes_last_over_first": _ratio(last["checkpoint_bytes"], first["checkpoint_bytes"]),
+            "first_step": first["step"],
+            "last_point": last["step"],
             "all_match": all(p["matches_uninterrupted"] for p in points),
         }
     return out
@@ -135,13 +147,19 @@ def summarise(
         if name in table:
             goals[f"{name}_over_limit"] = {"value": table[name]["over_limit"], "goal": GOAL_LIMIT}
             goals[f"{name}_over_best_peer"] = {"value": table[name]["over_best_peer"], "goal": GOAL_PEER}
-    z = resume.get("zephon_processes_hf", {})
+    # the resume goals: from the processes backend's study, or the inline one's if only that ran
+    z = next((resume[n] for n in RESUME_ZEPHON if "points" in resume.get(n, {})), {})
     if "points" in z:
-        goals["zephon_resume_ttfb_last_over_first"] = {"value": z["ttfb_last_over_first"], "goal": GOAL_FLAT}
-        goals["zephon_checkpoint_bytes_last_over_first"] = {
-            "value": z["bytes_last_over_first"],
-            "goal": GOAL_FLAT,
-        }
+        first, last = z["points"][0], z["points"][-1]
+        for key, what in (("ttfb_s", "zephon_resume_ttfb"), ("checkpoint_bytes", "zephon_checkpoint_bytes")):
+            goals[f"{what}_last_over_first"] = {
+                "value": _ratio(last[key], first[key]),
+                "goal": GOAL_FLAT,
+                # the medians the ratio is taken of, and the samples behind them
+                "steps": [first["step"], last["step"]],
+                "medians": [first[key], last[key]],
+                "raw": [[x[key] for x in p["samples"] if key in x] for p in (first, last)],
+            }
     for name in ZEPHON:
         for key in (f"{name}_over_limit", f"{name}_over_best_peer"):
             if key in goals:
@@ -208,6 +226,14 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {'**FLAGGED**' if row.get('flags') else 'ok'} |"
         )
     lines.append(f"\nBest peer: {res['throughput']['best_peer']}.")
+    served, embedded = table.get("zephon_service_hf"), table.get("zephon_processes_hf")
+    if served and embedded:
+        lines.append(
+            "zephon-flow served over gRPC (`zephon serve`, processes x2, one `zf.Client` rank) over "
+            f"embedded: {_fmt(_ratio(served['tokens_per_s'], embedded['tokens_per_s']), '.2f')} after "
+            f"warm-up, {_fmt(_ratio(served['end_to_end_tokens_per_s'], embedded['end_to_end_tokens_per_s']), '.2f')} "
+            "end to end (the server's start-up, work and the loopback transfer, on the same 2 cores)."
+        )
     flagged = [(n, f) for n, row in table.items() for f in row.get("flags", [])]
     if flagged:
         lines.append("\n**WARNING: these rates are not valid steady-state throughput:**\n")
@@ -225,27 +251,7 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(f"- {name}: {len(row['failed'])} failed run(s): `{row['failed'][0][:200]}`")
     for name, why in res["unavailable"].items():
         lines.append(f"- {name}: not run ({why[:200]})")
-    s = res["resume_workload"]
-    lines += [
-        "",
-        "## Resume: time to first batch and checkpoint size against the step",
-        "",
-        f"Resume study at global batch {s['global_batch']} (same sequences, smaller batch, so that "
-        "the later steps are reachable in the budget); each checkpoint comes from one uninterrupted "
-        "run, and the resumed first batch is compared with that run's batch by digest.",
-        "",
-        "| contender | step | first batch after resume s | checkpoint bytes | matches |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    for name, r in res["resume"].items():
-        if "points" not in r:
-            lines.append(f"| {name} | - | failed: {str(r.get('error'))[:120]} | | |")
-            continue
-        for p in r["points"]:
-            lines.append(
-                f"| {name} | {p['step']:,} | {p['ttfb_s']:.2f} | {p['checkpoint_bytes']:,} "
-                f"| {p['matches_uninterrupted']} |"
-            )
+    lines += _resume_markdown(res)
     lines += ["", "## Elasticity: resume under another topology, batches compared by digest", ""]
     lines += ["| contender | checkpoint topology | resumed with | outcome |", "| --- | --- | --- | --- |"]
     for name, r in res["elastic"].items():
@@ -262,14 +268,75 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {name} | 1 rank x {r['checkpoint_workers']} workers, step {r['step']} "
                 f"| {c['world_size']} rank(s) x {c['workers']} workers | {outcome} |"
             )
-    lines += ["", "## Goals", "", "| goal | value | target | met |", "| --- | ---: | ---: | --- |"]
+    lines += [
+        "",
+        "## Goals",
+        "",
+        "| goal | value | target | met | from (raw values) |",
+        "| --- | ---: | ---: | --- | --- |",
+    ]
     for key, g in res["goals"].items():
         op = "<=" if key.endswith("last_over_first") else ">="
         met = f"{g['met']} (**INVALID: a rate in it is flagged**)" if g.get("flags") else g["met"]
-        lines.append(f"| {key} | {_fmt(g['value'], '.2f')} | {op} {g['goal']} | {met} |")
+        raw = ""
+        if "medians" in g:
+            (a, b), (ra, rb) = g["steps"], g["raw"]
+            spec = ",.0f" if "bytes" in key else ",.2f"
+            raw = (
+                f"median at step {a:,}: {_num(g['medians'][0], spec)} [{_num(ra, spec)}]; "
+                f"at step {b:,}: {_num(g['medians'][1], spec)} [{_num(rb, spec)}]"
+            )
+        lines.append(f"| {key} | {_fmt(g['value'], '.2f')} | {op} {g['goal']} | {met} | {raw} |")
     lines += vlm_report.markdown_lines(res.get("vlm"))
     lines.append("")
     return "\n".join(lines)
+
+
+def _num(x: Any, spec: str) -> str:
+    return ", ".join(_fmt(v, spec) for v in x) if isinstance(x, list) else _fmt(x, spec)
+
+
+def _resume_markdown(res: dict[str, Any]) -> list[str]:
+    s = res["resume_workload"]
+    lines = [
+        "",
+        "## Resume: time to first batch and checkpoint size against the step",
+        "",
+        f"Resume study at global batch {s['global_batch']} (same sequences, smaller batch, so that "
+        "the later steps are reachable in the budget). One uninterrupted run per contender takes "
+        "checkpoints at consecutive steps s, s+1, ... of each point s (their size depends on what is "
+        "in flight); a new loader from each of the first few of them (zephon-flow: several; peers, "
+        "whose resume may replay the data: one) is timed to its first batch, which is compared with "
+        "the uninterrupted run's by digest. Medians first, raw samples in brackets.",
+        "",
+        "| contender | step | first batch after resume s: median [samples] "
+        "| checkpoint bytes: median [samples] | matches | uninterrupted run reached it after s |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    notes = []
+    for name, r in res["resume"].items():
+        if "points" not in r:
+            cut = " (timed out)" if r.get("timed_out") else ""
+            lines.append(f"| {name} | - | failed{cut}: {str(r.get('error'))[:120]} | | | |")
+            continue
+        for p in r["points"]:
+            samples = p.get("samples", [])
+            ttfb = [x["ttfb_s"] for x in samples if "ttfb_s" in x]
+            size = [x["checkpoint_bytes"] for x in samples]
+            lines.append(
+                f"| {name} | {p['step']:,} | {_fmt(p['ttfb_s'], '.2f')} [{_num(ttfb, '.2f')}] "
+                f"| {_fmt(p['checkpoint_bytes'])} [{_num(size, ',.0f')}] | {p['matches_uninterrupted']} "
+                f"| {_fmt(p.get('reached_s'), ',.1f')} |"
+            )
+        took = f"{r['uninterrupted_s']:,.0f} s" if r.get("uninterrupted_s") is not None else "n/a"
+        note = f"- {name}: the uninterrupted run to step {_fmt(r.get('last_step'), ',')} took {took}"
+        if r.get("timed_out"):
+            note += (
+                f"; **the task hit its timeout ({_fmt(r.get('timeout_s'), ',.0f')} s) after the points "
+                "shown: the later points were not measured**"
+            )
+        notes.append(note + ".")
+    return [*lines, "", *notes]
 
 
 def plots(res: dict[str, Any], out: Path) -> None:
@@ -297,9 +364,15 @@ def plots(res: dict[str, Any], out: Path) -> None:
         drawn = False
         for name, r in res["resume"].items():
             if "points" in r:
-                ax.plot(
-                    [p["step"] for p in r["points"]], [p[key] for p in r["points"]], marker="o", label=name
-                )
+                line = ax.plot(
+                    [p["step"] for p in r["points"]],
+                    [p[key] for p in r["points"]],
+                    marker="o",
+                    label=f"{name} (median)",
+                )[0]
+                raw = [(p["step"], x[key]) for p in r["points"] for x in p.get("samples", []) if key in x]
+                if raw:
+                    ax.scatter(*zip(*raw, strict=True), s=10, alpha=0.5, color=line.get_color())
                 drawn = True
         ax.set_xscale("log")
         ax.set_xlabel("step")

@@ -48,13 +48,18 @@ CONTENDERS: dict[str, Entry] = {
     "zephon_inline_hf": Entry(
         "main", "bench.contenders.zephon_embedded", ("engine=hf", "backend=inline"), peer=False
     ),
+    # zephon-flow served: `zephon serve` (processes x2) in a subprocess, read with zf.Client.
+    "zephon_service_hf": Entry("main", "bench.contenders.zephon_service", ("engine=hf",), peer=False),
+    "zephon_service_inline_hf": Entry(
+        "main", "bench.contenders.zephon_service", ("engine=hf", "backend=inline"), peer=False
+    ),
     "torch_dataloader": Entry("main", "bench.contenders.torch_loader", ("loader=plain",)),
     "torch_stateful": Entry("peers", "bench.contenders.torch_loader", ("loader=stateful",)),
     "torchdata_nodes": Entry("peers", "bench.contenders.torchdata_nodes"),
     "hf_datasets": Entry("peers", "bench.contenders.hf_datasets"),
     "grain": Entry("peers", "bench.contenders.grain_loader"),
 }
-DEFAULT = tuple(n for n in CONTENDERS if n != "zephon_inline_hf")
+DEFAULT = tuple(n for n in CONTENDERS if n not in ("zephon_inline_hf", "zephon_service_inline_hf"))
 RESUMABLE = (
     "zephon_processes_hf",
     "zephon_inline_hf",
@@ -64,6 +69,9 @@ RESUMABLE = (
     "grain",
 )
 RESUME_STUDY = ("zephon_processes_hf", "zephon_inline_hf", "torch_stateful", "hf_datasets")
+# zephon-flow resumes from several of the consecutive checkpoints of a point; a peer whose resume
+# replays the data up to the step resumes once per point (its resume at 10,000 costs a full run).
+RESUMES_MANY = ("zephon_processes_hf", "zephon_inline_hf")
 
 
 def peers_python() -> Path:
@@ -94,6 +102,20 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+def _kill_tree(pid: int) -> None:
+    """Kills a contender process and its children (worker processes, a server), by their PIDs."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+
+
 def run_task(name: str, workload_path: str, task: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One contender process for one task; its JSON result plus wall time and peak tree RSS."""
     entry = CONTENDERS[name]
@@ -106,10 +128,12 @@ def run_task(name: str, workload_path: str, task: dict[str, Any], timeout: float
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
         peak = 0
+        timed_out = False
         while proc.poll() is None:
             peak = max(peak, _tree_rss(proc.pid))
-            if time.perf_counter() - start > timeout:
-                proc.kill()
+            if time.perf_counter() - start > timeout and not timed_out:
+                timed_out = True
+                _kill_tree(proc.pid)
             time.sleep(0.2)
         out.seek(0)
         err.seek(0)
@@ -119,6 +143,11 @@ def run_task(name: str, workload_path: str, task: dict[str, Any], timeout: float
         result: dict[str, Any] = json.loads(lines[-1][len(RESULT_TAG) :])
     else:
         result = {"contender": name, "kind": task["kind"], "ok": False, "error": stderr.strip()[-1500:]}
+    if timed_out:
+        # what it printed before the timeout (a partial result) is kept, and says it was cut short
+        result.update(timed_out=True, timeout_s=timeout)
+        if not lines:
+            result["error"] = f"timed out after {timeout:.0f} s; " + result["error"][-1000:]
     result.update(name=name, wall_s=time.perf_counter() - start, peak_rss_bytes=peak)
     print(
         f"bench.run: {name} {task['kind']}: "
@@ -145,7 +174,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--throughput-batch", type=int, default=0, help="global batch of the throughput runs (0: workload's)"
     )
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--resume-steps", default="10,100,1000")
+    p.add_argument("--resume-steps", default="10,100,1000,10000")
+    p.add_argument(
+        "--resume-consecutive", type=int, default=5, help="checkpoints at steps s..s+N-1 of each point s"
+    )
+    p.add_argument("--resume-repeats", type=int, default=3, help="zephon-flow resumes per point (peers: 1)")
     p.add_argument("--resume-batch", type=int, default=8, help="global batch of the resume study")
     p.add_argument("--elastic-step", type=int, default=20)
     p.add_argument("--elastic-count", type=int, default=3)
@@ -250,7 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     if "resume" not in skip:
         steps = [int(s) for s in args.resume_steps.split(",") if s]
         for name in (n for n in RESUME_STUDY if n in names):
-            task = {"kind": "resume", "steps": steps, "workers": args.workers}
+            task = {
+                "kind": "resume",
+                "steps": steps,
+                "workers": args.workers,
+                "consecutive": args.resume_consecutive,
+                "resumes": args.resume_repeats if name in RESUMES_MANY else 1,
+            }
             raw["resume"].append(run_task(name, study_path, task, args.timeout))
             write()
     if "elastic" not in skip:

@@ -139,46 +139,92 @@ def _take(session: Session, n: int) -> list[Batch]:
     return [next(it) for _ in range(n)]
 
 
+def _emit(result: dict[str, Any]) -> None:
+    """One result line; the orchestrator keeps the last one, so a task that prints partial results
+    as it goes and is then killed at its timeout still reports what it measured."""
+    sys.stdout.flush()
+    print("BENCH-RESULT " + json.dumps(result), flush=True)
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return float(statistics.median(values))
+
+
 def run_resume(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
-    """One uninterrupted run to the last step, a checkpoint before each listed step; then for
-    each checkpoint a new loader from it, timed to its first batch and compared by digest."""
-    workers, steps = int(task["workers"]), sorted(int(s) for s in task["steps"])
-    want = set(steps)
+    """Checkpoint size and time to the first batch after a resume, against the step.
+
+    One uninterrupted run to the last step: before each step ``s, s+1, .., s+consecutive-1`` of
+    every listed point ``s`` it takes a checkpoint (its size depends on what is in flight, e.g.
+    long documents leave pending sequences, hence several consecutive ones), and it records when
+    it got there (``uninterrupted_s``: its whole time). Then, per point, a new loader from each of
+    the first ``resumes`` checkpoints is timed to its first batch, which is compared by digest
+    with the uninterrupted run's. A point reports its raw samples and their medians. Partial
+    results are printed after the run and after every point, so a timeout keeps them.
+    """
+    workers = int(task["workers"])
+    points_at = sorted(int(s) for s in task["steps"])
+    consecutive = max(1, int(task.get("consecutive", 1)))
+    resumes = max(1, min(consecutive, int(task.get("resumes", 1))))
+    want = {s + i: (s, i) for s in points_at for i in range(consecutive)}
+    last = max(want)
     blobs: dict[int, bytes] = {}
-    digests: dict[int, str] = {}
-    save_s: dict[int, float] = {}
+    samples: dict[int, dict[str, Any]] = {}
+    reached: dict[int, float] = {}
+    start = time.perf_counter()
     session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
     try:
         it = session.batches()
-        for step in range(steps[-1] + 1):
+        for step in range(last + 1):
             if step in want:
+                point, i = want[step]
+                reached.setdefault(point, time.perf_counter() - start)
                 t = time.perf_counter()
-                blobs[step] = session.checkpoint()
-                save_s[step] = time.perf_counter() - t
+                blob = session.checkpoint()
+                samples[step] = {
+                    "step": step,
+                    "checkpoint_bytes": len(blob),
+                    "save_s": time.perf_counter() - t,
+                }
+                if i < resumes:
+                    blobs[step] = blob
             batch = next(it)
             if step in want:
-                digests[step] = digest(batch)
+                samples[step]["digest"] = digest(batch)
     finally:
         session.close()
-    points = []
-    for step in steps:
-        start = time.perf_counter()
-        resumed = c.open(w, rank=0, world_size=1, workers=workers, state=blobs[step])
-        try:
-            batch = next(resumed.batches())
-            ttfb = time.perf_counter() - start
-        finally:
-            resumed.close()
-        points.append(
+    result: dict[str, Any] = {
+        "consecutive": consecutive,
+        "resumes": resumes,
+        "last_step": last,
+        "uninterrupted_s": time.perf_counter() - start,
+        "points": [],
+    }
+    for point in points_at:
+        taken = [samples[point + i] for i in range(consecutive)]
+        for sample in taken[:resumes]:
+            t = time.perf_counter()
+            resumed = c.open(w, rank=0, world_size=1, workers=workers, state=blobs.pop(sample["step"]))
+            try:
+                first = next(resumed.batches())
+                sample["ttfb_s"] = time.perf_counter() - t
+            finally:
+                resumed.close()
+            sample["matches_uninterrupted"] = digest(first) == sample["digest"]
+        resumed_ = [x for x in taken if "ttfb_s" in x]
+        result["points"].append(
             {
-                "step": step,
-                "checkpoint_bytes": len(blobs[step]),
-                "save_s": save_s[step],
-                "ttfb_s": ttfb,
-                "matches_uninterrupted": digest(batch) == digests[step],
+                "step": point,
+                "reached_s": reached[point],
+                "checkpoint_bytes": _median([x["checkpoint_bytes"] for x in taken]),
+                "ttfb_s": _median([x["ttfb_s"] for x in resumed_]),
+                "matches_uninterrupted": all(x["matches_uninterrupted"] for x in resumed_),
+                "samples": [{k: v for k, v in x.items() if k != "digest"} for x in taken],
             }
         )
-    return {"points": points}
+        _emit({"contender": c.name, "kind": "resume", "ok": True, "partial": True, **result})
+    return result
 
 
 def _resumed_digests(
@@ -247,6 +293,5 @@ def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = N
         result["ok"] = True
     except Exception as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    sys.stdout.flush()
-    print("BENCH-RESULT " + json.dumps(result), flush=True)
+    _emit(result)
     return 0 if result["ok"] else 1
