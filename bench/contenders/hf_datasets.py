@@ -1,7 +1,8 @@
 """Contender: Hugging Face ``datasets`` streaming (peers' venv), the usual recipe.
 
 ``load_dataset("json", streaming=True)`` per source, ``interleave_datasets`` by the workload's
-weights, ``map(batched=True)`` to tokenize (the same HF tokenizer, EOS appended), a second
+weights, repeated without end (``repeat(None)``: the resume study's 10,000 steps outrun one
+epoch of the data), ``map(batched=True)`` to tokenize (the same HF tokenizer, EOS appended), a second
 batched ``map`` that concatenates the batch's documents and cuts them into ``seq_len`` pieces
 (the remainder of each map batch is dropped, as in the ``group_texts`` recipe), ``shuffle``
 with a buffer (each worker holds ``shuffle_total / workers``), ``split_dataset_by_node`` for
@@ -81,7 +82,7 @@ def build_dataset(w: TextWorkload, rank: int, world_size: int, workers: int) -> 
         probabilities=[w.weights[n] / total for n in names],
         seed=w.seed,
         stopping_strategy="all_exhausted",
-    )
+    ).repeat(None)  # epochs without end, as every other contender's stream (10,000 steps outrun one)
     ds = ds.map(_Tokenize(w), batched=True, batch_size=MAP_BATCH, remove_columns=["text"])
     ds = ds.map(_Pack(w.seq_len), batched=True, batch_size=MAP_BATCH, remove_columns=["ids"])
     ds = ds.shuffle(seed=w.seed, buffer_size=max(1, w.shuffle_total // max(1, workers)))
