@@ -149,16 +149,18 @@ class StepWindow:
         """Global batch ``step``, waiting for it to be produced; None at the end of the data
         or when ``active()`` turns false."""
         with self._cond:
-            while step >= self._produced:
-                if self._error is not None:
-                    raise WindowError(
-                        "INTERNAL", f"the pipeline failed at step {self._produced}: {self._error}"
-                    )
-                if self._ended or not active():
-                    return None
-                self._cond.wait(0.2)
-            self._check_step(step)
-            return self._batches[step]
+            return self._await_produced(step, active)
+
+    def _await_produced(self, step: int, active: Callable[[], bool]) -> Batch | None:
+        """``get``'s wait, with the lock held."""
+        while step >= self._produced:
+            if self._error is not None:
+                raise WindowError("INTERNAL", f"the pipeline failed at step {self._produced}: {self._error}")
+            if self._ended or not active():
+                return None
+            self._cond.wait(0.2)
+        self._check_step(step)
+        return self._batches[step]
 
     def wait_to_send(self, rank: int, world_size: int, step: int, active: Callable[[], bool]) -> bool:
         """Blocks while ``step`` is ``ahead`` steps or more past ``rank``'s acknowledged step;
@@ -183,16 +185,7 @@ class StepWindow:
                     return None
                 self._cond.wait(0.2)
                 current = world_size == self._world_size
-            while step >= self._produced:
-                if self._error is not None:
-                    raise WindowError(
-                        "INTERNAL", f"the pipeline failed at step {self._produced}: {self._error}"
-                    )
-                if self._ended or not active():
-                    return None
-                self._cond.wait(0.2)
-            self._check_step(step)
-            return self._batches[step]
+            return self._await_produced(step, active)
 
     def sent(self, rank: int, world_size: int, next_step: int) -> None:
         """``rank``'s stream has sent every step before ``next_step`` (shown by ``status``)."""
