@@ -12,22 +12,18 @@ Throughput rounds alternate the contenders, rotating their order each round. Res
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench import vlm_report, vlm_run
+from bench.procs import ROOT, run_contender
 from bench.workload import TextWorkload, load_workload
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULT_TAG = "BENCH-RESULT "
 
 
 @dataclass(frozen=True)
@@ -87,35 +83,6 @@ def setup_peers() -> str | None:
     return None
 
 
-def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += p.memory_info().rss
-    return total
-
-
-def _kill_tree(pid: int) -> None:
-    """Kills a contender process and its children (worker processes, a server), by their PIDs."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-
-
 def run_task(name: str, workload_path: str, task: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One contender process for one task; its JSON result plus wall time and peak tree RSS."""
     entry = CONTENDERS[name]
@@ -123,32 +90,17 @@ def run_task(name: str, workload_path: str, task: dict[str, Any], timeout: float
     cmd = [python, "-m", entry.module, "--workload", workload_path, "--task", json.dumps(task)]
     for option in entry.options:
         cmd += ["--option", option]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
-        peak = 0
-        timed_out = False
-        while proc.poll() is None:
-            peak = max(peak, _tree_rss(proc.pid))
-            if time.perf_counter() - start > timeout and not timed_out:
-                timed_out = True
-                _kill_tree(proc.pid)
-            time.sleep(0.2)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
-    if lines:
-        result: dict[str, Any] = json.loads(lines[-1][len(RESULT_TAG) :])
+    done = run_contender(cmd, timeout)
+    if done.result is not None:
+        result: dict[str, Any] = done.result
     else:
-        result = {"contender": name, "kind": task["kind"], "ok": False, "error": stderr.strip()[-1500:]}
-    if timed_out:
+        result = {"contender": name, "kind": task["kind"], "ok": False, "error": done.stderr.strip()[-1500:]}
+    if done.timed_out:
         # what it printed before the timeout (a partial result) is kept, and says it was cut short
         result.update(timed_out=True, timeout_s=timeout)
-        if not lines:
+        if done.result is None:
             result["error"] = f"timed out after {timeout:.0f} s; " + result["error"][-1000:]
-    result.update(name=name, wall_s=time.perf_counter() - start, peak_rss_bytes=peak)
+    result.update(name=name, wall_s=done.wall_s, peak_rss_bytes=done.peak_rss_bytes)
     print(
         f"bench.run: {name} {task['kind']}: "
         + ("ok" if result["ok"] else f"FAILED {result.get('error', '')[:300]}"),

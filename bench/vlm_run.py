@@ -11,21 +11,18 @@ the raw results into medians, ratios, flags, Markdown and a plot.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench import vlm_report
+from bench.procs import run_contender
 from bench.vlm import (
-    RESULT_TAG,
     VlmWorkload,
     decode_resize,
     encode,
@@ -34,7 +31,6 @@ from bench.vlm import (
     load_workload,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 #: name -> (module, what it adds to the task)
 CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
     "limit": ("bench.contenders.vlm_limit", {}),
@@ -106,44 +102,19 @@ def check_same_work(w: VlmWorkload, n: int = CHECK_SAMPLES) -> dict[str, Any]:
     return {"samples_checked": checked, "pixels_equal": True, "caption_ids_equal": True}
 
 
-def _tree_rss(pid: int) -> int:
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            total += p.memory_info().rss
-    return total
-
-
 def run_one(name: str, workload_path: str, task: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One contender process; its JSON result plus wall time and the peak RSS of its tree."""
     module, extra = CONTENDERS[name]
     cmd = [sys.executable, "-m", module, "--workload", workload_path, "--task", json.dumps({**task, **extra})]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    start = time.perf_counter()
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
-        peak = 0
-        while proc.poll() is None:
-            peak = max(peak, _tree_rss(proc.pid))
-            if time.perf_counter() - start > timeout:
-                proc.kill()
-            time.sleep(0.2)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
-    if lines:
-        result: dict[str, Any] = json.loads(lines[-1][len(RESULT_TAG) :])
-    else:
-        result = {"contender": name, "ok": False, "error": stderr.strip()[-1500:]}
-    result.update(name=name, wall_s=time.perf_counter() - start, peak_rss_bytes=peak)
+    done = run_contender(cmd, timeout)
+    result: dict[str, Any] = done.result or {
+        "contender": name,
+        "ok": False,
+        "error": done.stderr.strip()[-1500:],
+    }
+    if done.timed_out:
+        result.update(timed_out=True, timeout_s=timeout)
+    result.update(name=name, wall_s=done.wall_s, peak_rss_bytes=done.peak_rss_bytes)
     status = "ok" if result["ok"] else f"FAILED {result.get('error', '')[:300]}"
     print(f"bench.run: vlm {name}: {status}", file=sys.stderr, flush=True)
     return result
