@@ -31,6 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from bench.contenders.harness import cpu_seconds
+from bench.workload import encode, load_tokenizer
+
 RESULT_TAG = "BENCH-RESULT "
 IMAGE_EXTS = ("jpg", "png")
 _ALPHA_MODES = ("RGBA", "LA", "La", "RGBa", "PA")
@@ -130,23 +133,6 @@ def decode_resize(data: bytes, size: int) -> np.ndarray:
         return np.asarray(im.resize((size, size), Image.Resampling.BICUBIC, box=box), dtype=np.uint8)
 
 
-def load_tokenizer(w: VlmWorkload) -> tuple[Any, int]:
-    """The HF tokenizer and its EOS id."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(w.tokenizer)
-    eos = tok.token_to_id(w.eos_token)
-    if eos is None:
-        raise ValueError(f"{w.tokenizer}: no token {w.eos_token!r}")
-    return tok, int(eos)
-
-
-def encode(tok: Any, eos: int, text: str) -> np.ndarray:
-    ids = tok.encode(text, add_special_tokens=False).ids
-    ids.append(eos)
-    return np.asarray(ids, dtype=np.int32)
-
-
 class PlainPacker:
     """``PackMultimodal``'s rule in plain code: greedy, in order, a sample never split, at most
     ``max_images`` per sequence, a caption cut to fit; fields as ``PackMultimodal`` gives them
@@ -215,20 +201,6 @@ def counts(batch: dict[str, Any], w: VlmWorkload) -> tuple[int, int]:
 # -- timing, the same for every loader -----------------------------------------------------------
 
 
-def _cpu_seconds() -> dict[str, float]:
-    """CPU seconds so far of this process and of its live children (psutil)."""
-    import psutil
-
-    total = 0.0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            t = child.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            continue
-    return {"main": time.process_time(), "children": total}
-
-
 def _rate(marks: list[tuple[float, int, int]], lo: int, hi: int, k: int) -> float | None:
     """Item ``k`` (1 images, 2 caption tokens) of batches ``lo+1..hi`` per second between them."""
     if hi <= lo or marks[hi][0] <= marks[lo][0]:
@@ -252,7 +224,7 @@ def measure(
     cpu: dict[str, float] = {}
     for i in range(1 + warmup + steps):
         if i == 1 + warmup:
-            cpu = _cpu_seconds()
+            cpu = cpu_seconds()
         batch = next(batches)
         images, tokens = counts(batch, w)
         marks.append((time.perf_counter(), images, tokens))
@@ -260,7 +232,7 @@ def measure(
         pad, total = pad + int((seg < 0).sum()), total + seg.size
         if i == 0:
             shapes = {k: list(np.asarray(v).shape) for k, v in sorted(batch.items())}
-    end = _cpu_seconds()
+    end = cpu_seconds()
     lo, hi = warmup, warmup + steps
     mid = lo + steps // 2
     window = marks[hi][0] - marks[lo][0]

@@ -148,9 +148,10 @@ class ShuffleBuffer:
             yield self._items.pop()
 
 
-def load_tokenizer(workload: TextWorkload) -> tuple[Any, int]:
-    """The HF tokenizer and its EOS id. Tokenizer threads are off: every contender gets the
-    same 2 cores through its own workers, not through the tokenizer's thread pool."""
+def load_tokenizer(workload: Any) -> tuple[Any, int]:
+    """The HF tokenizer and its EOS id, for any workload with ``tokenizer`` and ``eos_token``
+    (text or VLM). Tokenizer threads are off: every contender gets the same 2 cores through its
+    own workers, not through the tokenizer's thread pool."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 

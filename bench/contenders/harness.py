@@ -61,7 +61,7 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
     """
     steps, warmup, workers = int(task["steps"]), int(task["warmup"]), int(task["workers"])
     start = time.perf_counter()
-    born = _cpu_seconds()
+    born = cpu_seconds()
     session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
     marks: list[tuple[float, int]] = []  # (delivery instant, real tokens) per batch, first = index 0
     pad = 0
@@ -73,13 +73,13 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
         marks.append((time.perf_counter(), real_tokens(first)))
         for i in range(warmup + steps):
             if i == warmup:
-                cpu = _cpu_seconds()
+                cpu = cpu_seconds()
             batch = next(it)
             real = real_tokens(batch)
             marks.append((time.perf_counter(), real))
             if i >= warmup:
                 pad += int(batch["segment_ids"].size) - real
-        end_cpu = _cpu_seconds()
+        end_cpu = cpu_seconds()
         cpu = {k: v - cpu.get(k, 0.0) for k, v in end_cpu.items()}
         # whole life, start-up included: CPU per delivered token, where every core-second went
         life = {k: v - born.get(k, 0.0) for k, v in end_cpu.items()}
@@ -116,7 +116,7 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
     }
 
 
-def _cpu_seconds() -> dict[str, float]:
+def cpu_seconds() -> dict[str, float]:
     """CPU seconds so far of this process (all threads) and, with psutil, of its live children."""
     out = {"main": time.process_time()}
     try:

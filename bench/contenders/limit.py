@@ -15,6 +15,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from bench.workload import encode, iter_mixed, load_tokenizer, load_workload
@@ -44,20 +45,26 @@ def _worker(path: str, part: int, parts: int, target: int, barrier: Any, out: An
     out.put({"part": part, "tokens": tokens, "docs": len(work), "seconds": time.perf_counter() - start})
 
 
-def measure(workload_path: str, steps: int, workers: int) -> dict[str, Any]:
-    w = load_workload(workload_path)
-    target = steps * w.global_batch * w.seq_len // workers
+def run_parts(worker: Callable[..., None], head: tuple[Any, ...], workers: int, target: int) -> list[Any]:
+    """Spawns ``workers`` processes ``worker(*head, part, parts, target, barrier, out)`` that start
+    their timed work together at a barrier; returns what each put on ``out``."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(workers), ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(workload_path, k, workers, target, barrier, out))
-        for k in range(workers)
+        ctx.Process(target=worker, args=(*head, k, workers, target, barrier, out)) for k in range(workers)
     ]
     for p in procs:
         p.start()
     results = [out.get() for _ in procs]
     for p in procs:
         p.join()
+    return results
+
+
+def measure(workload_path: str, steps: int, workers: int) -> dict[str, Any]:
+    w = load_workload(workload_path)
+    target = steps * w.global_batch * w.seq_len // workers
+    results = run_parts(_worker, (workload_path,), workers, target)
     seconds = max(r["seconds"] for r in results)
     tokens = sum(r["tokens"] for r in results)
     return {

@@ -11,11 +11,11 @@ images/s = all processes' images over the slowest one's time; caption tokens/s l
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
 import sys
 import time
 from typing import Any
 
+from bench.contenders.limit import run_parts
 from bench.vlm import VlmWorkload, contender_main, decode_resize, encode, iter_samples, load_tokenizer
 
 WARM_SAMPLES = 8
@@ -42,14 +42,7 @@ def _worker(w: VlmWorkload, part: int, parts: int, target: int, barrier: Any, ou
 def run(w: VlmWorkload, task: dict[str, Any]) -> dict[str, Any]:
     workers = int(task["workers"])
     target = int(task["steps"]) * w.global_batch * w.max_images // workers
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(w, k, workers, target, barrier, out)) for k in range(workers)]
-    for p in procs:
-        p.start()
-    results = [out.get() for _ in procs]
-    for p in procs:
-        p.join()
+    results = run_parts(_worker, (w,), workers, target)
     seconds = max(r["seconds"] for r in results)
     images, tokens = sum(r["images"] for r in results), sum(r["tokens"] for r in results)
     return {
