@@ -37,7 +37,7 @@ class ReadArrow(ColumnSource):
     """
 
     # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         splits: list[Split] = []
         for path in paths:
             with _IpcFile(self, path) as f:

@@ -59,7 +59,7 @@ class ReadJsonl(Source):
         return {**super().params(), "field": self.field, "split_bytes": self.split_bytes}
 
     # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         splits: list[Split] = []
         for path in paths:
             size = self._size(path)

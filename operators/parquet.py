@@ -21,7 +21,7 @@ class ReadParquet(ColumnSource):
     """
 
     # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         splits: list[Split] = []
         for path in paths:
             with self._open(path) as pf:

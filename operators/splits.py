@@ -32,11 +32,22 @@ ON_ERROR = ("raise", "skip")
 
 @dataclass(frozen=True)
 class Split:
-    """One unit of dealing: ``path`` and a source-defined ``[start, stop)`` range inside it."""
+    """One unit of dealing: ``path`` and a source-defined ``[start, stop)`` range inside it.
+
+    ``weight`` is the split's cost in the source's own unit (bytes for byte ranges and
+    compressed files, rows for row ranges, samples for tar runs), used to balance the lanes'
+    shares of a pass; 0 means ``max(1, stop - start)``.
+    """
 
     path: str
     start: int
     stop: int
+    weight: int = 0
+
+    @property
+    def cost(self) -> int:
+        """The weight the dealing balances (at least 1)."""
+        return max(1, self.weight or (self.stop - self.start))
 
 
 @dataclass(frozen=True)
@@ -101,10 +112,12 @@ class Source(beam.PTransform):  # type: ignore[misc]
         #: of its split), counts it in the lane state and reports it.
         self.on_error = on_error
         self._paths: list[str] | None = None
-        self._splits: list[Split] | None = None
+        self._splits: dict[int, list[Split]] = {}
 
     # -- what a subclass provides ------------------------------------------------------
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int) -> list[Split]:
+        """The source's splits, in a deterministic order, fine enough for ``lanes`` lanes to
+        share a pass evenly where the data allows (several splits per lane)."""
         raise NotImplementedError
 
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
@@ -140,12 +153,15 @@ class Source(beam.PTransform):  # type: ignore[misc]
             self._paths = expand_glob(self.pattern, operator=self.operator_name)
         return self._paths
 
-    def splits(self) -> list[Split]:
-        if self._splits is None:
-            self._splits = self.make_splits(self.paths())
-            if not self._splits:
+    def splits(self, lanes: int = 1) -> list[Split]:
+        """The split table for a pipeline of ``lanes`` lanes (listed once per lane count)."""
+        table = self._splits.get(lanes)
+        if table is None:
+            table = self.make_splits(self.paths(), lanes=lanes)
+            if not table:
                 raise DataError(f"{self.operator_name}: the files of {self.pattern!r} hold no data")
-        return self._splits
+            self._splits = {**self._splits, lanes: table}  # assigned whole: feeds list concurrently
+        return table
 
     def data_files(self) -> list[tuple[str, int]]:
         """(name relative to the glob root, size in bytes) of every file read."""

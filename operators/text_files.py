@@ -61,7 +61,7 @@ class ReadTextFiles(Source):
         return {**super().params(), "encoding": self.encoding}
 
     # -- listing and reading -------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         return [Split(path, 0, 1) for path in paths]
 
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:

@@ -115,7 +115,7 @@ class ReadWebDataset(Source):
         }
 
     # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         splits: list[Split] = []
         index: dict[str, list[int]] = {}
         step = self.samples_per_split
