@@ -106,6 +106,11 @@ class Pack(beam.DoFn):  # type: ignore[misc]
             out.update(buffer=self.buffer, open_bins=self.open_bins)
         return {**out, "labels": self.labels, "provenance": self.provenance}
 
+    def padding_sample(self) -> dict[str, np.ndarray]:
+        """The sample that fills a lane's rows after its finite input ended: a sequence of
+        padding only (``pad_id``, position 0, segment -1, no documents)."""
+        return self._output(_EMPTY, _EMPTY, _EMPTY, _NO_DOCS)
+
     def process(
         self,
         element: tuple[int, Any],

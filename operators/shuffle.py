@@ -26,6 +26,9 @@ class Shuffle(beam.DoFn):  # type: ignore[misc]
 
     BUFFER = ReadModifyWriteStateSpec("buffer", PickleCoder())
     DRAIN = TimerSpec("drain", TimeDomain.WATERMARK)
+    #: Emits the elements it receives unchanged, so a padding sample declared upstream (e.g. by
+    #: ``Pack``) still describes the samples after it.
+    keeps_sample_layout = True
 
     def __init__(self, buffer: int) -> None:
         super().__init__()

@@ -1,10 +1,11 @@
-"""Sources' common contract and the dealing of their splits to lanes by a seeded permutation.
+"""Sources' common contract: splits, records, globs; every record in exactly one split.
 
-A source lists its data as *splits* (a byte range of a file, a Parquet row group, ...). Per
-epoch the splits are permuted by a seed; the epochs are concatenated into one endless sequence
-of split items, and lane ``l`` of ``L`` takes items ``l, l + L, l + 2L, ...``. So every lane gets
-work even when a source has fewer splits than there are lanes, and a lane's position in a source
-is two integers: its local item number and a position inside that split.
+A source lists its data as *splits* (a byte range of a file, a run of rows, ...), each with a
+cost; ``operators/dealing.py`` deals them to lanes pass by pass. **The contract**: within pass
+``e`` of a source, each record is delivered to exactly one lane, once, and a lane starts pass
+``e + 1`` only after its own share of pass ``e``. A source keeps its part of it by listing every
+record in exactly one split (``make_splits``) and reading a split from any position it handed
+out (``read_split``), the same records in the same order every time.
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ import glob as globlib
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import apache_beam as beam
-import numpy as np
 
 from zephon_flow.errors import DataError, SpecError
-from zephon_flow.rng import generator, stable_hash
 
 #: A position inside one split: an integer whose meaning is the source's (a byte offset, a
 #: record number). ``START`` means "at the beginning of the split".
@@ -182,17 +180,3 @@ def _size(path: str, operator: str) -> int:
         return os.path.getsize(path)
     except OSError as exc:
         raise DataError(f"{operator}: cannot read {path}: {exc.strerror}") from exc
-
-
-@lru_cache(maxsize=64)
-def _permutation(n: int, seed: int, salt: int, epoch: int) -> np.ndarray:
-    return generator(seed, salt, epoch).permutation(n)
-
-
-def dealt_split(
-    *, n_splits: int, lanes: int, lane: int, item: int, seed: int, source: str
-) -> tuple[int, int]:
-    """``(epoch, split index)`` of lane ``lane``'s ``item``-th split (item counts from 0)."""
-    k = lane + item * lanes
-    epoch, pos = divmod(k, n_splits)
-    return epoch, int(_permutation(n_splits, seed, stable_hash(source), epoch)[pos])

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from zephon_flow.batches import SampleLayout
 from zephon_flow.errors import CorruptStateError
 from zephon_flow.operators.mix import Mixture, pick
 from zephon_flow.operators.splits import START
@@ -169,7 +170,7 @@ class LaneRunner:
         self.lane = lane
         n = len(plan.sources)
         if state is None:
-            state = LaneState(lane, FeedCursor(0, [[0, START] for _ in plan.sources], skipped=[0] * n))
+            state = LaneState(lane, FeedCursor(0, [[0, 0, START, 0] for _ in plan.sources], skipped=[0] * n))
             state.stages = {s.label: DoFnLaneState().to_plain() for s in plan.stateful}
         missing = [s.label for s in plan.stateful if s.label not in state.stages]
         cursor = state.cursor
@@ -187,6 +188,7 @@ class LaneRunner:
         self._stages = {s.label: DoFnLaneState.from_plain(state.stages[s.label]) for s in plan.stateful}
         self._pending = list(state.pending)
         self._ended = state.ended
+        self._layout = state.layout
         self._windows = step
         self._record: FedRecord | None = None
         self._next = 0
@@ -247,8 +249,9 @@ class LaneRunner:
             resume = record.after
         return record.outputs[j], resume, record.doc
 
-    def next_window(self) -> list[Any] | None:
-        """The lane's next ``window`` outputs, or None when its input ended first."""
+    def next_window(self) -> list[Any]:
+        """The lane's next window: ``window`` outputs, or fewer once its finite input has
+        ended (the rest of the window is padding; an empty list once nothing is left)."""
         while len(self._pending) < self._window and not self._ended:
             item = self._next_output()
             if item is None:
@@ -257,11 +260,16 @@ class LaneRunner:
             value, resume, doc = item
             self._push(0, value, doc)
             self._cursor = resume
-        if len(self._pending) < self._window:
-            return None
         window, self._pending = self._pending[: self._window], self._pending[self._window :]
+        if window and self._layout is None:
+            self._layout = SampleLayout.of(window[0])
         self._windows += 1
         return window
+
+    @property
+    def layout(self) -> SampleLayout | None:
+        """The layout of the lane's first sample (None before it made one)."""
+        return self._layout
 
     def snapshot(self) -> LaneState:
         """The lane's state now: only valid between windows (a quiescent point)."""
@@ -271,6 +279,7 @@ class LaneRunner:
             stages={label: st.to_plain() for label, st in self._stages.items()},
             pending=list(self._pending),  # outputs are never changed after they are made
             ended=self._ended,
+            layout=self._layout,
         )
 
     def prime(self) -> None:

@@ -46,5 +46,23 @@ class Plan:
         )
 
     @property
+    def finite(self) -> bool:
+        """Whether a lane's input can end (a source has a number of passes): its batches then
+        carry ``valid`` and lanes that end early contribute padding."""
+        return any(sp.source.epochs is not None for sp in self.sources)
+
+    def padding_sample(self) -> Any:
+        """The padding sample an operator declares (``padding_sample()``) at the end of the
+        ordered back, looking through operators that keep the layout (``keeps_sample_layout``);
+        None when there is none (padding then copies the layout of real samples)."""
+        for stage in reversed(self.back):
+            make = getattr(stage.dofn, "padding_sample", None)
+            if callable(make):
+                return make()
+            if not getattr(stage.dofn, "keeps_sample_layout", False):
+                return None
+        return None
+
+    @property
     def stateful(self) -> tuple[StatefulInvoker, ...]:
         return tuple(s for s in self.back if isinstance(s, StatefulInvoker))

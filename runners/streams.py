@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import logging
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from zephon_flow.errors import DataError
-from zephon_flow.operators.splits import START, Record, Source, dealt_split
+from zephon_flow.errors import CorruptStateError, DataError
+from zephon_flow.operators.dealing import Dealing, Share
+from zephon_flow.operators.splits import START, Record, Source, Split
 from zephon_flow.runners.backends.base import Backend, ChunkResult
 from zephon_flow.runners.dofns import DocId
 from zephon_flow.runners.plan import SourcePlan
@@ -28,65 +30,109 @@ class ReadSkip:
 
 
 class SourceReader:
-    """One source as seen by one lane: its dealt splits in order, from a cursor."""
+    """One source as seen by one lane: its shares of each pass in order, from a cursor.
+
+    The cursor is ``[pass, share, position, count]``: the pass, the index of the share in the
+    lane's shares of that pass, the source's position inside that share's split, and how many
+    records of the split were read before that position (a stride-shared split keeps every
+    ``of``-th of them).
+    """
 
     def __init__(
-        self,
-        source: Source,
-        label: str,
-        *,
-        lane: int,
-        lanes: int,
-        seed: int,
-        item: int,
-        position: int,
+        self, source: Source, label: str, *, lane: int, lanes: int, seed: int, cursor: list[int]
     ) -> None:
         self._source, self._label = source, label
         self._lane, self._lanes, self._seed = lane, lanes, seed
-        self.item, self.position = item, position
+        if len(cursor) != CURSOR_LENGTH or any(v < -1 for v in cursor):
+            raise CorruptStateError(
+                f"lane {lane}, source {label!r}: the cursor {cursor} is not [pass, share, position, count]"
+            )
+        self.epoch, self.item, self.position, self.count = cursor
         self._records: Iterator[tuple[int, Record]] | None = None
+        self._share: Share | None = None
+        self._dealing: Dealing | None = None
         self.exhausted = False
         #: The index (in the source's split table) of the split being read.
         self.split_index = -1
 
+    def _shares(self) -> tuple[Share, ...]:
+        if self._dealing is None:
+            splits = self._source.splits(self._lanes)
+            self._dealing = Dealing(
+                [s.cost for s in splits], lanes=self._lanes, seed=self._seed, source=self._label
+            )
+        return self._dealing.shares(self._lane, self.epoch)
+
+    def _open(self) -> bool:
+        """Opens the share at the cursor (moving on to the next pass after the last share);
+        False once the source's passes are used up."""
+        while True:
+            if self._source.epochs is not None and self.epoch >= self._source.epochs:
+                return False
+            shares = self._shares()
+            if self.item < len(shares):
+                break
+            self.epoch, self.item, self.position, self.count = self.epoch + 1, 0, START, 0
+        share = shares[self.item]
+        split = self._source.splits(self._lanes)[share.split]
+        if share.of > 1:
+            _note_shared(self._source, self._label, split, share.of)
+        self._share, self.split_index = share, share.split
+        self._records = self._source.read_split(split, self.position)
+        return True
+
+    def _next_share(self) -> None:
+        self._records, self._share = None, None
+        self.item, self.position, self.count = self.item + 1, START, 0
+
     def next(self) -> Record | ReadSkip | None:
-        """The next record, a read skip, or None once the source's epochs are used up."""
-        splits = self._source.splits()
-        entry = (self.item, self.position)
+        """The lane's next record of this source, a read skip, or None once its passes are used up."""
         while not self.exhausted:
             try:
-                if self._records is None:
-                    epoch, index = dealt_split(
-                        n_splits=len(splits),
-                        lanes=self._lanes,
-                        lane=self._lane,
-                        item=self.item,
-                        seed=self._seed,
-                        source=self._label,
-                    )
-                    if self._source.epochs is not None and epoch >= self._source.epochs:
-                        # Keep the cursor where the last record left it, so the end of the data
-                        # has one canonical position whatever the chunking.
-                        self.item, self.position = entry
-                        self.exhausted = True
-                        return None
-                    self.split_index = index
-                    self._records = self._source.read_split(splits[index], self.position)
+                if self._records is None and not self._open():
+                    self.exhausted = True
+                    return None
+                assert self._records is not None and self._share is not None
                 step = next(self._records, None)
             except DataError as exc:
                 if self._source.on_error != "skip":
                     raise
-                self._records, self.item, self.position = None, self.item + 1, START
+                self._next_share()
                 return ReadSkip(str(exc))
-            if step is not None:
-                self.position, record = step
+            if step is None:
+                self._next_share()
+                continue
+            self.position, record = step
+            self.count += 1
+            if self._share.keeps(self.count - 1):
                 return record
-            self._records, self.item, self.position = None, self.item + 1, START
         return None
 
     @property
     def cursor(self) -> list[int]:
-        return [self.item, self.position]
+        return [self.epoch, self.item, self.position, self.count]
+
+
+#: ``[pass, share, position, count]``.
+CURSOR_LENGTH = 4
+_noted: set[tuple[str, str]] = set()
+_log = logging.getLogger("zephon_flow")
+
+
+def _note_shared(source: Source, label: str, split: Split, k: int) -> None:
+    """Logs once per process and file that lanes share a split by stride, and what it costs."""
+    key = (label, split.path)
+    if key in _noted:
+        return
+    _noted.add(key)
+    _log.info(
+        "%s: %s cannot be split finer for this lane count; %d lanes share a split of it by "
+        "stride (each reads the whole split and keeps every %d-th record)",
+        source.operator_name,
+        split.path,
+        k,
+        k,
+    )
 
 
 @dataclass(frozen=True)
@@ -122,10 +168,7 @@ class SourceStream:
         depth: int,
     ) -> None:
         self._index, self._backend = index, backend
-        item, position = cursor
-        self._reader = SourceReader(
-            plan.source, plan.label, lane=lane, lanes=lanes, seed=seed, item=item, position=position
-        )
+        self._reader = SourceReader(plan.source, plan.label, lane=lane, lanes=lanes, seed=seed, cursor=cursor)
         self._chunk_records, self._depth = chunk_records, depth
         self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(
             f"lane {lane} source {plan.label!r} stateless results"

@@ -21,7 +21,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.operators.splits import dealt_split
 
 EOS = "<|endoftext|>"
 WORDS = [
@@ -217,18 +216,9 @@ def run_batches(
 
 
 def source_epochs(spec: zf.LoaderSpec, state: dict[str, Any]) -> dict[str, list[int]]:
-    """Per source label, the epoch each lane's cursor is in (from a merged loader state)."""
-    plan = spec.compile()
+    """Per source label, the pass each lane's cursor is in (from a merged loader state)."""
     lane_states = {ls["lane"]: ls for ls in state["lane_states"]}
-    result: dict[str, list[int]] = {}
-    for index, sp in enumerate(plan.sources):
-        n_splits = len(sp.source.splits())
-        epochs = []
-        for lane in sorted(lane_states):
-            item = lane_states[lane]["cursor"]["sources"][index][0]
-            epoch, _ = dealt_split(
-                n_splits=n_splits, lanes=spec.lanes, lane=lane, item=item, seed=spec.seed, source=sp.label
-            )
-            epochs.append(epoch)
-        result[sp.label] = epochs
-    return result
+    return {
+        sp.label: [lane_states[lane]["cursor"]["sources"][index][0] for lane in sorted(lane_states)]
+        for index, sp in enumerate(spec.compile().sources)
+    }

@@ -147,14 +147,15 @@ def test_a_newer_format_version_is_refused(
     data = with_version(zf.encode_state(loader_state), codec.FORMAT_VERSION + 1)
     with pytest.raises(
         FormatVersionError,
-        match=r"checkpoint uses checkpoint format version 3, newer than the version 2 .*upgrade zephon-flow",
+        match=rf"checkpoint uses checkpoint format version {codec.FORMAT_VERSION + 1}, newer than the "
+        rf"version {codec.FORMAT_VERSION} .*upgrade zephon-flow",
     ):
         zf.decode_state(data)
     path = tmp_path / "new.zf"
     path.write_bytes(data)
-    with pytest.raises(FormatVersionError, match=rf"{path} uses checkpoint format version 3"):
+    with pytest.raises(FormatVersionError, match=rf"{path} uses checkpoint format version {codec.FORMAT_VERSION + 1}"):
         zf.load_state(path)
-    with pytest.raises(FormatVersionError, match=r"version 3"):
+    with pytest.raises(FormatVersionError, match=rf"version {codec.FORMAT_VERSION + 1}"):
         zf.Loader(example_spec(corpus, lanes=2, global_batch_size=4), state=data)
 
 

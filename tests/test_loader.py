@@ -30,7 +30,8 @@ from zephon_flow.errors import (
     StateError,
     ZephonError,
 )
-from zephon_flow.operators.splits import START, Split, dealt_split
+from zephon_flow.operators.dealing import Dealing
+from zephon_flow.operators.splits import START, Split
 from zephon_flow.simulate import global_batches, global_digests
 
 
@@ -274,10 +275,11 @@ def test_resume_seeks_to_the_cursor_and_reads_nothing_before_it(tmp_path: Path) 
     spec = zf.LoaderSpec(build, lanes=1, global_batch_size=1)
     ref = run_batches(spec, 9, chunk_records=1, prefetch_chunks=1, prefetch=1)
     state = state_after(spec, 7, chunk_records=1, prefetch_chunks=1, prefetch=1)
-    item, position = state["lane_states"][0]["cursor"]["sources"][0]
+    epoch, item, position, _ = state["lane_states"][0]["cursor"]["sources"][0]
     assert position != START  # the cursor is inside a split
-    splits = spec.compile().sources[0].source.splits()
-    _, index = dealt_split(n_splits=len(splits), lanes=1, lane=0, item=item, seed=0, source="src")
+    splits = spec.compile().sources[0].source.splits(1)
+    dealing = Dealing([s.cost for s in splits], lanes=1, seed=0, source="src")
+    index = dealing.shares(0, epoch)[item].split
     _RecordingJsonl.calls.clear()
     with zf.Loader(spec, state=state, chunk_records=1, prefetch_chunks=1, prefetch=1) as loader:
         step, batch = next(iter(loader))

@@ -16,6 +16,7 @@ from zephon_flow.errors import (  # noqa: E402
     StateError,
     ZephonError,
 )
+from zephon_flow.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.loader import Loader  # noqa: E402
 from zephon_flow.runners.dofns import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.service.client import Client  # noqa: E402
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Client",
     "DataError",
+    "EndSync",
     "Loader",
     "LoaderSpec",
     "ProvenanceParam",
@@ -34,6 +36,8 @@ __all__ = [
     "ServiceError",
     "SpecError",
     "StateError",
+    "ThreadEndSync",
+    "TorchEndSync",
     "ZephonError",
     "batch_digest",
     "decode_state",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from zephon_flow.errors import StageError
+from zephon_flow.errors import CorruptStateError, StageError
 
 Batch = dict[str, np.ndarray]
 
@@ -87,3 +88,69 @@ def concat(parts: Sequence[Mapping[str, np.ndarray]]) -> Batch:
     """Concatenates rank slices (in rank order) back into a global batch."""
     keys = sorted(parts[0])
     return {k: np.concatenate([p[k] for p in parts]) for k in keys}
+
+
+#: The field a finite pipeline's batches carry: True for a real sample, False for padding.
+VALID_FIELD = "valid"
+
+
+@dataclass(frozen=True)
+class SampleLayout:
+    """The fields, dtypes and shapes of a sample (``field`` None: the sample is one array), so
+    a padding sample can be made without keeping a real one. A ragged field's padding has no
+    rows."""
+
+    fields: tuple[tuple[str | None, str, tuple[int, ...]], ...]
+
+    @classmethod
+    def of(cls, sample: Any) -> SampleLayout | None:
+        """The layout of ``sample``; None when it is not made of arrays (nothing to pad with)."""
+        try:
+            if isinstance(sample, Mapping):
+                items = [(str(k), np.asarray(sample[k])) for k in sorted(sample)]
+            else:
+                items = [(None, np.asarray(sample))]
+        except (TypeError, ValueError):
+            return None
+        fields = []
+        for name, arr in items:
+            if arr.dtype.hasobject:
+                return None
+            shape = (0, *arr.shape[1:]) if name in RAGGED_FIELDS else arr.shape
+            fields.append((name, arr.dtype.str, tuple(int(n) for n in shape)))
+        return cls(tuple(fields))
+
+    def zeros(self) -> Any:
+        """A sample of this layout holding zeros."""
+        if self.fields[0][0] is None:
+            _, dtype, shape = self.fields[0]
+            return np.zeros(shape, dtype=np.dtype(dtype))
+        return {name: np.zeros(shape, dtype=np.dtype(dtype)) for name, dtype, shape in self.fields}
+
+    def to_plain(self) -> list[list[Any]]:
+        return [[name, dtype, list(shape)] for name, dtype, shape in self.fields]
+
+    @classmethod
+    def from_plain(cls, plain: Any, *, where: str) -> SampleLayout:
+        try:
+            fields = tuple(
+                (
+                    None if name is None else str(name),
+                    str(np.dtype(str(dtype)).str),
+                    tuple(int(n) for n in shape),
+                )
+                for name, dtype, shape in plain
+            )
+        except (TypeError, ValueError) as exc:
+            raise CorruptStateError(f"{where}: the sample layout {plain!r} is not valid: {exc}") from exc
+        return cls(fields)
+
+
+def with_valid(batch: Batch, valid: np.ndarray, *, where: str) -> Batch:
+    """``batch`` with the ``valid`` field added (refusing samples that carry one already)."""
+    if VALID_FIELD in batch:
+        raise StageError(
+            f"{where}: the samples have a field {VALID_FIELD!r}, which zephon-flow adds to the "
+            f"batches of a finite pass to mark padding; rename that field"
+        )
+    return {**batch, VALID_FIELD: valid}

@@ -20,7 +20,7 @@ from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
 MAGIC = b"ZEPHONCK"
 #: Version 2: lane cursors record the straddling record's source, exhausted sources and skip
 #: counts, and the checkpoint records the mixture history.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 

@@ -10,8 +10,18 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
-from zephon_flow.batches import Batch, stack
-from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError, ZephonError
+import numpy as np
+
+from zephon_flow.batches import Batch, SampleLayout, stack, with_valid
+from zephon_flow.endsync import EndSync, default_end_sync
+from zephon_flow.errors import (
+    CorruptStateError,
+    FingerprintMismatchError,
+    SpecError,
+    StageError,
+    StateError,
+    ZephonError,
+)
 from zephon_flow.lanes import RankSlice
 from zephon_flow.operators.mix import Mix, Mixture
 from zephon_flow.runners.backends.base import make_backend
@@ -53,6 +63,7 @@ class Loader:
         chunk_records: int = 16,
         prefetch_chunks: int = 4,
         allow_mix_change: bool = False,
+        end_sync: EndSync | None = None,
     ) -> None:
         if not isinstance(spec, LoaderSpec):
             raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
@@ -119,6 +130,11 @@ class Loader:
             for lane in lane_ids
         ]
         self._fingerprint = fingerprint
+        self._finite = plan.finite
+        self._padding = plan.padding_sample() if plan.finite else None
+        self._end_sync = end_sync or default_end_sync(
+            world_size, finite=plan.finite, all_lanes_local=len(lane_ids) == spec.lanes
+        )
         self._step = step
         self._last = self._state(step, {ln.lane: ln.snapshot() for ln in self._lanes})
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
@@ -157,25 +173,65 @@ class Loader:
 
     def _produce(self) -> None:
         step = self._step
-        rows = self._slice.rows_of_lanes()
         try:
             for lane in self._lanes:
                 lane.prime()
             while not self._stop.is_set():
-                windows = []
-                for lane in self._lanes:
-                    w = lane.next_window()
-                    if w is None:
-                        self._put(_END)
-                        return
-                    windows.append(w)
-                samples = [s for w in windows for s in w][rows]
-                batch = stack(samples, where=f"global batch {step}")
+                windows = [lane.next_window() for lane in self._lanes]
+                if not self._goes_on(step, windows):
+                    self._put(_END)
+                    return
+                batch = self._assemble(step, windows)
                 snap = {ln.lane: ln.snapshot() for ln in self._lanes}
                 step += 1
                 self._put((step - 1, batch, self._state(step, snap)))
         except BaseException as exc:  # delivered to the consumer, re-raised there
             self._put(exc)
+
+    def _goes_on(self, step: int, windows: list[list[Any]]) -> bool:
+        """Whether global batch ``step`` exists: an endless pipeline's lanes fill every window;
+        a finite one goes on while any lane (of any rank: ``end_sync``) has a real sample."""
+        per_lane = self.spec.per_lane
+        if not self._finite:
+            return all(len(w) == per_lane for w in windows)
+        local = any(windows)
+        if self._end_sync is None:
+            return local
+        return self._end_sync.any_rank(step, local, self._stop)
+
+    def _assemble(self, step: int, windows: list[list[Any]]) -> Batch:
+        """This rank's rows of global batch ``step``; a finite pass's lanes are padded to full
+        windows and the batch says which rows are real (``valid``)."""
+        where = f"global batch {step}"
+        rows = self._slice.rows_of_lanes()
+        if not self._finite:
+            return stack([s for w in windows for s in w][rows], where=where)
+        per_lane = self.spec.per_lane
+        samples: list[Any] = []
+        valid = np.zeros(per_lane * len(windows), dtype=bool)
+        for i, (lane, window) in enumerate(zip(self._lanes, windows, strict=True)):
+            valid[i * per_lane : i * per_lane + len(window)] = True
+            samples += window
+            if len(window) < per_lane:
+                samples += [self._pad(lane, windows, where)] * (per_lane - len(window))
+        return with_valid(stack(samples[rows], where=where), valid[rows], where=where)
+
+    def _pad(self, lane: LaneRunner, windows: list[list[Any]], where: str) -> Any:
+        """The padding sample for ``lane``: the one the pipeline's operator declares, else zeros
+        laid out like the lane's first sample, else like any real sample of this batch (the
+        rows of one batch share a layout, so the bytes are the same whichever is used)."""
+        if self._padding is not None:
+            return self._padding
+        layout = lane.layout
+        if layout is None:
+            layout = next((ly for w in windows if w for ly in [SampleLayout.of(w[0])] if ly), None)
+        if layout is None:
+            raise StageError(
+                f"{where}: lane {lane.lane} must be padded (its finite input has ended) but no "
+                f"sample shows the layout to pad with; give the pipeline's last operator a "
+                f"padding_sample() method returning one padding sample"
+            )
+        return layout.zeros()
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():
@@ -186,11 +242,16 @@ class Loader:
                 continue
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        # Production starts here, not at the first next(): ranks simulated in one process
+        # (``simulate.py``) start together and agree on the end of a finite pass step by step.
         if self._closed:
             raise ZephonError("this Loader is closed")
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, name="zephon-lanes", daemon=True)
             self._thread.start()
+        return self._batches()
+
+    def _batches(self) -> Iterator[tuple[int, Batch]]:
         while True:
             try:
                 item = self._queue.get(timeout=0.1)

@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from zephon_flow.batches import Batch, batch_digest, concat
+from zephon_flow.endsync import ThreadEndSync
 from zephon_flow.loader import Loader
 from zephon_flow.spec import LoaderSpec
 from zephon_flow.state import merge_states
@@ -27,6 +28,8 @@ def global_batches(
 
     With ``final_state`` (a list), the merged state after the last batch is appended to it.
     """
+    if "end_sync" not in loader_options:
+        loader_options["end_sync"] = ThreadEndSync(world_size)
     with ExitStack() as stack:
         loaders = [
             stack.enter_context(

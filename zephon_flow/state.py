@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zephon_flow import codec
+from zephon_flow.batches import SampleLayout
 from zephon_flow.errors import (
     CorruptStateError,
     FingerprintMismatchError,
@@ -27,11 +28,18 @@ def _need(plain: Any, key: str, where: str) -> Any:
     return plain[key]
 
 
+def _int_list(plain: Any, where: str) -> list[int]:
+    if not isinstance(plain, list) or not all(isinstance(v, int) for v in plain):
+        raise CorruptStateError(f"{where} should be a list of integers, found {plain!r}")
+    return [int(v) for v in plain]
+
+
 @dataclass
 class FeedCursor:
     """Where a lane's (mixed) source stream resumes: the first record not yet consumed.
 
-    ``sources[i]`` is ``[split item, position inside the split]`` for source ``i``; ``skip``
+    ``sources[i]`` is ``[pass, share, position, count]`` for source ``i`` (see
+    ``runners/streams.py``: ``SourceReader``); ``skip``
     counts outputs of the record at the cursor that were already consumed, and ``source`` is
     that record's source when ``skip > 0`` (else -1), so a resume takes it from the same
     source whatever the mixture says at the resume step. ``exhausted`` lists the sources the
@@ -47,7 +55,7 @@ class FeedCursor:
     skipped: list[int] = field(default_factory=list)
 
     def copy(self) -> FeedCursor:
-        """A copy; the per-source ``[item, position]`` pairs are shared: replace them, never
+        """A copy; the per-source cursors are shared: replace them, never
         mutate them in place."""
         return FeedCursor(
             self.mix_position,
@@ -73,7 +81,7 @@ class FeedCursor:
         sources = _need(plain, "sources", where)
         return cls(
             mix_position=int(_need(plain, "mix_position", where)),
-            sources=[[int(item), int(pos)] for item, pos in sources],
+            sources=[_int_list(s, f"{where}, source cursor") for s in sources],
             skip=int(_need(plain, "skip", where)),
             source=int(_need(plain, "source", where)),
             exhausted=[int(i) for i in _need(plain, "exhausted", where)],
@@ -83,13 +91,19 @@ class FeedCursor:
 
 @dataclass
 class LaneState:
-    """Everything needed to continue one lane: cursor, stateful DoFns' state, open window."""
+    """Everything needed to continue one lane: cursor, stateful DoFns' state, open window.
+
+    ``ended``: the lane's finite input has ended (its windows are padding from then on);
+    ``layout``: the layout of the lane's first sample, for padding when no operator declares
+    a padding sample (None until the lane made one).
+    """
 
     lane: int
     cursor: FeedCursor
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
     ended: bool = False
+    layout: SampleLayout | None = None
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -98,6 +112,7 @@ class LaneState:
             "stages": self.stages,
             "pending": self.pending,
             "ended": self.ended,
+            "layout": None if self.layout is None else self.layout.to_plain(),
         }
 
     @classmethod
@@ -114,7 +129,12 @@ class LaneState:
             stages=stages,
             pending=list(_need(plain, "pending", where)),
             ended=bool(_need(plain, "ended", where)),
+            layout=_layout(_need(plain, "layout", where), where),
         )
+
+
+def _layout(plain: Any, where: str) -> SampleLayout | None:
+    return None if plain is None else SampleLayout.from_plain(plain, where=f"{where}, layout")
 
 
 @dataclass
