@@ -165,6 +165,13 @@ class Source(beam.PTransform):  # type: ignore[misc]
         """(name relative to the glob root, size in bytes) of every file read."""
         return [(relative_name(p, self.pattern), _size(p, self.operator_name)) for p in self.paths()]
 
+    def data_identity(self, lanes: int, dealing_version: int) -> list[Any]:
+        """What the fingerprint's data part digests: every file (relative name, size), the
+        split plan for ``lanes`` lanes and the dealing rule's version, so a change of the data,
+        of how it is split or of how splits are dealt refuses old checkpoints by name."""
+        plan = [[relative_name(s.path, self.pattern), s.start, s.stop, s.cost] for s in self.splits(lanes)]
+        return [self.data_files(), plan, dealing_version]
+
     def expand(self, pbegin: Any) -> Any:
         # On Beam's own runners: read every split once, in order (a finite, undealt stream).
         return pbegin | "Impulse" >> beam.Impulse() | "ReadAll" >> beam.FlatMap(lambda _: self._read_all())

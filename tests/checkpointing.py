@@ -37,9 +37,12 @@ def _global_run(
     spec: zf.LoaderSpec, steps: int, state: bytes | None, *, world_size: int, **loader_kwargs: Any
 ) -> Iterator[tuple[int, dict[str, np.ndarray], list[zf.Loader]]]:
     """Yields ``(step, global batch, the ranks' loaders)``, for all ranks in one process."""
+    sync = zf.ThreadEndSync(world_size)  # the ranks agree on the end of a finite pass
     with ExitStack() as stack:
         loaders = [
-            stack.enter_context(zf.Loader(spec, rank=r, world_size=world_size, state=state, **loader_kwargs))
+            stack.enter_context(
+                zf.Loader(spec, rank=r, world_size=world_size, state=state, end_sync=sync, **loader_kwargs)
+            )
             for r in range(world_size)
         ]
         iters = [iter(ld) for ld in loaders]
@@ -52,9 +55,10 @@ def _global_run(
 
 
 def reference_run(spec: zf.LoaderSpec, steps: int, *, world_size: int = 1, **loader_kwargs: Any) -> Reference:
+    sync = zf.ThreadEndSync(world_size)
     with ExitStack() as stack:
         loaders = [
-            stack.enter_context(zf.Loader(spec, rank=r, world_size=world_size, **loader_kwargs))
+            stack.enter_context(zf.Loader(spec, rank=r, world_size=world_size, end_sync=sync, **loader_kwargs))
             for r in range(world_size)
         ]
         fresh = zf.encode_state(zf.merge_states([ld.state_dict() for ld in loaders]))

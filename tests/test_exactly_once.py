@@ -50,7 +50,9 @@ def write_file(root: Path, index: int, kind: str, n_docs: int) -> list[int]:
     elif kind == "zst":
         stem.with_suffix(".jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines))
     elif kind == "parquet":
-        pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), stem.with_suffix(".parquet"), row_group_size=64)
+        pq.write_table(
+            pa.table({"text": pa.array(texts, pa.string())}), stem.with_suffix(".parquet"), row_group_size=64
+        )
     elif kind == "arrow":
         table = pa.table({"text": pa.array(texts, pa.string())})
         with ipc.new_file(str(stem.with_suffix(".arrow")), table.schema) as writer:
@@ -129,7 +131,9 @@ def test_one_plain_file_read_by_two_lanes_repeats_nothing_within_a_pass(tmp_path
 
 
 @pytest.mark.parametrize("epochs", [1, None])
-def test_three_files_and_sixteen_lanes_deliver_a_pass_without_repeats(tmp_path: Path, epochs: int | None) -> None:
+def test_three_files_and_sixteen_lanes_deliver_a_pass_without_repeats(
+    tmp_path: Path, epochs: int | None
+) -> None:
     docs = write_file(tmp_path, 0, "gz", 2000) + write_file(tmp_path, 1, "zst", 2000)
     docs += write_file(tmp_path, 2, "jsonl", 2000)
     spec = doc_spec(str(tmp_path / "part-*"), "jsonl", lanes=16, batch=32, epochs=epochs)
@@ -228,3 +232,36 @@ def test_any_layout_delivers_each_record_once_per_pass_at_any_world_size_and_res
     first = list(global_batches(spec, steps=cut, world_size=world, final_state=final))
     rest = list(global_batches(spec, steps=10**6, state=zf.encode_state(final[0]), world_size=1))
     assert [zf.batch_digest(b) for _, b in first + rest] == digests
+
+
+# -- visible progress and balance --------------------------------------------------------------------
+def test_inspect_splits_prints_each_sources_plan_and_each_lanes_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_file(tmp_path, 0, "jsonl", 400)
+    pipeline = tmp_path / "pipe.py"
+    pipeline.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_exactly_once import doc_spec\n"
+        f"spec = doc_spec({str(tmp_path / '*.jsonl')!r}, 'jsonl', lanes=4, batch=8, epochs=None)\n"
+    )
+    spec = doc_spec(str(tmp_path / "*.jsonl"), "jsonl", lanes=4, batch=8, epochs=None)
+    with zf.Loader(spec) as loader:
+        for step, _ in loader:
+            if step == 30:
+                break
+        state = loader.state_dict()
+    zf.save_state(state, tmp_path / "s.zfstate")
+    from zephon_flow.cli import main
+
+    assert main(["inspect", f"{pipeline}:spec", "--splits", "--state", str(tmp_path / "s.zfstate")]) == 0
+    out = capsys.readouterr().out
+    assert "source 'src' (ReadJsonl('src')):" in out and "per-lane share of a pass (4 lanes): min" in out
+    for lane in range(4):
+        assert f"lane {lane}: pass 0," in out
+    from zephon_flow.splitreport import split_report
+
+    (src,) = split_report(spec, state)
+    assert src.share_max <= 1.25 * src.share_mean or src.shared_splits
+    assert [p.lane for p in src.positions] == [0, 1, 2, 3]

@@ -221,6 +221,7 @@ def test_the_loader_runs_best_fit_to_the_end_of_a_finite_input(tmp_path: Path) -
         "labels",
         "position_ids",
         "segment_ids",
+        "valid",
     ]
 
 

@@ -9,6 +9,7 @@ import zephon_flow._quiet as _quiet
 _quiet.quiet_beam_import_warnings()
 
 from zephon_flow.batches import batch_digest  # noqa: E402
+from zephon_flow.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.errors import (  # noqa: E402
     DataError,
     ServiceError,
@@ -16,7 +17,6 @@ from zephon_flow.errors import (  # noqa: E402
     StateError,
     ZephonError,
 )
-from zephon_flow.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.loader import Loader  # noqa: E402
 from zephon_flow.runners.dofns import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.service.client import Client  # noqa: E402

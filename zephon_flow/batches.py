@@ -105,6 +105,7 @@ class SampleLayout:
     @classmethod
     def of(cls, sample: Any) -> SampleLayout | None:
         """The layout of ``sample``; None when it is not made of arrays (nothing to pad with)."""
+        items: list[tuple[str | None, np.ndarray]]
         try:
             if isinstance(sample, Mapping):
                 items = [(str(k), np.asarray(sample[k])) for k in sorted(sample)]

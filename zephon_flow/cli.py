@@ -107,6 +107,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
     spec = load_spec(args.target)
     state = load_state(args.state) if args.state else None
+    if args.splits:
+        return _inspect_splits(spec, state, as_json=args.json)
+    if args.step is None:
+        raise SpecError("zephon inspect: give --step N (or --splits)")
     views = inspect_step(
         spec,
         args.step,
@@ -120,6 +124,20 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(v) for v in views], indent=1))
     else:
         print(render(views, step=args.step, rank=args.rank, world_size=args.world_size))
+    return 0
+
+
+def _inspect_splits(spec: Any, state: Any, *, as_json: bool) -> int:
+    import dataclasses
+    import json
+
+    from zephon_flow.splitreport import render_splits, split_report
+
+    report = split_report(spec, state)
+    if as_json:
+        print(json.dumps([dataclasses.asdict(r) for r in report], indent=1))
+    else:
+        print(render_splits(report, lanes=spec.lanes))
     return 0
 
 
@@ -173,9 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("b")
     f.set_defaults(func=_diff)
 
-    i = sub.add_parser("inspect", help="show the documents of every sequence of one step")
+    i = sub.add_parser(
+        "inspect", help="show the documents of every sequence of one step, or (--splits) the split plan"
+    )
     i.add_argument("target", metavar="MODULE:SPEC")
-    i.add_argument("--step", type=int, required=True)
+    i.add_argument("--step", type=int, help="the step to show (required unless --splits)")
+    i.add_argument(
+        "--splits",
+        action="store_true",
+        help="per source: split count, lanes' shares of a pass (min/mean/max), with --state each lane's place",
+    )
     i.add_argument("--rank", type=int, default=0)
     i.add_argument("--world-size", type=int, default=1)
     i.add_argument("--state", help="start from this checkpoint (of a step at or before --step)")

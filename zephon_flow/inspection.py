@@ -106,7 +106,7 @@ def inspect_step(
                 row=row,
                 lane=row // spec.per_lane,
                 padding=0 if seq_seg is None else int(np.count_nonzero(seq_seg < 0)),
-                documents=tuple(_documents(plan, docs, seq_ids, seq_seg, decode)),
+                documents=tuple(_documents(plan, spec.lanes, docs, seq_ids, seq_seg, decode)),
             )
         )
     return views
@@ -114,6 +114,7 @@ def inspect_step(
 
 def _documents(
     plan: Plan,
+    lanes: int,
     docs: np.ndarray,
     ids: np.ndarray | None,
     segments: np.ndarray | None,
@@ -121,7 +122,7 @@ def _documents(
 ) -> Iterator[DocumentView]:
     for j, (source_index, split_index, offset) in enumerate(docs.tolist()):
         sp = plan.sources[source_index]
-        split = sp.source.splits()[split_index]
+        split = sp.source.splits(lanes)[split_index]
         tokens: list[int] = []
         if ids is not None and segments is not None:
             tokens = ids[segments == j].tolist()

@@ -13,6 +13,7 @@ from apache_beam.options.pipeline_options import PipelineOptions
 
 from zephon_flow.errors import SpecError
 from zephon_flow.lanes import check_batch_geometry
+from zephon_flow.operators.dealing import DEALING_VERSION
 from zephon_flow.runners.deterministic import DeterministicRunner
 from zephon_flow.runners.plan import Plan
 
@@ -89,6 +90,6 @@ class LoaderSpec:
         for label, params in plan.params:
             parts[f"operator {label}"] = _digest(params)
         for sp in plan.sources:
-            parts[f"data {sp.label}"] = _digest(sp.source.data_files())
+            parts[f"data {sp.label}"] = _digest(sp.source.data_identity(self.lanes, DEALING_VERSION))
         parts["total"] = _digest(sorted(parts.items()))
         return _Compiled(plan=plan, fingerprint=parts)
