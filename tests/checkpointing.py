@@ -58,7 +58,9 @@ def reference_run(spec: zf.LoaderSpec, steps: int, *, world_size: int = 1, **loa
     sync = zf.ThreadEndSync(world_size)
     with ExitStack() as stack:
         loaders = [
-            stack.enter_context(zf.Loader(spec, rank=r, world_size=world_size, end_sync=sync, **loader_kwargs))
+            stack.enter_context(
+                zf.Loader(spec, rank=r, world_size=world_size, end_sync=sync, **loader_kwargs)
+            )
             for r in range(world_size)
         ]
         fresh = zf.encode_state(zf.merge_states([ld.state_dict() for ld in loaders]))

@@ -155,7 +155,10 @@ def test_stop_ends_the_lane_when_a_source_runs_out(files: tuple[str, str]) -> No
     spec = spec_of(*files, lanes=1, batch=2, weights=[0.5, 0.5], web_epochs=1)
     batches = run_batches(spec, 200)
     docs = [
-        int(d) for b in batches for s, d, v in zip(b["src"], b["doc"], b["valid"], strict=True) if v and s == WEB
+        int(d)
+        for b in batches
+        for s, d, v in zip(b["src"], b["doc"], b["valid"], strict=True)
+        if v and s == WEB
     ]
     assert len(batches) < 200  # the loader ended
     assert len(docs) == len(set(docs))  # one epoch of web: no document twice

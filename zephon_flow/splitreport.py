@@ -85,13 +85,17 @@ def render_splits(report: list[SourceSplits], *, lanes: int) -> str:
     lines = []
     for src in report:
         spread = src.share_max / src.share_mean if src.share_mean else 0.0
-        lines.append(f"source {src.label!r} ({src.operator}): {src.splits} splits, total cost {src.total_cost}")
+        lines.append(
+            f"source {src.label!r} ({src.operator}): {src.splits} splits, total cost {src.total_cost}"
+        )
         lines.append(
             f"  per-lane share of a pass ({lanes} lanes): min {src.share_min:.0f}, mean {src.share_mean:.0f}, "
             f"max {src.share_max:.0f} (max/mean {spread:.2f})"
         )
         if src.shared_splits:
-            lines.append(f"  {src.shared_splits} split(s) shared by stride (each sharing lane reads all of it)")
+            lines.append(
+                f"  {src.shared_splits} split(s) shared by stride (each sharing lane reads all of it)"
+            )
         for pos in src.positions:
             pct = 100.0 * pos.cost_done / pos.cost if pos.cost else 100.0
             lines.append(
