@@ -5,13 +5,13 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
 import numpy as np
 
-from zephon_flow.errors import SpecError
+from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError
 from zephon_flow.rng import draw_unit
 
 #: How weights between two schedule points are found.
@@ -86,7 +86,6 @@ class Mix(beam.PTransform):  # type: ignore[misc]
         self.exhausted = exhausted
         self._normalised = np.array([np.asarray(r) / sum(r) for r in rows], dtype=np.float64)
         self._cumulatives = [tuple(float(x) for x in row) for row in np.cumsum(self._normalised, axis=1)]
-        self._cumulative = self._cumulatives[0]
 
     @property
     def n_inputs(self) -> int:
@@ -117,10 +116,6 @@ class Mix(beam.PTransform):  # type: ignore[misc]
             return np.asarray((1.0 - t) * self._normalised[i] + t * self._normalised[i + 1])
         return np.array(self._normalised[i])
 
-    def choose(self, seed: int, lane: int, position: int) -> int:
-        """The source at ``position`` with the first point's weights and no source exhausted."""
-        return pick(draw_unit(seed, 0, lane, position), self._cumulative)
-
     def cumulative_at(self, step: int, exhausted: Sequence[int] = ()) -> tuple[float, ...] | None:
         """Cumulative normalised weights at ``step`` without the ``exhausted`` sources, or None
         when none of the others has weight there."""
@@ -146,10 +141,13 @@ class Mix(beam.PTransform):  # type: ignore[misc]
 
 
 class Mixture:
-    """The mixtures a run used, by global step: ``[(from_step, Mix), ...]`` from step 0.
+    """The one home of a run's mixing: which ``Mix`` applies at each global step, and the draw.
 
-    A checkpoint stores it (``LoaderState.mix_history``); each entry's schedule is read at
-    absolute global steps and applies from its ``from_step`` until the next entry's.
+    ``entries`` is ``[(from_step, Mix), ...]`` from step 0: each entry's schedule is read at
+    absolute global steps and applies from its ``from_step`` until the next entry's. The lane
+    asks ``choose`` for the source of each record; the loader builds it with ``resume`` (fresh
+    or from a checkpoint, possibly with a changed mixture) and stores ``history()`` in the
+    state (``LoaderState.mix_history``).
     """
 
     def __init__(self, entries: Sequence[tuple[int, Mix]]) -> None:
@@ -158,9 +156,64 @@ class Mixture:
         self.entries = list(entries)
         self._starts = [s for s, _ in self.entries]
         self.exhausted = self.entries[-1][1].exhausted
+        # (step, exhausted sources) -> cumulative weights; lanes draw at few distinct steps.
+        self._cumulative: dict[tuple[int, tuple[int, ...]], tuple[float, ...] | None] = {}
+
+    @classmethod
+    def of(cls, mix: Mix) -> Mixture:
+        """A run that has used ``mix`` from step 0."""
+        return cls([(0, mix)])
+
+    @classmethod
+    def from_history(cls, history: Sequence[tuple[int, Mapping[str, Any]]]) -> Mixture:
+        """The mixture a checkpoint's ``mix_history`` describes; refuses a damaged one."""
+        try:
+            return cls([(int(step), Mix.from_params(dict(params))) for step, params in history])
+        except (SpecError, KeyError, TypeError, ValueError) as exc:
+            raise CorruptStateError(
+                f"the checkpoint's mix_history {list(history)!r} is not valid: {exc}"
+            ) from exc
+
+    @classmethod
+    def resume(
+        cls, mix: Mix, stored: Sequence[tuple[int, Mapping[str, Any]]], step: int, *, changed: bool
+    ) -> Mixture:
+        """The mixture to continue a checkpoint of ``step`` with: its own history, plus ``mix``
+        (the spec's) from ``step`` on when the mixture was changed on this resume."""
+        if not stored or stored[0][0] != 0:
+            raise CorruptStateError(f"the checkpoint's mix_history {list(stored)!r} does not start at step 0")
+        if not changed:
+            return cls.from_history(stored)
+        old = stored[-1][1]
+        new = mix.params()
+        if old.get("exhausted") != new["exhausted"]:
+            raise FingerprintMismatchError(
+                f"Mix: exhausted={new['exhausted']!r} differs from the checkpoint's "
+                f"{old.get('exhausted')!r}; only weights, schedule and interpolation may change on resume"
+            )
+        return cls.from_history([(s, p) for s, p in stored if s < step] + [(step, new)])
+
+    def history(self) -> list[tuple[int, dict[str, Any]]]:
+        """``[(from_step, Mix params), ...]``: what a checkpoint stores."""
+        return [(step, mix.params()) for step, mix in self.entries]
 
     def at(self, step: int) -> Mix:
         return self.entries[int(np.searchsorted(self._starts, step, side="right")) - 1][1]
+
+    def choose(
+        self, seed: int, lane: int, position: int, *, step: int, exhausted: Sequence[int] = ()
+    ) -> int | None:
+        """The source of lane ``lane``'s record at mix ``position``, drawn at global ``step``
+        without the ``exhausted`` sources; None when none of the others has weight there."""
+        key = (step, tuple(exhausted))
+        if key not in self._cumulative:
+            if len(self._cumulative) > 4096:
+                self._cumulative.clear()
+            self._cumulative[key] = self.at(step).cumulative_at(step, exhausted)
+        cumulative = self._cumulative[key]
+        if cumulative is None:
+            return None
+        return pick(draw_unit(seed, 0, lane, position), cumulative)
 
 
 def pick(u: float, cumulative: Sequence[float]) -> int:

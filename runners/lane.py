@@ -8,9 +8,8 @@ from typing import Any
 
 from zephon_flow.batches import SampleLayout
 from zephon_flow.errors import CorruptStateError
-from zephon_flow.operators.mix import Mixture, pick
+from zephon_flow.operators.mix import Mixture
 from zephon_flow.operators.splits import START
-from zephon_flow.rng import draw_unit
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DocId, DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
@@ -76,7 +75,6 @@ class LaneFeed:
         self._cursor.skip, self._cursor.source = 0, -1
         # A record partly consumed at the checkpoint comes from the source it came from then.
         self._resume = (cursor.source, cursor.skip) if cursor.skip > 0 else None
-        self._cached: tuple[int, int, tuple[float, ...] | None] = (-1, -1, None)
 
     @property
     def cursor(self) -> FeedCursor:
@@ -84,16 +82,12 @@ class LaneFeed:
         return self._cursor.copy()
 
     def _choose(self, step: int) -> int | None:
-        mixture = self._mixture
-        if mixture is None:
+        if self._mixture is None:
             return 0
-        exhausted = self._cursor.exhausted
-        if self._cached[:2] != (step, len(exhausted)):
-            self._cached = (step, len(exhausted), mixture.at(step).cumulative_at(step, exhausted))
-        cumulative = self._cached[2]
-        if cumulative is None:
-            return None
-        return pick(draw_unit(self._mix_seed, 0, self._lane, self._cursor.mix_position), cumulative)
+        cursor = self._cursor
+        return self._mixture.choose(
+            self._mix_seed, self._lane, cursor.mix_position, step=step, exhausted=cursor.exhausted
+        )
 
     def next_record(self, step: int) -> FedRecord | None:
         """The next record with outputs left, drawn at lane step ``step``; None when the lane's
@@ -183,7 +177,7 @@ class LaneRunner:
         if any(not 0 <= i < n for i in [*cursor.exhausted, *([cursor.source] if cursor.skip else [])]):
             raise CorruptStateError(f"state of lane {lane} names a source that the pipeline does not have")
         if plan.mixer is not None and mixture is None:
-            mixture = Mixture([(0, plan.mixer)])
+            mixture = Mixture.of(plan.mixer)
         self._cursor = cursor.copy()
         self._stages = {s.label: DoFnLaneState.from_plain(state.stages[s.label]) for s in plan.stateful}
         self._pending = list(state.pending)

@@ -15,6 +15,7 @@ import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow import rng
 from zephon_flow.errors import SpecError
+from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.dofns import dofn_seed
 
 
@@ -41,16 +42,16 @@ def sources(batches: list[dict[str, np.ndarray]]) -> list[int]:
 
 
 def test_weights_are_respected_over_many_draws() -> None:
-    mix = ops.Mix(weights=[7, 2, 1])
-    draws = np.array([mix.choose(11, lane, i) for lane in range(4) for i in range(5000)])
+    mix = Mixture.of(ops.Mix(weights=[7, 2, 1]))
+    draws = np.array([mix.choose(11, lane, i, step=0) for lane in range(4) for i in range(5000)])
     counts = np.bincount(draws, minlength=3) / draws.size
     # 20,000 draws: one standard deviation is at most 0.0036.
     assert counts == pytest.approx([0.7, 0.2, 0.1], abs=0.015)
 
 
 def test_a_zero_weight_is_never_chosen() -> None:
-    mix = ops.Mix(weights=[1.0, 0.0, 2.0])
-    draws = {mix.choose(3, lane, i) for lane in range(2) for i in range(10_000)}
+    mix = Mixture.of(ops.Mix(weights=[1.0, 0.0, 2.0]))
+    draws = {mix.choose(3, lane, i, step=0) for lane in range(2) for i in range(10_000)}
     assert draws == {0, 2}
 
 
@@ -63,7 +64,7 @@ def test_the_unit_draw_stays_below_one_for_the_largest_draws(monkeypatch: pytest
 def test_a_zero_weight_is_never_chosen_even_by_the_largest_draw(monkeypatch: pytest.MonkeyPatch) -> None:
     # With u rounded up to 1.0, Mix's search falls past the last positive weight.
     monkeypatch.setattr(rng, "draw_u64", lambda *words: 2**63 - 1)
-    assert ops.Mix(weights=[1.0, 0.0]).choose(0, 0, 0) == 0
+    assert Mixture.of(ops.Mix(weights=[1.0, 0.0])).choose(0, 0, 0, step=0) == 0
 
 
 def test_a_zero_weight_source_never_reaches_the_loader(files: tuple[str, str]) -> None:
@@ -74,8 +75,8 @@ def test_a_zero_weight_source_never_reaches_the_loader(files: tuple[str, str]) -
 def test_the_interleaving_is_a_function_of_seed_lane_and_position(files: tuple[str, str]) -> None:
     spec = mix_spec(*files, [0.5, 0.5], seed=9)
     got = sources(run_batches(spec, 40))
-    mix = ops.Mix(weights=[0.5, 0.5])
-    assert got == [mix.choose(dofn_seed(9, "mix"), 0, i) for i in range(40)]
+    mix = Mixture.of(ops.Mix(weights=[0.5, 0.5]))
+    assert got == [mix.choose(dofn_seed(9, "mix"), 0, i, step=0) for i in range(40)]
     other = sources(run_batches(mix_spec(*files, [0.5, 0.5], seed=10), 40))
     assert other != got
 

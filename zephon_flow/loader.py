@@ -15,15 +15,13 @@ import numpy as np
 from zephon_flow.batches import Batch, SampleLayout, stack, with_valid
 from zephon_flow.endsync import EndSync, default_end_sync
 from zephon_flow.errors import (
-    CorruptStateError,
-    FingerprintMismatchError,
     SpecError,
     StageError,
     StateError,
     ZephonError,
 )
 from zephon_flow.lanes import RankSlice
-from zephon_flow.operators.mix import Mix, Mixture
+from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends.base import make_backend
 from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.spec import LoaderSpec
@@ -88,7 +86,7 @@ class Loader:
         lane_ids = list(self._slice.lane_ids)
         restored: dict[int, LaneState | None] = dict.fromkeys(lane_ids)
         step = 0
-        history: list[tuple[int, dict[str, Any]]] = [] if plan.mixer is None else [(0, plan.mixer.params())]
+        mixture = None if plan.mixer is None else Mixture.of(plan.mixer)
         if state is not None:
             loaded = to_loader_state(state)
             changed = loaded.check_compatible(
@@ -97,7 +95,8 @@ class Loader:
                 mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
                 allow_mix_change=allow_mix_change,
             )
-            history = _mix_history(plan.mixer, loaded.mix_history, loaded.step, changed)
+            if plan.mixer is not None:
+                mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)
             missing = [lane for lane in lane_ids if lane not in loaded.lane_states]
             if missing:
                 raise StateError(
@@ -106,8 +105,7 @@ class Loader:
                 )
             restored = {lane: loaded.lane_states[lane] for lane in lane_ids}
             step = loaded.step
-        self._mix_history = history
-        mixture = None if plan.mixer is None else _mixture(history)
+        self._mix_history = [] if mixture is None else mixture.history()
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
@@ -296,31 +294,3 @@ class Loader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
-
-
-def _mix_history(
-    mixer: Mix | None, stored: list[tuple[int, dict[str, Any]]], step: int, changed: bool
-) -> list[tuple[int, dict[str, Any]]]:
-    """The mixture history to run with: the checkpoint's, plus the spec's Mix from ``step``
-    on when the mixture was changed on this resume."""
-    if mixer is None:
-        return []
-    if not stored or stored[0][0] != 0:
-        raise CorruptStateError(f"the checkpoint's mix_history {stored!r} does not start at step 0")
-    if not changed:
-        return list(stored)
-    old = stored[-1][1]
-    new = mixer.params()
-    if old.get("exhausted") != new["exhausted"]:
-        raise FingerprintMismatchError(
-            f"Mix: exhausted={new['exhausted']!r} differs from the checkpoint's "
-            f"{old.get('exhausted')!r}; only weights, schedule and interpolation may change on resume"
-        )
-    return [(s, p) for s, p in stored if s < step] + [(step, new)]
-
-
-def _mixture(history: list[tuple[int, dict[str, Any]]]) -> Mixture:
-    try:
-        return Mixture([(step, Mix.from_params(params)) for step, params in history])
-    except (SpecError, KeyError, TypeError, ValueError) as exc:
-        raise CorruptStateError(f"the checkpoint's mix_history {history!r} is not valid: {exc}") from exc
