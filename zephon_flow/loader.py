@@ -6,7 +6,8 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -24,6 +25,7 @@ from zephon_flow.lanes import RankSlice
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends.base import make_backend
 from zephon_flow.runners.lane import LaneRunner
+from zephon_flow.runners.plan import Plan
 from zephon_flow.spec import LoaderSpec
 from zephon_flow.state import LaneState, LoaderState, to_loader_state
 
@@ -56,56 +58,70 @@ class Loader:
         world_size: int = 1,
         backend: str = "inline",
         workers: int = 1,
-        state: Any = None,
+        state: LoaderState | bytes | Mapping[str, Any] | None = None,
         prefetch: int = 2,
         chunk_records: int = 16,
         prefetch_chunks: int = 4,
         allow_mix_change: bool = False,
         end_sync: EndSync | None = None,
     ) -> None:
-        if not isinstance(spec, LoaderSpec):
-            raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
-        self._slice = RankSlice(
-            rank=rank,
-            world_size=world_size,
-            lanes=spec.lanes,
-            global_batch_size=spec.global_batch_size,
-        )
-        for name, value in (
-            ("prefetch", prefetch),
-            ("chunk_records", chunk_records),
-            ("prefetch_chunks", prefetch_chunks),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise SpecError(f"{name} must be a positive integer, got {value!r}")
+        # Phases: check the options, restore the state, build the lanes, take the first state.
+        _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
         if not isinstance(allow_mix_change, bool):
             raise SpecError(f"allow_mix_change must be True or False, got {allow_mix_change!r}")
         self.spec = spec
-        fingerprint = spec.fingerprint
+        self._slice = RankSlice(
+            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+        )
+        self._fingerprint = spec.fingerprint
         plan = spec.compile()
+        start = self._restore(plan, state, allow_mix_change=allow_mix_change)
+        self._mix_history = [] if start.mixture is None else start.mixture.history()
+        self._build_lanes(
+            plan, start, backend=backend, workers=workers, chunk_records=chunk_records, depth=prefetch_chunks
+        )
+        self._finite = plan.finite
+        self._padding = plan.padding_sample() if plan.finite else None
+        self._end_sync = end_sync or default_end_sync(
+            world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes
+        )
+        self._step = start.step
+        self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _restore(
+        self, plan: Plan, state: LoaderState | bytes | Mapping[str, Any] | None, *, allow_mix_change: bool
+    ) -> _Start:
+        """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
         lane_ids = list(self._slice.lane_ids)
-        restored: dict[int, LaneState | None] = dict.fromkeys(lane_ids)
-        step = 0
         mixture = None if plan.mixer is None else Mixture.of(plan.mixer)
-        if state is not None:
-            loaded = to_loader_state(state)
-            changed = loaded.check_compatible(
-                lanes=spec.lanes,
-                fingerprint=fingerprint,
-                mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
-                allow_mix_change=allow_mix_change,
+        if state is None:
+            return _Start(0, dict.fromkeys(lane_ids), mixture)
+        loaded = to_loader_state(state)
+        changed = loaded.check_compatible(
+            lanes=self.spec.lanes,
+            fingerprint=self._fingerprint,
+            mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
+            allow_mix_change=allow_mix_change,
+        )
+        if plan.mixer is not None:
+            mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)
+        missing = [lane for lane in lane_ids if lane not in loaded.lane_states]
+        if missing:
+            raise StateError(
+                f"the state has no entry for lane(s) {missing}, which rank {self._slice.rank} of "
+                f"{self._slice.world_size} runs; gather every rank's state_dict() and pass "
+                f"zf.merge_states(states)"
             )
-            if plan.mixer is not None:
-                mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)
-            missing = [lane for lane in lane_ids if lane not in loaded.lane_states]
-            if missing:
-                raise StateError(
-                    f"the state has no entry for lane(s) {missing}, which rank {rank} of {world_size} "
-                    f"runs; gather every rank's state_dict() and pass zf.merge_states(states)"
-                )
-            restored = {lane: loaded.lane_states[lane] for lane in lane_ids}
-            step = loaded.step
-        self._mix_history = [] if mixture is None else mixture.history()
+        return _Start(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
+
+    def _build_lanes(
+        self, plan: Plan, start: _Start, *, backend: str, workers: int, chunk_records: int, depth: int
+    ) -> None:
+        """The stateless backend and one ``LaneRunner`` per lane under this rank's rows."""
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
@@ -115,30 +131,18 @@ class Loader:
                 plan,
                 self._backend,
                 lane=lane,
-                lanes=spec.lanes,
-                seed=spec.seed,
-                window=spec.per_lane,
-                state=restored[lane],
+                lanes=self.spec.lanes,
+                seed=self.spec.seed,
+                window=self.spec.per_lane,
+                state=lane_state,
                 chunk_records=chunk_records,
-                depth=prefetch_chunks,
-                step=step,
-                mixture=mixture,
+                depth=depth,
+                step=start.step,
+                mixture=start.mixture,
                 on_skip=self._on_skip,
             )
-            for lane in lane_ids
+            for lane, lane_state in start.lanes.items()
         ]
-        self._fingerprint = fingerprint
-        self._finite = plan.finite
-        self._padding = plan.padding_sample() if plan.finite else None
-        self._end_sync = end_sync or default_end_sync(
-            world_size, finite=plan.finite, all_lanes_local=len(lane_ids) == spec.lanes
-        )
-        self._step = step
-        self._last = self._state(step, {ln.lane: ln.snapshot() for ln in self._lanes})
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
     @property
     def rank_slice(self) -> RankSlice:
@@ -294,3 +298,20 @@ class Loader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+@dataclass(frozen=True)
+class _Start:
+    """Where a loader's lanes start: the step, each lane's state (None: fresh), the mixture."""
+
+    step: int
+    lanes: dict[int, LaneState | None]
+    mixture: Mixture | None
+
+
+def _check_options(spec: LoaderSpec, **positive: int) -> None:
+    if not isinstance(spec, LoaderSpec):
+        raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
+    for name, value in positive.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecError(f"{name} must be a positive integer, got {value!r}")
