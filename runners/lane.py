@@ -204,22 +204,22 @@ class LaneRunner:
         if index == len(back):
             self._pending.append(value)
             return
-        step = back[index]
-        with dofn_errors(step.label, f"lane {self.lane}, after source cursor {self._cursor.to_plain()}"):
-            if isinstance(step, StatefulInvoker):
-                outputs = step.process(self.lane, value, self._stages[step.label], doc)
+        stage = back[index]
+        with dofn_errors(stage.label, f"lane {self.lane}, after source cursor {self._cursor.to_plain()}"):
+            if isinstance(stage, StatefulInvoker):
+                outputs = stage.process(self.lane, value, self._stages[stage.label], doc)
             else:
-                outputs = step(value)
+                outputs = stage(value)
         for out in outputs:
             self._push(index + 1, out, doc)
 
     def _end_of_input(self) -> None:
         self._cursor = self._feed.cursor
         back = self._plan.back
-        for i, step in enumerate(back):
-            if isinstance(step, StatefulInvoker):
-                with dofn_errors(step.label, f"lane {self.lane}, in a timer at the end of its input"):
-                    outputs = step.fire_timers(self.lane, self._stages[step.label], None)
+        for i, stage in enumerate(back):
+            if isinstance(stage, StatefulInvoker):
+                with dofn_errors(stage.label, f"lane {self.lane}, in a timer at the end of its input"):
+                    outputs = stage.fire_timers(self.lane, self._stages[stage.label], None)
                 for out in outputs:
                     self._push(i + 1, out, None)
         self._ended = True
