@@ -104,3 +104,57 @@ def test_ranks_over_torch_distributed_yield_the_same_steps_as_one_rank(tmp_path:
     delivered = [d for _, docs, valid in one for d, v in zip(docs, valid, strict=True) if v]
     assert sorted(delivered) == list(range(61)) + list(range(100_000, 100_007))
     assert not np.all(one[-1][2])  # the tail is padded
+
+
+_CLOSE_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import torch.distributed as dist
+    sys.path.insert(0, {tests!r})
+    import zephon_flow as zf
+    from test_exactly_once import doc_spec
+
+    rank, world, rdv, pattern = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method="file://" + rdv, rank=rank, world_size=world)
+    spec = doc_spec(pattern, "jsonl", lanes=4, batch=8, epochs=1)
+    loader = zf.Loader(spec, rank=rank, world_size=world, prefetch=2)
+    for step, _ in loader:
+        if step == 2:  # training stops here; the producers are ahead, each in its own agreement
+            break
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 has closed: rank 1's producer may wait for an agreement that never comes
+    t0 = time.monotonic()
+    loader.close()
+    print(f"closed in {{time.monotonic() - t0:.2f}}", flush=True)
+    """
+)
+
+
+def test_a_loader_whose_producer_waits_for_a_closed_rank_closes_at_once(tmp_path: Path) -> None:
+    from test_exactly_once import write_file
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_file(data, 0, "jsonl", 200)
+    script = tmp_path / "close.py"
+    script.write_text(_CLOSE_SCRIPT.format(tests=str(ROOT)))
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), "2", str(tmp_path / "rdv"), str(data / "*.jsonl")],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0]
+    for out in outs:
+        seconds = float(out.split("closed in ")[1].split()[0])
+        assert seconds < 5.0, out

@@ -78,7 +78,12 @@ class TorchEndSync:
 
     def any_rank(self, step: int, local: bool, stop: threading.Event) -> bool:
         flag = self._torch.tensor([1 if local else 0], dtype=self._torch.int32)
-        self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group)
+        work = self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True)
+        # Polled, so that a loader closing while other ranks have stopped does not hang here.
+        while not work.is_completed():
+            if stop.wait(0.001):
+                return False
+        work.wait()
         return bool(flag.item())
 
 
