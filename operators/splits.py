@@ -9,8 +9,6 @@ is two integers: its local item number and a position inside that split.
 
 from __future__ import annotations
 
-import glob as globlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,6 +18,7 @@ import apache_beam as beam
 import numpy as np
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import files
 from zephon_flow.rng import generator, stable_hash
 
 #: A position inside one split: an integer whose meaning is the source's (a byte offset, a
@@ -65,23 +64,14 @@ class Record:
 
 
 def expand_glob(pattern: str, *, operator: str) -> list[str]:
-    """The files matching ``pattern``, sorted; refuses a pattern that matches nothing."""
-    paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-    if not paths:
-        raise SpecError(f"{operator}: the glob {pattern!r} matches no file")
-    return paths
+    """The files matching ``pattern``, sorted (local or remote, see ``files``); refuses a
+    pattern that matches nothing."""
+    return files.expand_glob(pattern, operator=operator)
 
 
 def relative_name(path: str, pattern: str) -> str:
     """The path relative to the fixed (non-wildcard) directory prefix of ``pattern``."""
-    fixed = []
-    for part in os.path.expanduser(pattern).split(os.sep):
-        if globlib.has_magic(part):
-            break
-        fixed.append(part)
-    root = os.sep.join(fixed)
-    root = root if os.path.isdir(root) else os.path.dirname(root)
-    return os.path.relpath(path, root or ".")
+    return files.relative_name(path, pattern)
 
 
 class Source(beam.PTransform):  # type: ignore[misc]
@@ -178,10 +168,7 @@ class Source(beam.PTransform):  # type: ignore[misc]
 
 
 def _size(path: str, operator: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError as exc:
-        raise DataError(f"{operator}: cannot read {path}: {exc.strerror}") from exc
+    return files.size(path, operator=operator)
 
 
 @lru_cache(maxsize=64)

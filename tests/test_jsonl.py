@@ -136,38 +136,48 @@ def test_a_position_before_the_split_is_refused(tmp_path: Path) -> None:
 
 # -- compressed files ------------------------------------------------------------------------
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])
-def test_compressed_file_is_one_split_positioned_by_lines(tmp_path: Path, suffix: str) -> None:
+def test_small_compressed_file_is_one_split_positioned_by_decompressed_bytes(
+    tmp_path: Path, suffix: str
+) -> None:
     data = jsonl("a", "b") + b"  \n" + jsonl("", "d")
     path = write(tmp_path / f"a.jsonl{suffix}", compress(data, suffix))
     source = ReadJsonl(path)
-    assert source.splits() == [Split(path, 0, 0)]
+    assert source.splits() == [Split(path, 0, 0, len(data))]
     items = read_all(source)
+    ends = [i + 1 for i, c in enumerate(data) if c == ord("\n")]
+    starts = [0, *ends[:-1]]
+    kept = [0, 1, 3, 4]  # the whitespace line (2) gives no record
     assert [(pos, r.where) for pos, r in items] == [
-        (1, "line 1"),
-        (2, "line 2"),
-        (4, "line 4"),
-        (5, "line 5"),
+        (ends[k], f"decompressed byte {starts[k]}") for k in kept
     ]
     assert [t for _, r in items for t in source.decode(r, OP)] == ["a", "b", "d"]
     assert_resumes(source, source.splits()[0])
-    # Resuming at the whitespace line's count skips it like a fresh read does.
-    assert read(source, source.splits()[0], 3) == items[2:]
+    # Resuming at the whitespace line's start skips it like a fresh read does.
+    assert read(source, source.splits()[0], starts[2]) == items[2:]
 
 
-def test_zstd_file_of_several_frames_is_read_whole(tmp_path: Path) -> None:
+def test_zstd_file_of_several_frames_is_split_at_frames(tmp_path: Path) -> None:
     frames = [zstandard.ZstdCompressor().compress(jsonl(t)) for t in ("a", "b", "c")]
     path = write(tmp_path / "a.jsonl.zst", b"".join(frames))
-    source = ReadJsonl(path)
+    source = ReadJsonl(path, split_bytes=1)
+    n = len(jsonl("a"))
+    assert source.splits() == [Split(path, 0, n), Split(path, n, 2 * n), Split(path, 2 * n, 3 * n)]
     assert [t for _, r in read_all(source) for t in source.decode(r, OP)] == ["a", "b", "c"]
+    for split in source.splits():
+        assert_resumes(source, split)
 
 
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])
 def test_resuming_beyond_a_compressed_file_is_refused(tmp_path: Path, suffix: str) -> None:
-    path = write(tmp_path / f"a.jsonl{suffix}", compress(jsonl("a", "b"), suffix))
+    data = jsonl("a", "b")
+    path = write(tmp_path / f"a.jsonl{suffix}", compress(data, suffix))
     source = ReadJsonl(path, label="web")
-    message = f"{OP}: cannot resume {path} after line 5: it holds only 2 lines"
+    message = (
+        f"{OP}: cannot resume {path} at decompressed byte 500: it holds only {len(data)} bytes; "
+        "did the file change since the checkpoint?"
+    )
     with pytest.raises(DataError, match=re.escape(message)):
-        read(source, source.splits()[0], 5)
+        read(source, source.splits()[0], 500)
 
 
 @pytest.mark.parametrize(
@@ -274,6 +284,7 @@ def test_params_include_field_and_split_bytes() -> None:
         "on_error": "raise",
         "field": "body",
         "split_bytes": 100,
+        "split_plan": 2,
     }
 
 
@@ -281,8 +292,8 @@ def test_params_include_field_and_split_bytes() -> None:
     ("kwargs", "message"),
     [
         ({"field": ""}, "ReadJsonl: field must be a non-empty string, got ''"),
-        ({"split_bytes": 0}, "ReadJsonl: split_bytes must be a positive integer, got 0"),
-        ({"split_bytes": True}, "ReadJsonl: split_bytes must be a positive integer, got True"),
+        ({"split_bytes": 0}, "ReadJsonl: split_bytes must be a positive integer or None, got 0"),
+        ({"split_bytes": True}, "ReadJsonl: split_bytes must be a positive integer or None, got True"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, object], message: str) -> None:
