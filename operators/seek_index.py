@@ -160,6 +160,13 @@ def _build_gzip(path: str, spacing: int, out: str, operator: str) -> SeekIndex:
             _atomic(out, lambda f: fh.export_index(fileobj=f))
         finally:
             fh.close()
+    trailer = files.read_bytes(path, max(0, files.size(path, operator=operator) - 4), 4, operator=operator)
+    if len(trailer) != 4 or struct.unpack("<I", trailer)[0] != size & 0xFFFFFFFF:
+        # indexed_gzip stops quietly where a truncated file ends; the trailer's ISIZE tells.
+        raise _Malformed(
+            "its trailer does not match the data: truncated, or several gzip members, "
+            "which are read whole"
+        )
     points = tuple(p for p in points if p[1] < size)  # a point at the very end leads nowhere
     if not points or points[0][1] != 0:
         points = ((0, 0), *points)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import pickle
 import re
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import pytest
@@ -17,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import files
+from zephon_flow.operators import jsonl as jsonl_module
 from zephon_flow.operators.jsonl import ReadJsonl
 from zephon_flow.operators.splits import START, Record, Split
 
@@ -308,3 +312,51 @@ def test_reads_plain_and_compressed_files_in_a_beam_pipeline(tmp_path: Path) -> 
     with beam.Pipeline() as p:
         docs = p | "web" >> ReadJsonl(str(tmp_path / "*.jsonl*"), split_bytes=8)
         assert_that(docs, equal_to(["a1", "a2", "a3", "b1", "c1", "c2"]))
+
+
+# -- the automatic plan, huge lines, listing under on_error="skip" ---------------------------
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+def test_automatic_splits_are_fine_and_balanced(
+    tmp_path: Path, lanes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jsonl_module, "MIN_SPLIT_BYTES", 1024)
+    texts = [f"doc {i} " + "x" * (i % 97) for i in range(3000)]
+    for k in range(3):
+        write(tmp_path / f"{k}.jsonl", jsonl(*texts[k * 1000 : (k + 1) * 1000]))
+    source = ReadJsonl(str(tmp_path / "*.jsonl"))
+    splits = source.splits(lanes)
+    assert len(splits) >= 8 * lanes
+    weights = [s.cost for s in splits]
+    assert max(weights) <= 1.25 * (sum(weights) / len(weights))
+    got = [t for s in splits for _, r in read(source, s) for t in source.decode(r, OP)]
+    assert got == texts
+
+
+def test_a_huge_line_is_read_once_not_by_every_split_inside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    huge = "h" * 2_000_000
+    path = write(tmp_path / "a.jsonl", jsonl("a", huge, "b"))
+    read_bytes = [0]
+
+    class Counting(io.FileIO):
+        def readinto(self, buffer: Any) -> int:
+            n = super().readinto(buffer) or 0
+            read_bytes[0] += n
+            return n
+
+    monkeypatch.setattr(files, "open_binary", lambda p, operator: io.BufferedReader(Counting(p)))
+    source = ReadJsonl(path, split_bytes=64 * 1024)
+    assert len(source.splits()) > 30
+    assert [t for _, r in read_all(source) for t in source.decode(r, OP)] == ["a", huge, "b"]
+    # Each split inside the line scans at most its own bytes (plus a buffer) for a line start.
+    assert read_bytes[0] < 3 * os.path.getsize(path)
+
+
+def test_listing_skips_an_empty_file_under_skip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = write(tmp_path / "a.jsonl", jsonl("a"))
+    empty = write(tmp_path / "b.jsonl", b"")
+    source = ReadJsonl(str(tmp_path / "*.jsonl"), on_error="skip", label="web")
+    assert [s.path for s in source.splits()] == [good]
+    assert source.skipped_files == [empty]
+    assert f"{OP}: leaving out {empty} (on_error='skip'): {OP}: {empty} is empty (0 bytes)" in caplog.text
