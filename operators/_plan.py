@@ -46,7 +46,7 @@ def ranges(bounds: Sequence[int], size: int, *, refine: bool) -> list[tuple[int,
                 start = b
         prev = b
     if start < cuts[-1]:
-        if out and cuts[-1] - start < size // 2:
+        if out and cuts[-1] - out[-1][0] <= size * 5 // 4:
             out[-1] = (out[-1][0], cuts[-1])
         else:
             out.append((start, cuts[-1]))

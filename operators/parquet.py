@@ -2,40 +2,48 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from zephon_flow.errors import DataError
-from zephon_flow.operators._column import ColumnSource, column_rows
-from zephon_flow.operators.splits import START, Record, Split
+from zephon_flow.operators import files
+from zephon_flow.operators._column import ColumnSource
 
 
 class ReadParquet(ColumnSource):
-    """Documents from the string column ``column``, dealt one row group per split.
+    """Documents from the string column ``column`` of Parquet files, in row ranges.
 
-    A split is ``Split(path, g, g + 1)`` for row group ``g``; a position counts the rows of that
-    group already consumed. Only ``column`` is read. Null and empty values give no document.
+    Splits are row ranges of a file (see ``ColumnSource``): small row groups are grouped, and
+    row groups bigger than a split are cut into ranges; such a split reads its group's column
+    (only ``column``) and keeps its range, so a group cut in ``k`` is decoded ``k`` times per
+    pass. Errors name the row group and its row. Null and empty values give no document.
     """
 
-    # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
-        splits: list[Split] = []
-        for path in paths:
-            with self._open(path) as pf:
-                groups = pf.num_row_groups
-            splits.extend(Split(path, g, g + 1) for g in range(groups))
-        return splits
+    unit_name = "row group"
+
+    def unit_rows(self, path: str) -> list[int]:
+        with self._open(path) as pf:
+            return [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+
+    def read_units(self, path: str) -> tuple[list[int], Callable[[int], pa.ChunkedArray]]:
+        return self.unit_rows(path), lambda group: self._read_group(path, group)
 
     def _open(self, path: str) -> pq.ParquetFile:
         """The file, its footer read and its schema checked for ``column``."""
         try:
-            if os.path.getsize(path) == 0:
+            if files.size(path, operator=self.operator_name) == 0:
                 raise DataError(f"{self.operator_name}: {path} is empty (0 bytes), not a Parquet file")
-            pf = pq.ParquetFile(path)
+            source = (
+                files.local_path(path)
+                if files.is_local(path)
+                else files.open_binary(path, operator=self.operator_name)
+            )
+            pf = pq.ParquetFile(source)
         except OSError as exc:
+            if exc.errno is None:  # pyarrow's own IOError: a damaged footer, not the OS
+                raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
             raise DataError(f"{self.operator_name}: cannot read {path}: {exc.strerror or exc}") from exc
         except pa.ArrowException as exc:
             raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
@@ -48,18 +56,6 @@ class ReadParquet(ColumnSource):
                 f"(columns: {available}); set column= to the one that holds the text"
             )
         return pf
-
-    # -- reading -----------------------------------------------------------------------
-    def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
-        group = split.start
-        values = self._read_group(split.path, group)
-        first = 0 if position == START else position
-        if not 0 <= first <= len(values):
-            raise DataError(
-                f"{self.operator_name}: cannot resume row group {group} of {split.path} at row "
-                f"{first}: it holds {len(values)} rows; did the file change since the checkpoint?"
-            )
-        return column_rows(split.path, f"row group {group}", values, first)
 
     def _read_group(self, path: str, group: int) -> pa.ChunkedArray:
         with self._open(path) as pf:
