@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -16,6 +16,20 @@ from zephon_flow.operators.splits import START, Record, Source, Split
 BATCH_ROWS = 4096
 #: The fewest rows an automatic plan puts in a split.
 MIN_SPLIT_ROWS = 256
+
+
+class Units(Protocol):
+    """An open table file: its units' row counts and their columns (see ``ColumnSource``)."""
+
+    rows: list[int]
+
+    def column(self, unit: int) -> pa.Array | pa.ChunkedArray: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Units: ...
+
+    def __exit__(self, *_: object) -> None: ...
 
 
 class ColumnSource(Source):
@@ -54,13 +68,15 @@ class ColumnSource(Source):
         return {**super().params(), "column": self.column, "split_plan": _plan.PLAN_VERSION}
 
     # -- what a subclass provides --------------------------------------------------------
-    def unit_rows(self, path: str) -> list[int]:
-        """The row count of every unit of the file, in order (opening it checks its schema)."""
+    def open_units(self, path: str) -> Units:
+        """The file opened (its schema checked for ``column``): its units' row counts and a
+        reader of one unit's column. Closed by its ``with`` block."""
         raise NotImplementedError
 
-    def read_units(self, path: str) -> tuple[list[int], Callable[[int], pa.Array | pa.ChunkedArray]]:
-        """The file's unit row counts now, and a reader of one unit's column."""
-        raise NotImplementedError
+    def unit_rows(self, path: str) -> list[int]:
+        """The row count of every unit of the file, in order."""
+        with self.open_units(path) as units:
+            return list(units.rows)
 
     # -- the plan and the reading ----------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
@@ -92,34 +108,29 @@ class ColumnSource(Source):
                 f"{self.operator_name}: cannot resume rows [{split.start}, {split.stop}) of "
                 f"{split.path} at row {first}; did the file change since the checkpoint?"
             )
-        rows, read_unit = self.read_units(split.path)
+        units = self.open_units(split.path)
         starts = [0]
-        for n in rows:
+        for n in units.rows:
             starts.append(starts[-1] + n)
         if starts[-1] < split.stop:
+            units.close()
             raise DataError(
                 f"{self.operator_name}: {split.path} holds {starts[-1]} rows, not the {split.stop} "
                 "its splits were listed with; did the file change since the splits were listed?"
             )
-        return self._rows(split, first, starts, read_unit)
+        return self._rows(split, first, starts, units)
 
-    def _rows(
-        self,
-        split: Split,
-        first: int,
-        starts: list[int],
-        read_unit: Callable[[int], pa.Array | pa.ChunkedArray],
-    ) -> Iterator[tuple[int, Record]]:
-        row = first
-        unit = bisect.bisect_right(starts, row) - 1
-        while row < split.stop:
-            base = starts[unit]
-            values = read_unit(unit)
-            end = min(split.stop, starts[unit + 1])
-            yield from column_rows(
-                split.path, f"{self.unit_name} {unit}", values, row - base, end - base, base
-            )
-            row, unit = end, unit + 1
+    def _rows(self, split: Split, first: int, starts: list[int], units: Units) -> Iterator[tuple[int, Record]]:
+        with units:
+            row = first
+            unit = bisect.bisect_right(starts, row) - 1
+            while row < split.stop:
+                base = starts[unit]
+                values = units.column(unit)
+                end = min(split.stop, starts[unit + 1])
+                name = f"{self.unit_name} {unit}"
+                yield from column_rows(split.path, name, values, row - base, end - base, base)
+                row, unit = end, unit + 1
 
     def decode(self, record: Record, operator: str) -> list[Any]:
         value = record.payload

@@ -38,7 +38,7 @@ def ranges(bounds: Sequence[int], size: int, *, refine: bool) -> list[tuple[int,
     start, prev = cuts[0], cuts[0]
     for b in cuts[1:]:
         if b - start >= size:
-            if prev > start and size - (prev - start) < (b - start) - size:
+            if prev > start and size - (prev - start) <= (b - start) - size:
                 out.append((start, prev))
                 start = prev
             if b - start >= size:

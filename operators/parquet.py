@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -23,12 +21,8 @@ class ReadParquet(ColumnSource):
 
     unit_name = "row group"
 
-    def unit_rows(self, path: str) -> list[int]:
-        with self._open(path) as pf:
-            return [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
-
-    def read_units(self, path: str) -> tuple[list[int], Callable[[int], pa.ChunkedArray]]:
-        return self.unit_rows(path), lambda group: self._read_group(path, group)
+    def open_units(self, path: str) -> _RowGroups:
+        return _RowGroups(self, path)
 
     def _open(self, path: str) -> pq.ParquetFile:
         """The file, its footer read and its schema checked for ``column``."""
@@ -57,17 +51,30 @@ class ReadParquet(ColumnSource):
             )
         return pf
 
-    def _read_group(self, path: str, group: int) -> pa.ChunkedArray:
-        with self._open(path) as pf:
-            if not 0 <= group < pf.num_row_groups:
-                raise DataError(
-                    f"{self.operator_name}: {path} has no row group {group} (it has "
-                    f"{pf.num_row_groups}); did the file change since the splits were listed?"
-                )
-            try:
-                table = pf.read_row_group(group, columns=[self.column])
-            except (OSError, pa.ArrowException) as exc:
-                raise DataError(
-                    f"{self.operator_name}: cannot read row group {group} of {path}: {exc}"
-                ) from exc
+
+
+class _RowGroups:
+    """An open Parquet file as units: its row groups' row counts and ``column`` of each."""
+
+    def __init__(self, source: ReadParquet, path: str) -> None:
+        self._op, self.path = source.operator_name, path
+        self._wanted = source.column
+        self._file = source._open(path)
+        meta = self._file.metadata
+        self.rows = [meta.row_group(g).num_rows for g in range(self._file.num_row_groups)]
+
+    def column(self, group: int) -> pa.ChunkedArray:
+        try:
+            table = self._file.read_row_group(group, columns=[self._wanted])
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(f"{self._op}: cannot read row group {group} of {self.path}: {exc}") from exc
         return table.column(0)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> _RowGroups:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
