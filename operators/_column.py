@@ -120,7 +120,9 @@ class ColumnSource(Source):
             )
         return self._rows(split, first, starts, units)
 
-    def _rows(self, split: Split, first: int, starts: list[int], units: Units) -> Iterator[tuple[int, Record]]:
+    def _rows(
+        self, split: Split, first: int, starts: list[int], units: Units
+    ) -> Iterator[tuple[int, Record]]:
         with units:
             row = first
             unit = bisect.bisect_right(starts, row) - 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 #: Bumped whenever the way sources cut their data changes; part of every source's ``params()``,
@@ -30,7 +31,7 @@ def ranges(bounds: Sequence[int], size: int, *, refine: bool) -> list[tuple[int,
     cuts = list(bounds)
     if refine:
         cuts = [bounds[0]]
-        for a, b in zip(bounds, bounds[1:], strict=False):
+        for a, b in itertools.pairwise(bounds):
             k = max(1, -(-(b - a) // size))
             cuts.extend(a + i * (b - a) // k for i in range(1, k))
             cuts.append(b)

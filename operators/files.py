@@ -114,7 +114,7 @@ def open_binary(path: str, *, operator: str) -> IO[bytes]:
     """A seekable binary reader of the file's raw bytes (never decompressed)."""
     if is_local(path):
         try:
-            return open(local_path(path), "rb")  # noqa: SIM115 - the caller closes it
+            return open(local_path(path), "rb")
         except OSError as exc:
             raise DataError(f"{operator}: cannot read {path}: {exc.strerror or exc}") from exc
     try:

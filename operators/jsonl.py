@@ -14,8 +14,8 @@ import zstandard
 
 from zephon_flow.errors import DataError, SpecError
 from zephon_flow.operators import _plan, files, seek_index
-from zephon_flow.operators.seek_index import SeekIndex
 from zephon_flow.operators._plan import PLAN_VERSION
+from zephon_flow.operators.seek_index import SeekIndex
 from zephon_flow.operators.splits import START, Record, Source, Split
 
 #: Suffixes of compressed files, entered mid-file through a seek index (``seek_index``).

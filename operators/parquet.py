@@ -37,7 +37,9 @@ class ReadParquet(ColumnSource):
             pf = pq.ParquetFile(source)
         except OSError as exc:
             if exc.errno is None:  # pyarrow's own IOError: a damaged footer, not the OS
-                raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
+                raise DataError(
+                    f"{self.operator_name}: {path} is not a readable Parquet file: {exc}"
+                ) from exc
             raise DataError(f"{self.operator_name}: cannot read {path}: {exc.strerror or exc}") from exc
         except pa.ArrowException as exc:
             raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
@@ -50,7 +52,6 @@ class ReadParquet(ColumnSource):
                 f"(columns: {available}); set column= to the one that holds the text"
             )
         return pf
-
 
 
 class _RowGroups:

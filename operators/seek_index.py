@@ -25,6 +25,7 @@ can tell a cache hit from a rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -33,12 +34,11 @@ import os
 import struct
 import tempfile
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, cast
 
 import indexed_gzip
 import zstandard
 
-from zephon_flow.errors import DataError
 from zephon_flow.operators import files
 
 #: Bumped whenever the index format or its meaning changes: old cache entries are not read.
@@ -95,7 +95,9 @@ def index_for(path: str, *, operator: str) -> SeekIndex:
     BUILDS += 1
     gz_file = os.path.join(cache_dir(), key + ".gzidx")
     try:
-        index = _build_gzip(path, spacing, gz_file, operator) if kind == "gzip" else _build_zstd(path, operator)
+        index = (
+            _build_gzip(path, spacing, gz_file, operator) if kind == "gzip" else _build_zstd(path, operator)
+        )
     except (OSError, EOFError, ValueError, indexed_gzip.ZranError, zstandard.ZstdError, _Malformed) as exc:
         index = SeekIndex(kind, ((0, 0),), -1, reason=f"cannot be indexed ({exc or type(exc).__name__})")
     _store(meta, index)
@@ -113,8 +115,9 @@ def open_at(path: str, index: SeekIndex, offset: int, *, operator: str) -> IO[by
     raw = files.open_binary(path, operator=operator)
     reader: IO[bytes]
     if index.kind == "gzip":
-        reader = gzip.GzipFile(fileobj=raw)
-        reader.myfileobj = raw  # type: ignore[attr-defined]  # closed with the reader
+        gz = gzip.GzipFile(fileobj=raw)
+        gz.myfileobj = raw  # type: ignore[assignment]  # closed with the reader
+        reader = cast(IO[bytes], gz)
     else:
         raw.seek(c_off)
         reader = ZstdFrames(raw)
@@ -164,8 +167,7 @@ def _build_gzip(path: str, spacing: int, out: str, operator: str) -> SeekIndex:
     if len(trailer) != 4 or struct.unpack("<I", trailer)[0] != size & 0xFFFFFFFF:
         # indexed_gzip stops quietly where a truncated file ends; the trailer's ISIZE tells.
         raise _Malformed(
-            "its trailer does not match the data: truncated, or several gzip members, "
-            "which are read whole"
+            "its trailer does not match the data: truncated, or several gzip members, which are read whole"
         )
     points = tuple(p for p in points if p[1] < size)  # a point at the very end leads nowhere
     if not points or points[0][1] != 0:
@@ -179,7 +181,8 @@ def _build_zstd(path: str, operator: str) -> SeekIndex:
     frames = _zstd_frames(path, operator)
     if any(d < 0 for _, _, d in frames):
         frames = _measure_frames(path, frames, operator)
-    points, d_off = [], 0
+    points: list[tuple[int, int]] = []
+    d_off = 0
     for c_off, _, d_size in frames:
         if d_size > 0 or not points:
             points.append((c_off, d_off))
@@ -297,10 +300,8 @@ def _store(meta: str, index: SeekIndex) -> None:
             "gzip_index": index.gzip_index,
         }
     ).encode()
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache only costs a rebuild next time
         _atomic(meta, lambda f: f.write(body))
-    except OSError:
-        pass  # a read-only cache only costs a rebuild next time
 
 
 def _atomic(target: str, write: object) -> None:

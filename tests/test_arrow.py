@@ -213,9 +213,7 @@ def test_a_batch_that_is_gone_is_refused(tmp_path: Path, stream: bool) -> None:
 def test_resume_beyond_the_batch_is_refused(tmp_path: Path) -> None:
     path = three_batches(tmp_path / "a.arrow")
     source = ReadArrow(path, label="books")
-    message = (
-        f"{OP}: cannot resume rows [3, 5) of {path} at row 6; did the file change since the checkpoint?"
-    )
+    message = f"{OP}: cannot resume rows [3, 5) of {path} at row 6; did the file change since the checkpoint?"
     with pytest.raises(DataError, match=re.escape(message)):
         read(source, Split(path, 3, 5), 6)
 

@@ -21,8 +21,15 @@ import zstandard
 from apache_beam.io.filesystem import FileMetadata, FileSystem
 
 from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import ReadArrow, ReadJsonl, ReadParquet, ReadTextFiles, ReadWebDataset
-from zephon_flow.operators import files, seek_index
+from zephon_flow.operators import (
+    ReadArrow,
+    ReadJsonl,
+    ReadParquet,
+    ReadTextFiles,
+    ReadWebDataset,
+    files,
+    seek_index,
+)
 from zephon_flow.operators.splits import START, Source
 
 OP = "ReadJsonl('web')"
@@ -109,7 +116,9 @@ def jsonl(docs: list[str]) -> bytes:
 
 def documents(source: Source, lanes: int = 1) -> list[Any]:
     op = source.operator_name
-    return [x for s in source.splits(lanes) for _, r in source.read_split(s, START) for x in source.decode(r, op)]
+    return [
+        x for s in source.splits(lanes) for _, r in source.read_split(s, START) for x in source.decode(r, op)
+    ]
 
 
 # -- the layer itself --------------------------------------------------------------------------
@@ -145,7 +154,9 @@ def test_layer_errors_name_the_operator_and_the_path() -> None:
     message = f"{OP}: cannot list 'nosuch://bkt/*': "
     with pytest.raises(DataError, match=re.escape(message)) as info:
         files.expand_glob("nosuch://bkt/*", operator=OP)
-    assert "is the Beam extra for its scheme installed (apache-beam[gcp], [aws], [hadoop])?" in str(info.value)
+    assert "is the Beam extra for its scheme installed (apache-beam[gcp], [aws], [hadoop])?" in str(
+        info.value
+    )
     with pytest.raises(DataError, match=re.escape(f"{OP}: cannot read zfmem://bkt/gone: ")):
         files.open_binary("zfmem://bkt/gone", operator=OP)
 
@@ -171,7 +182,9 @@ def test_jsonl_plain_gzip_and_zstd_frames_from_a_beam_filesystem(memory: dict[st
     memory["zfmem://b/c/1.jsonl.gz"] = gzip.compress(jsonl(docs[1000:5000]), compresslevel=1)
     cctx = zstandard.ZstdCompressor()
     part = jsonl(docs[5000:])
-    memory["zfmem://b/c/2.jsonl.zst"] = b"".join(cctx.compress(part[i : i + 20_000]) for i in range(0, len(part), 20_000))
+    memory["zfmem://b/c/2.jsonl.zst"] = b"".join(
+        cctx.compress(part[i : i + 20_000]) for i in range(0, len(part), 20_000)
+    )
     source = ReadJsonl("zfmem://b/c/*", split_bytes=40_000, label="web")
     splits = source.splits()
     assert {s.path for s in splits} == set(memory)

@@ -151,9 +151,7 @@ def test_small_compressed_file_is_one_split_positioned_by_decompressed_bytes(
     ends = [i + 1 for i, c in enumerate(data) if c == ord("\n")]
     starts = [0, *ends[:-1]]
     kept = [0, 1, 3, 4]  # the whitespace line (2) gives no record
-    assert [(pos, r.where) for pos, r in items] == [
-        (ends[k], f"decompressed byte {starts[k]}") for k in kept
-    ]
+    assert [(pos, r.where) for pos, r in items] == [(ends[k], f"decompressed byte {starts[k]}") for k in kept]
     assert [t for _, r in items for t in source.decode(r, OP)] == ["a", "b", "d"]
     assert_resumes(source, source.splits()[0])
     # Resuming at the whitespace line's start skips it like a fresh read does.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import os
 import random
@@ -32,7 +33,9 @@ def docs(n: int) -> list[str]:
     """Documents of seeded random words: compressible like text, not like a repeated phrase
     (whose deflate blocks span so much output that gzip has few seek points)."""
     r = random.Random(n)
-    words = ["".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(2000)]
+    words = [
+        "".join(r.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(r.randint(2, 9))) for _ in range(2000)
+    ]
     return [f"{i:06d} " + " ".join(r.choice(words) for _ in range(15)) for i in range(n)]
 
 
@@ -67,7 +70,7 @@ def test_every_line_once_in_order_and_exact_resume(tmp_path: Path, layout: str) 
     splits = source.splits()
     assert len(splits) >= 5, splits
     assert splits[0].start == 0 and splits[-1].stop == len(data)
-    assert all(a.stop == b.start for a, b in zip(splits, splits[1:], strict=False))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(splits))
     assert texts_of(source, splits) == texts
     # Resume mid-split at several points: the continuation is the same.
     split = splits[2]
@@ -84,7 +87,9 @@ def test_single_frame_zstd_is_one_split_with_a_log_line(
     path.write_bytes(zstandard.ZstdCompressor().compress(data))
     source = ReadJsonl(str(path), split_bytes=1000, label="web")
     assert source.splits() == [Split(str(path), 0, 0, len(data))]
-    assert f"{path} is read whole (single-frame zstd: no seek points); lanes share it by stride" in caplog.text
+    assert (
+        f"{path} is read whole (single-frame zstd: no seek points); lanes share it by stride" in caplog.text
+    )
     assert texts_of(source, source.splits()) == docs(500)
 
 
@@ -93,17 +98,17 @@ def test_index_is_cached_and_rebuilt_when_the_file_changes(tmp_path: Path, cache
     path.write_bytes(gzip.compress(jsonl(docs(3000))))
     before = seek_index.BUILDS
     first = ReadJsonl(str(path), split_bytes=50_000).splits()
-    assert seek_index.BUILDS == before + 1
+    assert before + 1 == seek_index.BUILDS
     # A new source (another run or process) reuses the cached index: no decompression pass.
     again = ReadJsonl(str(path), split_bytes=50_000).splits()
-    assert again == first and seek_index.BUILDS == before + 1
+    assert again == first and before + 1 == seek_index.BUILDS
     assert any(name.endswith(".gzidx") for name in os.listdir(cache))
     assert not any(name.startswith(".tmp-") for name in os.listdir(cache))
     # Rewritten (new content, size and mtime): rebuilt.
     path.write_bytes(gzip.compress(jsonl(docs(4000))))
     source = ReadJsonl(str(path), split_bytes=50_000)
     assert texts_of(source, source.splits()) == docs(4000)
-    assert seek_index.BUILDS == before + 2
+    assert before + 2 == seek_index.BUILDS
 
 
 def test_truncated_gzip_names_the_decompressed_byte_and_line(tmp_path: Path) -> None:
@@ -116,7 +121,9 @@ def test_truncated_gzip_names_the_decompressed_byte_and_line(tmp_path: Path) -> 
         for _, r in source.read_split(split, START):
             got.append(r)
     message = str(info.value)
-    m = re.search(r"at decompressed byte (\d+) \(after line (\d+) of the split from decompressed byte 0\)", message)
+    m = re.search(
+        r"at decompressed byte (\d+) \(after line (\d+) of the split from decompressed byte 0\)", message
+    )
     assert m, message
     assert int(m.group(2)) == len(got) and got[-1].offset < int(m.group(1))
     assert message.startswith(f"{OP}: cannot read {path}: Compressed file ended before")

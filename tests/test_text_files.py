@@ -65,8 +65,7 @@ def test_resume_after_the_run_reads_nothing_and_other_positions_are_refused(tmp_
     split = source.splits()[0]
     assert read(source, split, 1) == []
     message = (
-        f"{OP}: cannot resume files [0, 1) from {path} at file 2; "
-        "did the files change since the checkpoint?"
+        f"{OP}: cannot resume files [0, 1) from {path} at file 2; did the files change since the checkpoint?"
     )
     with pytest.raises(DataError, match=re.escape(message)):
         read(source, split, 2)
