@@ -46,7 +46,7 @@ class FileInfo:
 
 def scheme(path: str) -> str | None:
     """The URI scheme of ``path`` (``"gs"``, ``"file"``), or None for a plain local path."""
-    m = _SCHEME.match(path)
+    m = _SCHEME.match(os.fspath(path))
     return m.group("scheme").lower() if m else None
 
 
@@ -57,6 +57,7 @@ def is_local(path: str) -> bool:
 
 def local_path(path: str) -> str:
     """The OS path of a local ``path`` (``file:///a/b`` -> ``/a/b``; ``~`` expanded)."""
+    path = os.fspath(path)
     if scheme(path) == "file":
         path = path[len("file://") :]
     return os.path.expanduser(path)
@@ -64,6 +65,7 @@ def local_path(path: str) -> str:
 
 def expand_glob(pattern: str, *, operator: str) -> list[str]:
     """The files matching ``pattern``, sorted; refuses a pattern that matches nothing."""
+    pattern = os.fspath(pattern)
     if is_local(pattern):
         found = globlib.glob(local_path(pattern), recursive=True)
         paths = sorted(p for p in found if os.path.isfile(p))
@@ -76,6 +78,7 @@ def expand_glob(pattern: str, *, operator: str) -> list[str]:
 
 def relative_name(path: str, pattern: str) -> str:
     """The path relative to the fixed (non-wildcard) directory prefix of ``pattern``."""
+    path, pattern = os.fspath(path), os.fspath(pattern)
     if is_local(pattern):
         fixed = []
         for part in local_path(pattern).split(os.sep):

@@ -113,6 +113,8 @@ class ReadWebDataset(Source):
         self.skipped_files: list[str] = []
         #: Per shard, the byte offset of the first member of each of its splits, by sample.
         self._offsets: dict[str, dict[int, int]] | None = None
+        #: Every sample's offset, for shards whose splits were listed elsewhere.
+        self._walked: dict[str, list[int]] = {}
 
     def params(self) -> dict[str, Any]:
         return {
@@ -146,7 +148,9 @@ class ReadWebDataset(Source):
                 runs = _plan.ranges([0, n], step, refine=True) if n else []
             index[path] = {a: offsets[a] for a, _ in runs}
             splits.extend(Split(path, a, b) for a, b in runs)
-        self._offsets = index  # assigned whole: lanes' feeds may list concurrently
+        old = self._offsets or {}
+        # Assigned whole (lanes' feeds may list concurrently), keeping other plans' starts.
+        self._offsets = {**old, **{p: {**old.get(p, {}), **starts} for p, starts in index.items()}}
         return splits
 
     def _index(self, path: str) -> list[int]:
@@ -177,17 +181,25 @@ class ReadWebDataset(Source):
                 f"{self.operator_name}: cannot resume samples [{split.start}, {split.stop}) of "
                 f"{split.path} at sample {first}; did the shard change since the checkpoint?"
             )
-        if self._offsets is None:
-            self.splits()
-        index = self._offsets
-        assert index is not None
-        start = index.get(split.path, {}).get(split.start)
+        starts = (self._offsets or {}).get(split.path, {})
+        start = starts.get(split.start)
+        if start is None:  # listed for another lane count, or by another process
+            start = self._sample_offset(split.path, split.start)
         if start is None:
             raise DataError(
                 f"{self.operator_name}: samples [{split.start}, {split.stop}) of {split.path} are "
                 "not a split of this source; did the shard change since the splits were listed?"
             )
         return self._samples(split, start, first)
+
+    def _sample_offset(self, path: str, sample: int) -> int | None:
+        """The byte offset of sample ``sample``'s first member, from the shard's headers (walked
+        once per shard and kept)."""
+        offsets = self._walked.get(path)
+        if offsets is None:
+            offsets = self._index(path)
+            self._walked = {**self._walked, path: offsets}
+        return offsets[sample] if sample < len(offsets) else None
 
     def _samples(self, split: Split, start: int, first: int) -> Iterator[tuple[int, Record]]:
         path = split.path

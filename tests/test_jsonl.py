@@ -27,6 +27,12 @@ from zephon_flow.operators.splits import START, Record, Split
 OP = "ReadJsonl('web')"
 
 
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seek indexes of this test's files go to its own cache directory."""
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "index-cache"))
+
+
 def write(path: Path, data: bytes) -> str:
     path.write_bytes(data)
     return str(path)

@@ -468,3 +468,12 @@ def test_one_epoch_on_three_lanes_delivers_every_sample_once(tmp_path: Path) -> 
 
     batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
     assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))
+
+
+def test_a_split_of_another_plan_is_read_from_the_shard_headers(tmp_path: Path) -> None:
+    path = write_tar(tmp_path / "s.tar", sample_members(30))
+    fine = ReadWebDataset(path, samples_per_split=3).splits()
+    other = ReadWebDataset(path, samples_per_split=7)
+    other.splits()  # another plan listed: its starts are 0, 7, 14, ...
+    keys = [e["__key__"] for s in fine for _, r in read(other, s) for e in other.decode(r, OP)]
+    assert keys == [f"{i:06d}" for i in range(30)]
