@@ -147,28 +147,28 @@ class ReadJsonl(Source):
         return self._lines(split, position, stop)
 
     def _lines(self, split: Split, position: int, stop: int) -> Iterator[tuple[int, Record]]:
-        """Lines starting in ``[split.start, stop)``; positions are (decompressed) byte offsets."""
+        """The split's lines, from one reader; positions are (decompressed) byte offsets.
+
+        A plain range owns the lines starting in ``[start, stop)``, a compressed one those
+        starting in ``(start, stop]`` (the first from 0): its start is a seek point, so
+        the reader opens there and the byte before it is never needed.
+        """
         path = split.path
         compressed = _is_compressed(path)
         unit = "decompressed byte" if compressed else "byte"
-        pos, n = split.start, 0
+        lo, hi = split.start, stop
+        if compressed:
+            lo, hi = (split.start + 1 if split.start else 0), stop + 1
+        pos, n = (lo if position == START else position), 0
         try:
-            if position != START:
-                pos = position
-            elif split.start > 0:
-                # The line running through byte start-1 belongs to the previous split.
-                first = self._first_line_start(path, split.start, stop)
-                if first is None:
-                    return
-                pos = first
-            if pos >= stop:
-                return
-            with self._open_at(path, pos) as fh:
-                for line in fh:
+            with self._open_at(path, pos - 1 if position == START and lo > 0 else pos) as fh:
+                if position == START and lo > 0:
+                    pos = _after_newline(fh, lo - 1, hi)  # the line through byte lo-1 is not ours
+                for line in fh if pos < hi else ():
                     offset, pos, n = pos, pos + len(line), n + 1
                     if line.strip():
                         yield pos, Record(line.removesuffix(b"\n"), path, f"{unit} {offset}", offset)
-                    if pos >= stop:
+                    if pos >= hi:
                         return
         except _DECOMPRESSION_ERRORS as exc:
             if not compressed:
@@ -179,21 +179,6 @@ class ReadJsonl(Source):
                 f"decompressed byte {pos} (after line {n} of the split from decompressed byte "
                 f"{split.start}); the file is truncated or damaged there"
             ) from exc
-
-    def _first_line_start(self, path: str, start: int, stop: int) -> int | None:
-        """The offset of the first line starting in ``[start, stop)``, or None: scans from byte
-        ``start - 1`` for a newline, never past ``stop``."""
-        pos = start - 1
-        with self._open_at(path, pos) as fh:
-            while pos < stop:
-                chunk = fh.read(min(_CHUNK, stop - pos))
-                if not chunk:
-                    return None
-                nl = chunk.find(b"\n")
-                if nl >= 0:
-                    return pos + nl + 1 if pos + nl + 1 < stop else None
-                pos += len(chunk)
-        return None
 
     def _open_at(self, path: str, offset: int) -> IO[bytes]:
         if not _is_compressed(path):
@@ -239,6 +224,19 @@ class ReadJsonl(Source):
                 f"{operator}: the field {self.field!r} in {where} is a JSON {_json_type(value)}, not a string"
             )
         return [value] if value else []
+
+
+def _after_newline(fh: IO[bytes], pos: int, hi: int) -> int:
+    """Reads from ``pos`` through the next newline, never past ``hi``: the offset after it, or
+    ``hi`` when no line starts before ``hi`` (so a huge line is not read by every split in it)."""
+    while pos < hi:
+        part = fh.readline(min(_CHUNK, hi - pos))
+        if not part:
+            return hi
+        pos += len(part)
+        if part.endswith(b"\n"):
+            return pos
+    return hi
 
 
 def _is_compressed(path: str) -> bool:
