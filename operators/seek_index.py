@@ -136,7 +136,9 @@ class _IndexedGzip(indexed_gzip.IndexedGzipFile):  # type: ignore[misc]
     """An ``IndexedGzipFile`` over a raw reader it closes, with a cached index imported."""
 
     def __init__(self, raw: IO[bytes], index_file: str) -> None:
-        super().__init__(fileobj=raw, index_file=index_file, auto_build=False)
+        # Its default buffer is 4 x spacing (4 MiB and up): a split read would inflate megabytes
+        # past its end; each read call has a fixed cost, so not much smaller either.
+        super().__init__(fileobj=raw, index_file=index_file, auto_build=False, buffer_size=1 << 20)
         self._raw = raw
 
     def close(self) -> None:
