@@ -285,3 +285,15 @@ def test_one_epoch_on_three_lanes_delivers_every_row_once(tmp_path: Path) -> Non
 
     batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
     assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))
+
+
+def test_listing_skips_a_file_that_is_not_arrow_under_skip(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = three_batches(tmp_path / "a.arrow")
+    bad = tmp_path / "b.arrow"
+    bad.write_bytes(b"")
+    source = ReadArrow(str(tmp_path / "*.arrow"), label="books", on_error="skip")
+    assert {s.path for s in source.splits()} == {good}
+    assert source.skipped_files == [str(bad)]
+    assert f"leaving out {bad} (on_error='skip'): {OP}: {bad} is empty (0 bytes)" in caplog.text

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from zephon_flow.errors import DataError
 from zephon_flow.operators import seek_index
@@ -137,3 +139,26 @@ def test_concatenated_gzip_members_are_read_whole(tmp_path: Path) -> None:
     source = ReadJsonl(str(path), split_bytes=60_000)
     assert source.splits() == [Split(str(path), 0, 0, path.stat().st_size)]
     assert texts_of(source, source.splits()) == docs(3000)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lines=st.lists(st.integers(0, 300), min_size=1, max_size=60),
+    frame=st.integers(1, 2000),
+    split_bytes=st.integers(1, 3000),
+)
+def test_zstd_frames_any_layout_every_line_once(
+    tmp_path: Path, lines: list[int], frame: int, split_bytes: int
+) -> None:
+    texts = [f"{i}:" + "x" * n for i, n in enumerate(lines)]
+    data = jsonl(texts)
+    path = tmp_path / "h.jsonl.zst"
+    path.write_bytes(zstd_frames(data, frame))
+    source = ReadJsonl(str(path), split_bytes=split_bytes, label="web")
+    splits = source.splits()
+    assert texts_of(source, splits) == texts
+    for split in splits:
+        items = list(source.read_split(split, START))
+        if items:
+            k = len(items) // 2
+            assert list(source.read_split(split, items[k][0])) == items[k + 1 :]
