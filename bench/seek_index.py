@@ -33,10 +33,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import zstandard
 
 from zephon_flow.operators import seek_index
 from zephon_flow.operators.jsonl import ReadJsonl
+from zephon_flow.operators.parquet import ReadParquet
 from zephon_flow.operators.splits import START, Split
 
 FILES = 4
@@ -46,12 +49,15 @@ LANES = 16
 def _corpus_lines(mb: int, seed: int) -> bytes:
     """``mb`` MB of JSONL documents of Zipf-distributed words (compresses like prose, ~3x)."""
     r = random.Random(seed)
-    vocab = ["".join(r.choice("etaoinshrdlucmfwypvbgkqjxz") for _ in range(r.randint(2, 10))) for _ in range(30_000)]
+    vocab = [
+        "".join(r.choice("etaoinshrdlucmfwypvbgkqjxz") for _ in range(r.randint(2, 10)))
+        for _ in range(30_000)
+    ]
     weights = [1.0 / (i + 1) for i in range(len(vocab))]
     pool = []
     for i in range(4000):
         words = r.choices(vocab, weights, k=r.randint(50, 400))
-        pool.append(('{"id": %d, "text": "' % i + " ".join(words) + '"}\n').encode())
+        pool.append((f'{{"id": {i}, "text": "' + " ".join(words) + '"}\n').encode())
     out, size, n = [], 0, 0
     while size < mb * 1_000_000:
         line = pool[r.randrange(len(pool))].replace(b'"id": ', b'"id": %d' % n, 1)
@@ -85,7 +91,10 @@ def plain_pass(path: str) -> int:
             while chunk := fh.read(1 << 20):
                 n += len(chunk)
     else:
-        with open(path, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as fh:
+        with (
+            open(path, "rb") as raw,
+            zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True) as fh,
+        ):
             while chunk := fh.read(1 << 20):
                 n += len(chunk)
     return n
@@ -107,13 +116,12 @@ def run(paths: list[str], cache: str) -> dict[str, float]:
     gb = int(total) / 1e9  # type: ignore[call-overload]
     t_build, indexes = timed(lambda: [seek_index.index_for(p, operator="bench") for p in paths])
     t_hit, _ = timed(lambda: [seek_index.index_for(p, operator="bench") for p in paths])
-    sources = [ReadJsonl(p) for p in paths]
-    plans = [s.splits(LANES) for s in sources]
-    splits = [x for plan in plans for x in plan]
+    pattern = paths[0].rsplit("-", 1)[0] + "-*" + (".jsonl.gz" if paths[0].endswith(".gz") else ".jsonl.zst")
+    source = ReadJsonl(pattern)  # one source over the 4 files, as a pipeline has it
+    splits = source.splits(LANES)
     costs = [x.cost for x in splits]
-    t_split, n_split = timed(lambda: sum(read_lines(s, plan) for s, plan in zip(sources, plans, strict=True)))
-    whole = [Split(p, 0, 0) for p in paths]
-    t_whole, n_whole = timed(lambda: sum(read_lines(s, [w]) for s, w in zip(sources, whole, strict=True)))
+    t_split, n_split = timed(lambda: read_lines(source, splits))
+    t_whole, n_whole = timed(lambda: read_lines(source, [Split(p, 0, 0) for p in paths]))
     assert n_split == n_whole, (n_split, n_whole)
     return {
         "gb": gb,
@@ -127,6 +135,27 @@ def run(paths: list[str], cache: str) -> dict[str, float]:
         "split_mb_s": int(n_split) / 1e6 / t_split,  # type: ignore[call-overload]
         "whole_mb_s": int(n_whole) / 1e6 / t_whole,  # type: ignore[call-overload]
     }
+
+
+def parquet_cost(root: Path) -> dict[str, float]:
+    """Reading a 16-lane plan of a Parquet file of 2 big row groups against reading each group once."""
+    path = root / "two-groups.parquet"
+    if not path.exists():
+        r = random.Random(7)
+        rows = [" ".join(str(r.randrange(10**6)) for _ in range(20)) for _ in range(400_000)]
+        pq.write_table(pa.table({"text": rows}), str(path), row_group_size=200_000)
+    source = ReadParquet(str(path))
+    splits = source.splits(LANES)
+    t_plan, n_plan = timed(lambda: sum(1 for s in splits for _ in source.read_split(s, START)))
+    pf = pq.ParquetFile(str(path))
+    t_once, n_once = timed(
+        lambda: sum(
+            len(pf.read_row_group(g, columns=["text"]).column(0).to_pylist())
+            for g in range(pf.num_row_groups)
+        )
+    )
+    assert n_plan == n_once
+    return {"splits": len(splits), "groups": pf.num_row_groups, "ratio": t_plan / t_once}
 
 
 def main() -> None:
@@ -150,6 +179,11 @@ def main() -> None:
             f"{int(r['points']):6d} {r['index_mb']:6.1f} {int(r['splits']):6d} {r['max_over_mean']:8.2f} "
             f"{r['split_mb_s']:10.1f} {r['whole_mb_s']:10.1f} {r['split_mb_s'] / r['whole_mb_s']:6.2f}"
         )
+    pq_row = parquet_cost(root)
+    print(
+        f"Parquet, 400,000 rows in {int(pq_row['groups'])} row groups, {LANES} lanes: {int(pq_row['splits'])} "
+        f"row-range splits read in {pq_row['ratio']:.2f}x the time of reading each group once"
+    )
 
 
 if __name__ == "__main__":
