@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import bisect
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -16,6 +18,9 @@ from zephon_flow.operators.splits import START, Record, Source, Split
 BATCH_ROWS = 4096
 #: The fewest rows an automatic plan puts in a split.
 MIN_SPLIT_ROWS = 256
+#: Bytes of unit columns a source keeps decoded (per process) for splits that cover part of a
+#: unit, so the ``k`` splits cut from one row group decode it about once, not ``k`` times.
+CACHE_BYTES = 256 << 20
 
 
 class Units(Protocol):
@@ -63,6 +68,17 @@ class ColumnSource(Source):
         self.column = column
         #: Files left out at listing under ``on_error="skip"``.
         self.skipped_files: list[str] = []
+        self._cache_lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, int, int, int], pa.Array | pa.ChunkedArray] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_cache_lock"], state["_cache"] = None, OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cache_lock = threading.Lock()
 
     def params(self) -> dict[str, Any]:
         return {**super().params(), "column": self.column, "split_plan": _plan.PLAN_VERSION}
@@ -128,11 +144,29 @@ class ColumnSource(Source):
             unit = bisect.bisect_right(starts, row) - 1
             while row < split.stop:
                 base = starts[unit]
-                values = units.column(unit)
                 end = min(split.stop, starts[unit + 1])
+                partial = row > base or end < starts[unit + 1]
+                values = self._column_of(units, split.path, unit) if partial else units.column(unit)
                 name = f"{self.unit_name} {unit}"
                 yield from column_rows(split.path, name, values, row - base, end - base, base)
                 row, unit = end, unit + 1
+
+    def _column_of(self, units: Units, path: str, unit: int) -> pa.Array | pa.ChunkedArray:
+        """A unit's column through the per-process cache (least recently used out first), keyed
+        by the file's size and modification time too, so a rewritten file is read anew."""
+        info = files.stat(path, operator=self.operator_name)
+        key = (path, unit, info.size, info.mtime_ns)
+        with self._cache_lock:
+            values = self._cache.get(key)
+            if values is not None:
+                self._cache.move_to_end(key)
+                return values
+        values = units.column(unit)
+        with self._cache_lock:
+            self._cache[key] = values
+            while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > CACHE_BYTES:
+                self._cache.popitem(last=False)
+        return values
 
     def decode(self, record: Record, operator: str) -> list[Any]:
         value = record.payload

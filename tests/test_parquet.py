@@ -13,7 +13,7 @@ import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
 from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import _column
+from zephon_flow.operators import _column, parquet
 from zephon_flow.operators.parquet import ReadParquet
 from zephon_flow.operators.splits import START, Record, Split
 
@@ -216,3 +216,27 @@ def test_reads_files_in_a_beam_pipeline(tmp_path: Path) -> None:
     with beam.Pipeline() as p:
         docs = p | "code" >> ReadParquet(str(tmp_path / "*.parquet"), column="content")
         assert_that(docs, equal_to(["a1", "a3", "b1"]))
+
+
+def test_the_ranges_cut_from_one_row_group_decode_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path / "a.parquet", 1000, text=texts(2000))
+    source = ReadParquet(path)
+    splits = source.splits(4)
+    assert len(splits) == 32
+    reads: list[int] = []
+    real = parquet._RowGroups.column
+
+    def counted(self: parquet._RowGroups, group: int) -> pa.ChunkedArray:
+        reads.append(group)
+        return real(self, group)
+
+    monkeypatch.setattr(parquet._RowGroups, "column", counted)
+    values = [r.payload for s in splits for _, r in read(source, s)]
+    assert values == texts(2000) and reads == [0, 1]
+    # A pickled copy (a worker) starts with an empty cache; a rewritten file is read anew.
+    copy = pickle.loads(pickle.dumps(source))
+    assert [r.payload for _, r in read(copy, splits[0])] == texts(splits[0].stop)
+    write(tmp_path / "a.parquet", 1000, text=[t + "!" for t in texts(2000)])
+    assert read(source, splits[0])[0][1].payload == "doc 0!"
