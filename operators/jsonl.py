@@ -40,8 +40,10 @@ class ReadJsonl(Source):
     - **Compressed** (``.gz``, ``.zst``): the ranges are of decompressed bytes, cut at the seek
       points of the file's cached seek index (``seek_index``: zstd frames, a zran index for
       gzip). A file without seek points (one zstd frame, a damaged stream) is one split
-      ``[0, 0)`` weighted by its size, which the dealer shares among lanes by stride; a
-      warning names the file and why.
+      ``[0, 0)`` weighted by its decompressed size (its size on disk if unknown), which the
+      dealer shares among lanes by stride; a warning names the file and why. A compressed
+      range owns the lines starting in ``(start, stop]`` (the first range also the line at 0),
+      so it opens at its seek point and never needs the byte before it.
     - **Positions**: the (decompressed) byte offset of the next line to read; resuming seeks
       there (from the nearest seek point for a compressed file). A record's ``offset`` is the
       byte offset of its line.

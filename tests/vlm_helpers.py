@@ -41,7 +41,7 @@ def gradient(width: int, height: int, *, seed: int = 0) -> Image.Image:
 class ReadImageFolder(Source):
     """Samples from image files: one split per file; the caption is the sibling ``.txt`` file."""
 
-    def make_splits(self, paths: Sequence[str]) -> list[Split]:
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         return [Split(path, 0, 1) for path in paths]
 
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
