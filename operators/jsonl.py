@@ -95,6 +95,13 @@ class ReadJsonl(Source):
         for path, weight, bounds in listed:
             if bounds is None:  # compressed, no seek points: one split, shared by stride
                 splits.append(Split(path, 0, 0, weight))
+                if weight > size:  # heavier than a split should be: say what it costs, once
+                    _log.warning(
+                        "%s: %s is read whole (%s); lanes share it by stride, each decompressing all of it",
+                        self.operator_name,
+                        path,
+                        self._index(path).reason,
+                    )
             elif self.split_bytes is not None and not _is_compressed(path):
                 splits.extend(Split(path, s, min(s + size, weight)) for s in range(0, weight, size))
             else:
@@ -114,12 +121,6 @@ class ReadJsonl(Source):
             return [(path, info.size, [0, info.size])]
         index = self._index(path)
         if not index.splittable:
-            _log.warning(
-                "%s: %s is read whole (%s); lanes share it by stride, each decompressing all of it",
-                self.operator_name,
-                path,
-                index.reason,
-            )
             return [(path, index.size if index.size > 0 else info.size, None)]
         return [(path, index.size, [d for _, d in index.points] + [index.size])]
 

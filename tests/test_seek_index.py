@@ -162,3 +162,13 @@ def test_zstd_frames_any_layout_every_line_once(
         if items:
             k = len(items) // 2
             assert list(source.read_split(split, items[k][0])) == items[k + 1 :]
+
+
+def test_a_small_unsplittable_file_is_not_worth_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "a.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(jsonl(docs(20))))
+    source = ReadJsonl(str(path), label="web")  # the automatic plan: at least 256 KiB a split
+    assert len(source.splits(4)) == 1
+    assert "read whole" not in caplog.text
