@@ -39,6 +39,7 @@ from typing import IO, cast
 import indexed_gzip
 import zstandard
 
+from zephon_flow.errors import DataError
 from zephon_flow.operators import files
 
 #: Bumped whenever the index format or its meaning changes: old cache entries are not read.
@@ -98,6 +99,8 @@ def index_for(path: str, *, operator: str) -> SeekIndex:
         index = (
             _build_gzip(path, spacing, gz_file, operator) if kind == "gzip" else _build_zstd(path, operator)
         )
+    except DataError:
+        raise  # the file is gone, or the cache cannot be written: not a property of the data
     except (OSError, EOFError, ValueError, indexed_gzip.ZranError, zstandard.ZstdError, _Malformed) as exc:
         index = SeekIndex(kind, ((0, 0),), -1, reason=f"cannot be indexed ({exc or type(exc).__name__})")
     _store(meta, index)
@@ -162,7 +165,14 @@ def _build_gzip(path: str, spacing: int, out: str, operator: str) -> SeekIndex:
             fh.build_full_index()
             size = fh.seek(0, os.SEEK_END)
             points = tuple((int(c), int(u)) for u, c in fh.seek_points())
-            _atomic(out, lambda f: fh.export_index(fileobj=f))
+            try:
+                _atomic(out, lambda f: fh.export_index(fileobj=f))
+            except OSError as exc:
+                # Not a fallback to reading whole: the plan must not depend on the machine.
+                raise DataError(
+                    f"{operator}: cannot write the seek index of {path} under {cache_dir()}: "
+                    f"{exc.strerror or exc}; set ZEPHON_CACHE_DIR to a writable directory"
+                ) from exc
         finally:
             fh.close()
     trailer = files.read_bytes(path, max(0, files.size(path, operator=operator) - 4), 4, operator=operator)

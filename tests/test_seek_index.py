@@ -172,3 +172,17 @@ def test_a_small_unsplittable_file_is_not_worth_a_warning(
     source = ReadJsonl(str(path), label="web")  # the automatic plan: at least 256 KiB a split
     assert len(source.splits(4)) == 1
     assert "read whole" not in caplog.text
+
+
+def test_an_unwritable_cache_is_an_error_not_another_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "a.jsonl.gz"
+    path.write_bytes(gzip.compress(jsonl(docs(3000))))
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(blocker / "index"))
+    message = f"{OP}: cannot write the seek index of {path} under {blocker / 'index'}: "
+    with pytest.raises(DataError, match=re.escape(message)) as info:
+        ReadJsonl(str(path), split_bytes=50_000, label="web").splits()
+    assert str(info.value).endswith("set ZEPHON_CACHE_DIR to a writable directory")
