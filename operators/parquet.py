@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import IO
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -24,34 +26,41 @@ class ReadParquet(ColumnSource):
     def open_units(self, path: str) -> _RowGroups:
         return _RowGroups(self, path)
 
-    def _open(self, path: str) -> pq.ParquetFile:
-        """The file, its footer read and its schema checked for ``column``."""
+    def _open(self, path: str) -> tuple[pq.ParquetFile, IO[bytes] | None]:
+        """The file, its footer read and its schema checked for ``column``; and for a remote
+        file the handle it reads through (the caller closes both)."""
+        raw: IO[bytes] | None = None
         try:
             if files.size(path, operator=self.operator_name) == 0:
                 raise DataError(f"{self.operator_name}: {path} is empty (0 bytes), not a Parquet file")
-            source = (
-                files.local_path(path)
-                if files.is_local(path)
-                else files.open_binary(path, operator=self.operator_name)
-            )
-            pf = pq.ParquetFile(source)
+            if not files.is_local(path):
+                raw = files.open_binary(path, operator=self.operator_name)
+            pf = pq.ParquetFile(raw if raw is not None else files.local_path(path))
         except OSError as exc:
+            _close(raw)
             if exc.errno is None:  # pyarrow's own IOError: a damaged footer, not the OS
                 raise DataError(
                     f"{self.operator_name}: {path} is not a readable Parquet file: {exc}"
                 ) from exc
             raise DataError(f"{self.operator_name}: cannot read {path}: {exc.strerror or exc}") from exc
         except pa.ArrowException as exc:
+            _close(raw)
             raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
         names: list[str] = pf.schema_arrow.names
         if self.column not in names:
             pf.close()
+            _close(raw)
             available = ", ".join(repr(n) for n in names) or "none"
             raise DataError(
                 f"{self.operator_name}: {path} has no column {self.column!r} "
                 f"(columns: {available}); set column= to the one that holds the text"
             )
-        return pf
+        return pf, raw
+
+
+def _close(raw: IO[bytes] | None) -> None:
+    if raw is not None:
+        raw.close()
 
 
 class _RowGroups:
@@ -60,7 +69,7 @@ class _RowGroups:
     def __init__(self, source: ReadParquet, path: str) -> None:
         self._op, self.path = source.operator_name, path
         self._wanted = source.column
-        self._file = source._open(path)
+        self._file, self._raw = source._open(path)
         meta = self._file.metadata
         self.rows = [meta.row_group(g).num_rows for g in range(self._file.num_row_groups)]
 
@@ -73,6 +82,7 @@ class _RowGroups:
 
     def close(self) -> None:
         self._file.close()
+        _close(self._raw)
 
     def __enter__(self) -> _RowGroups:
         return self
