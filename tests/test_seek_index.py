@@ -186,3 +186,17 @@ def test_an_unwritable_cache_is_an_error_not_another_plan(
     with pytest.raises(DataError, match=re.escape(message)) as info:
         ReadJsonl(str(path), split_bytes=50_000, label="web").splits()
     assert str(info.value).endswith("set ZEPHON_CACHE_DIR to a writable directory")
+
+
+def test_the_plan_is_the_same_from_a_fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, data in [
+        ("a.jsonl.gz", gzip.compress(jsonl(docs(3000)))),
+        ("b.jsonl.zst", zstd_frames(jsonl(docs(900)), 9000)),
+    ]:
+        (tmp_path / name).write_bytes(data)
+    plans = []
+    for cache in ("one", "two"):
+        monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / cache))
+        source = ReadJsonl(str(tmp_path / "*.jsonl.*"))
+        plans.append([source.splits(lanes) for lanes in (1, 4, 16)])
+    assert plans[0] == plans[1]
