@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from zephon_flow.errors import DataError
-from zephon_flow.operators._column import ColumnSource, column_rows
-from zephon_flow.operators.splits import START, Record, Split
+from zephon_flow.operators import files
+from zephon_flow.operators._column import ColumnSource
 
 _FILE_MAGIC = b"ARROW1"
 _FEATHER_V1_MAGIC = b"FEA1"
@@ -24,9 +23,10 @@ class ReadArrow(ColumnSource):
     batch ``b`` reads the metadata of the batches before it; the file is memory-mapped, so that
     costs no data copy). Feather v1 files are refused.
 
-    - **Splits**: ``Split(path, b, b + 1)`` for record batch ``b``, listed in file order.
-    - **Positions**: the number of rows of that batch already consumed; a record's ``offset`` is
-      its row in the batch.
+    - **Splits**: row ranges of a file (see ``ColumnSource``): small record batches are
+      grouped, batches bigger than a split are cut into row ranges.
+    - **Positions**: the file row of the next row to read; a record's ``offset`` is its file
+      row, its ``where`` names the batch and the row in it.
     - **Documents**: only ``column`` is read; null and empty values give no document.
     - **Epochs**: ``epochs=None`` reads forever, each epoch dealing the batches anew; with a
       number, a lane's stream of this source ends after that many passes.
@@ -36,27 +36,10 @@ class ReadArrow(ColumnSource):
       string (naming the batch and row). ``on_error="skip"`` lets the runner drop such records.
     """
 
-    # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
-        splits: list[Split] = []
-        for path in paths:
-            with _IpcFile(self, path) as f:
-                n = f.num_batches()
-            splits.extend(Split(path, b, b + 1) for b in range(n))
-        return splits
+    unit_name = "record batch"
 
-    # -- reading -----------------------------------------------------------------------
-    def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
-        batch = split.start
-        with _IpcFile(self, split.path) as f:
-            values = f.column_of_batch(batch)
-        first = 0 if position == START else position
-        if not 0 <= first <= len(values):
-            raise DataError(
-                f"{self.operator_name}: cannot resume record batch {batch} of {split.path} at row "
-                f"{first}: it holds {len(values)} rows; did the file change since the checkpoint?"
-            )
-        return column_rows(split.path, f"record batch {batch}", values, first)
+    def open_units(self, path: str) -> _IpcFile:
+        return _IpcFile(self, path)
 
 
 class _IpcFile:
@@ -64,14 +47,22 @@ class _IpcFile:
 
     def __init__(self, source: ReadArrow, path: str) -> None:
         self._op, self._column, self.path = source.operator_name, source.column, path
-        self._map: pa.MemoryMappedFile | None = None
+        self._map: pa.NativeFile | None = None
+        self._open()
 
     def __enter__(self) -> _IpcFile:
+        return self
+
+    def _open(self) -> None:
+        """Maps the file, reads its schema and its batches' row counts."""
         path = self.path
         try:
-            if os.path.getsize(path) == 0:
+            if files.size(path, operator=self._op) == 0:
                 raise DataError(f"{self._op}: {path} is empty (0 bytes), not an Arrow IPC file")
-            self._map = pa.memory_map(path)
+            if files.is_local(path):
+                self._map = pa.memory_map(files.local_path(path))
+            else:
+                self._map = pa.PythonFile(files.open_binary(path, operator=self._op), mode="r")
             head = self._map.read(len(_FILE_MAGIC))
             self._map.seek(0)
             if head.startswith(_FEATHER_V1_MAGIC):
@@ -91,7 +82,18 @@ class _IpcFile:
             self.__exit__()
             raise
         self._index = self._column_index(self._reader.schema)
-        return self
+        self._stream_batches: list[pa.RecordBatch] = []
+        try:
+            if self._is_file:
+                n = int(self._reader.num_record_batches)
+                self.rows = [self._batch(b).num_rows for b in range(n)]
+            else:
+                # Memory-mapped: the batches reference the map, reading them copies no data.
+                self._stream_batches = list(self._batches())
+                self.rows = [rb.num_rows for rb in self._stream_batches]
+        except DataError:
+            self.__exit__()
+            raise
 
     def __exit__(self, *_: object) -> None:
         if self._map is not None:
@@ -110,36 +112,19 @@ class _IpcFile:
             )
         return names.index(self._column)
 
-    def num_batches(self) -> int:
-        if self._is_file:
-            return int(self._reader.num_record_batches)
-        n = 0
-        for _ in self._batches():
-            n += 1
-        return n
+    def column(self, batch: int) -> pa.Array:
+        """The source's column of record batch ``batch``."""
+        rb = self._batch(batch) if self._is_file else self._stream_batches[batch]
+        return rb.column(self._index)
 
-    def column_of_batch(self, batch: int) -> pa.Array:
-        """The source's column of record batch ``batch``, refusing a batch that is not there."""
-        found: pa.RecordBatch | None = None
-        if self._is_file:
-            n = int(self._reader.num_record_batches)
-            if 0 <= batch < n:
-                try:
-                    found = self._reader.get_batch(batch)
-                except (OSError, pa.ArrowException) as exc:
-                    raise self._unreadable(batch, exc) from exc
-        else:
-            n = 0
-            for n, rb in enumerate(self._batches(), 1):
-                if n - 1 == batch:
-                    found = rb
-                    break
-        if found is None:
-            raise DataError(
-                f"{self._op}: {self.path} has no record batch {batch} (it has {n}); "
-                "did the file change since the splits were listed?"
-            )
-        return found.column(self._index)
+    def close(self) -> None:
+        self.__exit__()
+
+    def _batch(self, batch: int) -> pa.RecordBatch:
+        try:
+            return self._reader.get_batch(batch)
+        except (OSError, pa.ArrowException) as exc:
+            raise self._unreadable(batch, exc) from exc
 
     def _batches(self) -> Iterator[pa.RecordBatch]:
         """The record batches of a stream, in order, naming the batch that cannot be read."""

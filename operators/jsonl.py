@@ -2,38 +2,52 @@
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
-import os
+import logging
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import IO, Any
 
+import indexed_gzip
 import zstandard
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import _plan, files, seek_index
+from zephon_flow.operators._plan import PLAN_VERSION
+from zephon_flow.operators.seek_index import SeekIndex
 from zephon_flow.operators.splits import START, Record, Source, Split
 
-if TYPE_CHECKING:
-    from _typeshed import WriteableBuffer
-
-#: Suffixes of files that cannot be entered in the middle: each is one split, counted in lines.
+#: Suffixes of compressed files, entered mid-file through a seek index (``seek_index``).
 COMPRESSED_SUFFIXES = (".gz", ".zst")
+#: The smallest byte range an automatic plan cuts (decompressed bytes for compressed files).
+MIN_SPLIT_BYTES = 256 * 1024
 
 # What a damaged compressed stream raises besides OSError (gzip.BadGzipFile is an OSError).
-_DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+_DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError, indexed_gzip.ZranError)
 _CHUNK = 1 << 16
+_log = logging.getLogger("zephon_flow.sources")
 
 
 class ReadJsonl(Source):
     """Documents from the string field ``field`` of JSON objects, one object per line.
 
-    A plain file is dealt in byte ranges of about ``split_bytes``. A range ``[start, stop)`` owns
-    the lines whose first byte lies in it, so ranges are cut without scanning the file, and a
-    position is the byte offset of the next line to read. A ``.gz`` or ``.zst`` file cannot be
-    entered in the middle: it is one split ``[0, 0)`` whose position counts the lines consumed.
-    Lines holding only whitespace are skipped; an empty ``field`` gives no document.
+    - **Splits**: byte ranges ``[start, stop)``, sized from the total of all files and the lane
+      count (about ``SPLITS_PER_LANE`` per lane, at least ``MIN_SPLIT_BYTES``), or exactly
+      ``split_bytes`` when given. A range owns the lines whose first byte lies in it, so ranges
+      are cut without scanning the file; a split looks for its first line start only up to its
+      ``stop``, so a line longer than many splits is read once, by the split it starts in.
+    - **Compressed** (``.gz``, ``.zst``): the ranges are of decompressed bytes, cut at the seek
+      points of the file's cached seek index (``seek_index``: zstd frames, a zran index for
+      gzip). A file without seek points (one zstd frame, a damaged stream) is one split
+      ``[0, 0)`` weighted by its decompressed size (its size on disk if unknown), which the
+      dealer shares among lanes by stride; a warning names the file and why. A compressed
+      range owns the lines starting in ``(start, stop]`` (the first range also the line at 0),
+      so it opens at its seek point and never needs the byte before it.
+    - **Positions**: the (decompressed) byte offset of the next line to read; resuming seeks
+      there (from the nearest seek point for a compressed file). A record's ``offset`` is the
+      byte offset of its line.
+    - Lines holding only whitespace are skipped; an empty ``field`` gives no document.
     """
 
     def __init__(
@@ -41,7 +55,7 @@ class ReadJsonl(Source):
         pattern: str,
         *,
         field: str = "text",
-        split_bytes: int = 4 * 1024 * 1024,
+        split_bytes: int | None = None,
         epochs: int | None = None,
         on_error: str = "raise",
         label: str | None = None,
@@ -50,91 +64,131 @@ class ReadJsonl(Source):
         name = type(self).__name__
         if not isinstance(field, str) or not field:
             raise SpecError(f"{name}: field must be a non-empty string, got {field!r}")
-        if isinstance(split_bytes, bool) or not isinstance(split_bytes, int) or split_bytes < 1:
-            raise SpecError(f"{name}: split_bytes must be a positive integer, got {split_bytes!r}")
+        if split_bytes is not None and (
+            isinstance(split_bytes, bool) or not isinstance(split_bytes, int) or split_bytes < 1
+        ):
+            raise SpecError(f"{name}: split_bytes must be a positive integer or None, got {split_bytes!r}")
         self.field = field
         self.split_bytes = split_bytes
+        #: Files left out at listing under ``on_error="skip"``.
+        self.skipped_files: list[str] = []
+        self._indexes: dict[str, SeekIndex] = {}
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "field": self.field, "split_bytes": self.split_bytes}
+        return {
+            **super().params(),
+            "field": self.field,
+            "split_bytes": self.split_bytes,
+            "split_plan": PLAN_VERSION,
+        }
 
     # -- listing -----------------------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
+        skipped: list[str] = []
+        listed = files.list_each(
+            paths, self._list_file, on_error=self.on_error, operator=self.operator_name, skipped=skipped
+        )
+        self.skipped_files = skipped
+        total = sum(weight for _, weight, _ in listed)
+        size = self.split_bytes or _plan.target(total, lanes, MIN_SPLIT_BYTES)
         splits: list[Split] = []
-        for path in paths:
-            size = self._size(path)
-            if size == 0:
-                raise DataError(
-                    f"{self.operator_name}: {path} is empty (0 bytes); "
-                    f"remove it or narrow the glob {self.pattern!r}"
-                )
-            if _is_compressed(path):
-                splits.append(Split(path, 0, 0))
+        for path, weight, bounds in listed:
+            if bounds is None:  # compressed, no seek points: one split, shared by stride
+                splits.append(Split(path, 0, 0, weight))
+                if weight > size:  # heavier than a split should be: say what it costs, once
+                    _log.warning(
+                        "%s: %s is read whole (%s); lanes share it by stride, each decompressing all of it",
+                        self.operator_name,
+                        path,
+                        self._index(path).reason,
+                    )
+            elif self.split_bytes is not None and not _is_compressed(path):
+                splits.extend(Split(path, s, min(s + size, weight)) for s in range(0, weight, size))
             else:
-                step = self.split_bytes
-                splits.extend(Split(path, s, min(s + step, size)) for s in range(0, size, step))
+                refine = not _is_compressed(path)
+                splits.extend(Split(path, a, b) for a, b in _plan.ranges(bounds, size, refine=refine))
         return splits
 
-    def _size(self, path: str) -> int:
-        try:
-            return os.path.getsize(path)
-        except OSError as exc:
-            raise self._unreadable(path, exc) from exc
+    def _list_file(self, path: str) -> list[tuple[str, int, list[int] | None]]:
+        """``(path, weight, allowed cut points or None)``; refuses an empty file."""
+        info = files.stat(path, operator=self.operator_name)
+        if info.size == 0:
+            raise DataError(
+                f"{self.operator_name}: {path} is empty (0 bytes); "
+                f"remove it or narrow the glob {self.pattern!r}"
+            )
+        if not _is_compressed(path):
+            return [(path, info.size, [0, info.size])]
+        index = self._index(path)
+        if not index.splittable:
+            return [(path, index.size if index.size > 0 else info.size, None)]
+        return [(path, index.size, [d for _, d in index.points] + [index.size])]
+
+    def _index(self, path: str) -> SeekIndex:
+        index = self._indexes.get(path)
+        if index is None:
+            index = seek_index.index_for(path, operator=self.operator_name)
+            self._indexes = {**self._indexes, path: index}  # assigned whole: feeds list concurrently
+        return index
 
     # -- reading -----------------------------------------------------------------------
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
-        if _is_compressed(split.path):
-            return self._read_compressed(split.path, position)
-        return self._read_range(split, position)
-
-    def _read_range(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
-        """Lines starting in ``[split.start, split.stop)``; positions are byte offsets."""
+        whole = split.stop <= split.start
+        stop = sys.maxsize if whole else split.stop
         if position != START and position < split.start:
             raise DataError(
                 f"{self.operator_name}: position {position} lies before the split "
-                f"[{split.start}, {split.stop}) of {split.path}"
+                f"[{split.start}, {split.stop}) of {split.path}; did the file change since the checkpoint?"
             )
-        try:
-            with open(split.path, "rb") as fh:
-                if position != START:
-                    pos = position
-                    fh.seek(pos)
-                elif split.start == 0:
-                    pos = 0
-                else:
-                    # The line running through byte start-1 belongs to the previous split.
-                    fh.seek(split.start - 1)
-                    pos = split.start - 1 + len(fh.readline())
-                if pos >= split.stop:
-                    return
-                for line in fh:
-                    offset, pos = pos, pos + len(line)
-                    if line.strip():
-                        yield pos, Record(line.removesuffix(b"\n"), split.path, f"byte {offset}", offset)
-                    if pos >= split.stop:
-                        return
-        except OSError as exc:
-            raise self._unreadable(split.path, exc) from exc
+        if whole and _is_compressed(split.path) and position != START:
+            size = self._index(split.path).size
+            if 0 <= size < position:
+                raise DataError(
+                    f"{self.operator_name}: cannot resume {split.path} at decompressed byte {position}: "
+                    f"it holds only {size} bytes; did the file change since the checkpoint?"
+                )
+        return self._lines(split, position, stop)
 
-    def _read_compressed(self, path: str, position: int) -> Iterator[tuple[int, Record]]:
-        """Every line of a compressed file; positions count lines (resuming re-reads the skip)."""
-        if position != START and position < 0:
-            raise DataError(f"{self.operator_name}: position {position} is not a line count ({path})")
-        skip = 0 if position == START else position
-        n = 0
+    def _lines(self, split: Split, position: int, stop: int) -> Iterator[tuple[int, Record]]:
+        """The split's lines, from one reader; positions are (decompressed) byte offsets.
+
+        A plain range owns the lines starting in ``[start, stop)``, a compressed one those
+        starting in ``(start, stop]`` (the first from 0): its start is a seek point, so
+        the reader opens there and the byte before it is never needed.
+        """
+        path = split.path
+        compressed = _is_compressed(path)
+        unit = "decompressed byte" if compressed else "byte"
+        lo, hi = split.start, stop
+        if compressed:
+            lo, hi = (split.start + 1 if split.start else 0), stop + 1
+        pos, n = (lo if position == START else position), 0
         try:
-            with _open_compressed(path) as fh:
-                for line in fh:
-                    n += 1
-                    if n > skip and line.strip():
-                        yield n, Record(line.removesuffix(b"\n"), path, f"line {n}", n)
+            with self._open_at(path, pos - 1 if position == START and lo > 0 else pos) as fh:
+                if position == START and lo > 0:
+                    pos = _after_newline(fh, lo - 1, hi)  # the line through byte lo-1 is not ours
+                for line in fh if pos < hi else ():
+                    offset, pos, n = pos, pos + len(line), n + 1
+                    if line.strip():
+                        yield pos, Record(line.removesuffix(b"\n"), path, f"{unit} {offset}", offset)
+                    if pos >= hi:
+                        return
         except _DECOMPRESSION_ERRORS as exc:
-            raise self._unreadable(path, exc) from exc
-        if n < skip:
+            if not compressed:
+                raise self._unreadable(path, exc) from exc
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise DataError(
-                f"{self.operator_name}: cannot resume {path} after line {skip}: it holds only "
-                f"{n} lines; did the file change since the checkpoint?"
-            )
+                f"{self.operator_name}: cannot read {path}: {reason or type(exc).__name__}, at "
+                f"decompressed byte {pos} (after line {n} of the split from decompressed byte "
+                f"{split.start}); the file is truncated or damaged there"
+            ) from exc
+
+    def _open_at(self, path: str, offset: int) -> IO[bytes]:
+        if not _is_compressed(path):
+            fh = files.open_binary(path, operator=self.operator_name)
+            fh.seek(offset)
+            return fh
+        return seek_index.open_at(path, self._index(path), offset, operator=self.operator_name)
 
     def _unreadable(self, path: str, exc: BaseException) -> DataError:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -175,65 +229,21 @@ class ReadJsonl(Source):
         return [value] if value else []
 
 
+def _after_newline(fh: IO[bytes], pos: int, hi: int) -> int:
+    """Reads from ``pos`` through the next newline, never past ``hi``: the offset after it, or
+    ``hi`` when no line starts before ``hi`` (so a huge line is not read by every split in it)."""
+    while pos < hi:
+        part = fh.readline(min(_CHUNK, hi - pos))
+        if not part:
+            return hi
+        pos += len(part)
+        if part.endswith(b"\n"):
+            return pos
+    return hi
+
+
 def _is_compressed(path: str) -> bool:
     return path.endswith(COMPRESSED_SUFFIXES)
-
-
-def _open_compressed(path: str) -> io.BufferedIOBase:
-    """A buffered reader of the decompressed bytes of a ``.gz`` or ``.zst`` file."""
-    if path.endswith(".gz"):
-        return gzip.GzipFile(path, "rb")
-    return io.BufferedReader(_ZstdReader(path), buffer_size=_CHUNK)
-
-
-class _ZstdReader(io.RawIOBase):
-    """The decompressed bytes of every frame of a zstd file, refusing a truncated last frame.
-
-    ``zstandard``'s own ``stream_reader`` ends quietly when the file stops inside a frame, which
-    would drop the file's tail without a word; this reader raises ``ZstdError`` instead.
-    """
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
-        self._dctx = zstandard.ZstdDecompressor()
-        self._frame = self._dctx.decompressobj()
-        self._in_frame = False  # bytes of the current frame have been fed
-        self._out = memoryview(b"")  # decompressed, not yet handed out
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: WriteableBuffer) -> int:
-        while not self._out:
-            chunk = self._file.read(_CHUNK)
-            if not chunk:
-                if self._in_frame:
-                    raise zstandard.ZstdError("the file ends inside a frame (truncated?)")
-                return 0
-            self._out = memoryview(self._feed(chunk))
-        target = memoryview(buffer).cast("B")
-        n = min(len(target), len(self._out))
-        target[:n] = self._out[:n]
-        self._out = self._out[n:]
-        return n
-
-    def _feed(self, chunk: bytes) -> bytes:
-        parts = []
-        while chunk:
-            parts.append(self._frame.decompress(chunk))
-            self._in_frame = True
-            if not self._frame.eof:
-                break
-            # A frame ended inside the chunk: the rest starts the next frame.
-            chunk = self._frame.unused_data
-            self._frame = self._dctx.decompressobj()
-            self._in_frame = False
-        return b"".join(parts)
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
 
 
 def _json_type(value: Any) -> str:

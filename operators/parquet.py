@@ -2,76 +2,90 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator, Sequence
+from typing import IO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from zephon_flow.errors import DataError
-from zephon_flow.operators._column import ColumnSource, column_rows
-from zephon_flow.operators.splits import START, Record, Split
+from zephon_flow.operators import files
+from zephon_flow.operators._column import ColumnSource
 
 
 class ReadParquet(ColumnSource):
-    """Documents from the string column ``column``, dealt one row group per split.
+    """Documents from the string column ``column`` of Parquet files, in row ranges.
 
-    A split is ``Split(path, g, g + 1)`` for row group ``g``; a position counts the rows of that
-    group already consumed. Only ``column`` is read. Null and empty values give no document.
+    Splits are row ranges of a file (see ``ColumnSource``): small row groups are grouped, and
+    row groups bigger than a split are cut into ranges; such a split reads its group's column
+    (only ``column``) and keeps its range, so a group cut in ``k`` is decoded ``k`` times per
+    pass. Errors name the row group and its row. Null and empty values give no document.
     """
 
-    # -- listing -----------------------------------------------------------------------
-    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
-        splits: list[Split] = []
-        for path in paths:
-            with self._open(path) as pf:
-                groups = pf.num_row_groups
-            splits.extend(Split(path, g, g + 1) for g in range(groups))
-        return splits
+    unit_name = "row group"
 
-    def _open(self, path: str) -> pq.ParquetFile:
-        """The file, its footer read and its schema checked for ``column``."""
+    def open_units(self, path: str) -> _RowGroups:
+        return _RowGroups(self, path)
+
+    def _open(self, path: str) -> tuple[pq.ParquetFile, IO[bytes] | None]:
+        """The file, its footer read and its schema checked for ``column``; and for a remote
+        file the handle it reads through (the caller closes both)."""
+        raw: IO[bytes] | None = None
         try:
-            if os.path.getsize(path) == 0:
+            if files.size(path, operator=self.operator_name) == 0:
                 raise DataError(f"{self.operator_name}: {path} is empty (0 bytes), not a Parquet file")
-            pf = pq.ParquetFile(path)
+            if not files.is_local(path):
+                raw = files.open_binary(path, operator=self.operator_name)
+            pf = pq.ParquetFile(raw if raw is not None else files.local_path(path))
         except OSError as exc:
+            _close(raw)
+            if exc.errno is None:  # pyarrow's own IOError: a damaged footer, not the OS
+                raise DataError(
+                    f"{self.operator_name}: {path} is not a readable Parquet file: {exc}"
+                ) from exc
             raise DataError(f"{self.operator_name}: cannot read {path}: {exc.strerror or exc}") from exc
         except pa.ArrowException as exc:
+            _close(raw)
             raise DataError(f"{self.operator_name}: {path} is not a readable Parquet file: {exc}") from exc
         names: list[str] = pf.schema_arrow.names
         if self.column not in names:
             pf.close()
+            _close(raw)
             available = ", ".join(repr(n) for n in names) or "none"
             raise DataError(
                 f"{self.operator_name}: {path} has no column {self.column!r} "
                 f"(columns: {available}); set column= to the one that holds the text"
             )
-        return pf
+        return pf, raw
 
-    # -- reading -----------------------------------------------------------------------
-    def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
-        group = split.start
-        values = self._read_group(split.path, group)
-        first = 0 if position == START else position
-        if not 0 <= first <= len(values):
-            raise DataError(
-                f"{self.operator_name}: cannot resume row group {group} of {split.path} at row "
-                f"{first}: it holds {len(values)} rows; did the file change since the checkpoint?"
-            )
-        return column_rows(split.path, f"row group {group}", values, first)
 
-    def _read_group(self, path: str, group: int) -> pa.ChunkedArray:
-        with self._open(path) as pf:
-            if not 0 <= group < pf.num_row_groups:
-                raise DataError(
-                    f"{self.operator_name}: {path} has no row group {group} (it has "
-                    f"{pf.num_row_groups}); did the file change since the splits were listed?"
-                )
-            try:
-                table = pf.read_row_group(group, columns=[self.column])
-            except (OSError, pa.ArrowException) as exc:
-                raise DataError(
-                    f"{self.operator_name}: cannot read row group {group} of {path}: {exc}"
-                ) from exc
+def _close(raw: IO[bytes] | None) -> None:
+    if raw is not None:
+        raw.close()
+
+
+class _RowGroups:
+    """An open Parquet file as units: its row groups' row counts and ``column`` of each."""
+
+    def __init__(self, source: ReadParquet, path: str) -> None:
+        self._op, self.path = source.operator_name, path
+        self._wanted = source.column
+        self._file, self._raw = source._open(path)
+        meta = self._file.metadata
+        self.rows = [meta.row_group(g).num_rows for g in range(self._file.num_row_groups)]
+
+    def column(self, group: int) -> pa.ChunkedArray:
+        try:
+            table = self._file.read_row_group(group, columns=[self._wanted])
+        except (OSError, pa.ArrowException) as exc:
+            raise DataError(f"{self._op}: cannot read row group {group} of {self.path}: {exc}") from exc
         return table.column(0)
+
+    def close(self) -> None:
+        self._file.close()
+        _close(self._raw)
+
+    def __enter__(self) -> _RowGroups:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

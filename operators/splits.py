@@ -10,8 +10,6 @@ out (``read_split``), the same records in the same order every time.
 
 from __future__ import annotations
 
-import glob as globlib
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +17,7 @@ from typing import Any
 import apache_beam as beam
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import files
 
 #: A position inside one split: an integer whose meaning is the source's (a byte offset, a
 #: record number). ``START`` means "at the beginning of the split".
@@ -55,31 +54,22 @@ class Record:
     payload: Any
     path: str
     where: str  # human-readable location for errors: "byte 1234", "line 7", "row group 2 row 5"
-    #: Where the record is inside its split, as the source counts it (the byte offset of a
-    #: JSONL line, the line number in a compressed file, the row in a row group, the sample
-    #: number in a tar shard). With the source and the split index it identifies the
-    #: document in provenance.
+    #: Where the record is, as the source counts it: the byte offset of a plain JSONL line,
+    #: the decompressed byte offset of a compressed one, the file's row for Parquet and Arrow,
+    #: the sample number in a tar shard, the file's number in the glob for text files. With the
+    #: source and the split index it identifies the document in provenance.
     offset: int
 
 
 def expand_glob(pattern: str, *, operator: str) -> list[str]:
-    """The files matching ``pattern``, sorted; refuses a pattern that matches nothing."""
-    paths = sorted(p for p in globlib.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
-    if not paths:
-        raise SpecError(f"{operator}: the glob {pattern!r} matches no file")
-    return paths
+    """The files matching ``pattern``, sorted (local or remote, see ``files``); refuses a
+    pattern that matches nothing."""
+    return files.expand_glob(pattern, operator=operator)
 
 
 def relative_name(path: str, pattern: str) -> str:
     """The path relative to the fixed (non-wildcard) directory prefix of ``pattern``."""
-    fixed = []
-    for part in os.path.expanduser(pattern).split(os.sep):
-        if globlib.has_magic(part):
-            break
-        fixed.append(part)
-    root = os.sep.join(fixed)
-    root = root if os.path.isdir(root) else os.path.dirname(root)
-    return os.path.relpath(path, root or ".")
+    return files.relative_name(path, pattern)
 
 
 class Source(beam.PTransform):  # type: ignore[misc]
@@ -183,7 +173,4 @@ class Source(beam.PTransform):  # type: ignore[misc]
 
 
 def _size(path: str, operator: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError as exc:
-        raise DataError(f"{operator}: cannot read {path}: {exc.strerror}") from exc
+    return files.size(path, operator=operator)

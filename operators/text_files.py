@@ -9,7 +9,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import _plan, files
 from zephon_flow.operators.splits import START, Record, Source, Split
+
+#: The fewest files an automatic plan puts in a split.
+MIN_SPLIT_FILES = 1
 
 #: Where a text file's record says it is: the file is the record.
 WHOLE_FILE = "(the whole file)"
@@ -24,12 +28,15 @@ class ReadTextFiles(Source):
     Meant for corpora of many small files (one article, one source file each). Files ending in
     ``.gz`` are decompressed. The text is decoded with ``encoding`` (strictly; no replacement).
 
-    - **Splits**: one per file, ``Split(path, 0, 1)``, listed once from the sorted glob; listing
-      opens no file (the glob and the pipeline fingerprint stat each file once, at start).
-    - **Positions**: ``START`` (the file is still to read) or ``1`` (it was read); a record's
-      ``offset`` is always 0.
-    - **Reading**: ``read_split`` only names the file; ``decode``, which runs in parallel on the
-      backend's workers, opens and reads it. So the lane's feed never waits on file I/O, and
+    - **Splits**: runs of consecutive files of the sorted glob, dealt like records: about the
+      file count over ``SPLITS_PER_LANE`` splits per lane, so 10,000 files and 2 lanes make 16
+      runs, and one file per split only when files are few. ``Split(first_path, i, j)``
+      covers files ``i..j-1`` of the glob, weighted by their count; listing opens and stats
+      no file.
+    - **Positions**: the number of the next file of the glob to read (files consumed); a
+      record's ``offset`` is its file's number in the glob.
+    - **Reading**: ``read_split`` only names the files; ``decode``, which runs in parallel on the
+      backend's workers, opens and reads each. So the lane's feed never waits on file I/O, and
       a file is opened exactly once per epoch, with no other system call about it.
     - **Documents**: a file whose decoded text is empty (e.g. a ``.gz`` of nothing) gives none.
     - **Epochs**: ``epochs=None`` reads forever, each epoch dealing the files anew; with a number,
@@ -58,20 +65,33 @@ class ReadTextFiles(Source):
         self.encoding = encoding
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "encoding": self.encoding}
+        return {**super().params(), "encoding": self.encoding, "split_plan": _plan.PLAN_VERSION}
 
     # -- listing and reading -------------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
-        return [Split(path, 0, 1) for path in paths]
+        size = _plan.target(len(paths), lanes, MIN_SPLIT_FILES)
+        bounds = list(range(len(paths) + 1))
+        return [Split(paths[i], i, j) for i, j in _plan.ranges(bounds, size, refine=False)] if paths else []
 
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
-        if position not in (START, 1):
+        paths = self.paths()
+        first = split.start if position == START else position
+        if not split.start <= first <= split.stop:
             raise DataError(
-                f"{self.operator_name}: cannot resume {split.path} at position {position}: "
-                "a file is one document, so the only position after its start is 1"
+                f"{self.operator_name}: cannot resume files [{split.start}, {split.stop}) from "
+                f"{split.path} at file {first}; did the files change since the checkpoint?"
             )
-        if position == START:
-            yield 1, Record(None, split.path, WHOLE_FILE, 0)
+        if split.stop > len(paths) or paths[split.start] != split.path:
+            raise DataError(
+                f"{self.operator_name}: file {split.start} of {self.pattern!r} is no longer "
+                f"{split.path}; did the files change since the splits were listed?"
+            )
+        return self._files(paths, first, split.stop)
+
+    @staticmethod
+    def _files(paths: list[str], first: int, stop: int) -> Iterator[tuple[int, Record]]:
+        for k in range(first, stop):
+            yield k + 1, Record(None, paths[k], WHOLE_FILE, k)
 
     # -- decoding (runs in workers on a pickled copy of this transform) ------------------
     def decode(self, record: Record, operator: str) -> list[Any]:
@@ -90,7 +110,7 @@ class ReadTextFiles(Source):
     @staticmethod
     def _read(path: str, operator: str) -> bytes:
         try:
-            with open(path, "rb") as fh:
+            with files.open_binary(path, operator=operator) as fh:
                 raw = fh.read()
             if not raw:
                 raise DataError(

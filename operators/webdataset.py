@@ -9,8 +9,11 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import _plan, files
 from zephon_flow.operators.splits import START, Record, Source, Split
 
+#: The fewest samples an automatic plan puts in a split.
+MIN_SPLIT_SAMPLES = 16
 _BLOCK = tarfile.BLOCKSIZE
 _COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ": "xz"}
 
@@ -54,13 +57,16 @@ class ReadWebDataset(Source):
     ignored. Shards must be uncompressed tar files (a compressed stream cannot be entered in the
     middle).
 
-    - **Splits**: runs of ``samples_per_split`` samples: ``Split(shard, first, stop)`` counts
-      samples. ``make_splits`` reads every member *header* of every shard once (not the data)
-      and keeps the byte offset of each split's first member, so ``read_split`` seeks straight
-      to it.
+    - **Splits**: runs of samples, ``Split(shard, first, stop)`` counting samples, sized from the
+      total sample count and the lane count (about ``SPLITS_PER_LANE`` per lane, at least
+      ``MIN_SPLIT_SAMPLES``; equal runs within a shard), or exactly ``samples_per_split``
+      when given. ``make_splits`` reads every member *header* of every shard once (not the
+      data) and keeps the byte offset of each split's first member, so ``read_split`` seeks
+      straight to it. Under ``on_error="skip"`` a shard that cannot be listed (zero bytes,
+      not a tar) is left out with a warning naming it.
     - **Positions**: the number of the next sample in the shard; a record's ``offset`` is its
       sample number in the shard. Resuming inside a split re-reads the headers (never the
-      data) of the samples before the position, at most ``samples_per_split``.
+      data) of the samples before the position, at most one split's.
     - **Epochs**: ``epochs=None`` reads forever, each epoch dealing the splits anew; with a
       number, a lane's stream of this source ends after that many passes.
     - **Errors** (``DataError``, naming the shard and this operator): at listing, a zero-byte
@@ -78,7 +84,7 @@ class ReadWebDataset(Source):
         *,
         fields: Sequence[str] = ("jpg", "txt"),
         text_fields: Sequence[str] = ("txt",),
-        samples_per_split: int = 100,
+        samples_per_split: int | None = None,
         epochs: int | None = None,
         on_error: str = "raise",
         label: str | None = None,
@@ -93,18 +99,22 @@ class ReadWebDataset(Source):
         for ext in self.text_fields:
             if ext not in wanted:
                 raise SpecError(f"{name}: text_fields names {ext!r}, which is not among fields {fields!r}")
-        if (
+        if samples_per_split is not None and (
             isinstance(samples_per_split, bool)
             or not isinstance(samples_per_split, int)
             or samples_per_split < 1
         ):
             raise SpecError(
-                f"{name}: samples_per_split must be a positive integer, got {samples_per_split!r}"
+                f"{name}: samples_per_split must be a positive integer or None, got {samples_per_split!r}"
             )
         self.samples_per_split = samples_per_split
         self._wanted = frozenset(wanted)
-        #: Per shard, the byte offset of the first member of each of its splits.
-        self._offsets: dict[str, list[int]] | None = None
+        #: Files left out at listing under ``on_error="skip"``.
+        self.skipped_files: list[str] = []
+        #: Per shard, the byte offset of the first member of each of its splits, by sample.
+        self._offsets: dict[str, dict[int, int]] | None = None
+        #: Every sample's offset, for shards whose splits were listed elsewhere.
+        self._walked: dict[str, list[int]] = {}
 
     def params(self) -> dict[str, Any]:
         return {
@@ -112,27 +122,44 @@ class ReadWebDataset(Source):
             "fields": [";".join(alternatives) for alternatives in self.fields],
             "text_fields": list(self.text_fields),
             "samples_per_split": self.samples_per_split,
+            "split_plan": _plan.PLAN_VERSION,
         }
 
     # -- listing -----------------------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
+        skipped: list[str] = []
+        listed = files.list_each(
+            paths,
+            lambda p: [(p, self._index(p))],
+            on_error=self.on_error,
+            operator=self.operator_name,
+            skipped=skipped,
+        )
+        self.skipped_files = skipped
+        fixed = self.samples_per_split
+        step = fixed or _plan.target(sum(len(o) for _, o in listed), lanes, MIN_SPLIT_SAMPLES)
         splits: list[Split] = []
-        index: dict[str, list[int]] = {}
-        step = self.samples_per_split
-        for path in paths:
-            index[path], n = self._index(path)
-            splits.extend(Split(path, s, min(s + step, n)) for s in range(0, n, step))
-        self._offsets = index  # assigned whole: lanes' feeds may list concurrently
+        index: dict[str, dict[int, int]] = {}
+        for path, offsets in listed:
+            n = len(offsets)
+            if fixed:
+                runs = [(a, min(a + step, n)) for a in range(0, n, step)]
+            else:
+                runs = _plan.ranges([0, n], step, refine=True) if n else []
+            index[path] = {a: offsets[a] for a, _ in runs}
+            splits.extend(Split(path, a, b) for a, b in runs)
+        old = self._offsets or {}
+        # Assigned whole (lanes' feeds may list concurrently), keeping other plans' starts.
+        self._offsets = {**old, **{p: {**old.get(p, {}), **starts} for p, starts in index.items()}}
         return splits
 
-    def _index(self, path: str) -> tuple[list[int], int]:
-        """The first member's offset of every ``samples_per_split``-th sample, and the sample count.
+    def _index(self, path: str) -> list[int]:
+        """The offset of the first member of every sample of the shard.
 
         A damaged shard counts the sample at the damage too, so that its last split ends there
         and reading it raises the damage.
         """
         offsets: list[int] = []
-        n = 0
         with self._open(path) as (fh, size):
             if size == 0:
                 raise DataError(
@@ -141,14 +168,10 @@ class ReadWebDataset(Source):
                 )
             try:
                 for group in _Grouper(self, fh, path, size).groups(0, 0):
-                    if n % self.samples_per_split == 0:
-                        offsets.append(group.offset)
-                    n += 1
+                    offsets.append(group.offset)
             except _Damage as damage:
-                if n % self.samples_per_split == 0:
-                    offsets.append(damage.resume_offset)
-                n += 1
-        return offsets, n
+                offsets.append(damage.resume_offset)
+        return offsets
 
     # -- reading -----------------------------------------------------------------------
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
@@ -158,18 +181,25 @@ class ReadWebDataset(Source):
                 f"{self.operator_name}: cannot resume samples [{split.start}, {split.stop}) of "
                 f"{split.path} at sample {first}; did the shard change since the checkpoint?"
             )
-        if self._offsets is None:
-            self.splits()
-        index = self._offsets
-        assert index is not None
-        starts = index.get(split.path, [])
-        k = split.start // self.samples_per_split
-        if split.start % self.samples_per_split or k >= len(starts):
+        starts = (self._offsets or {}).get(split.path, {})
+        start = starts.get(split.start)
+        if start is None:  # listed for another lane count, or by another process
+            start = self._sample_offset(split.path, split.start)
+        if start is None:
             raise DataError(
                 f"{self.operator_name}: samples [{split.start}, {split.stop}) of {split.path} are "
                 "not a split of this source; did the shard change since the splits were listed?"
             )
-        return self._samples(split, starts[k], first)
+        return self._samples(split, start, first)
+
+    def _sample_offset(self, path: str, sample: int) -> int | None:
+        """The byte offset of sample ``sample``'s first member, from the shard's headers (walked
+        once per shard and kept)."""
+        offsets = self._walked.get(path)
+        if offsets is None:
+            offsets = self._index(path)
+            self._walked = {**self._walked, path: offsets}
+        return offsets[sample] if sample < len(offsets) else None
 
     def _samples(self, split: Split, start: int, first: int) -> Iterator[tuple[int, Record]]:
         path = split.path
@@ -285,9 +315,9 @@ class _OpenShard:
         self._fh: IO[bytes] | None = None
 
     def __enter__(self) -> tuple[IO[bytes], int]:
+        self._fh = files.open_binary(self._path, operator=self._op)
         try:
-            self._fh = open(self._path, "rb")
-            return self._fh, os.fstat(self._fh.fileno()).st_size
+            return self._fh, self._fh.seek(0, os.SEEK_END)
         except OSError as exc:
             self.__exit__()
             raise DataError(f"{self._op}: cannot read {self._path}: {exc.strerror or exc}") from exc

@@ -1,4 +1,4 @@
-"""Tests of ReadArrow: one split per record batch, IPC file and stream formats, resume, errors."""
+"""Tests of ReadArrow: row-range splits over record batches, IPC file and stream formats, resume, errors."""
 
 from __future__ import annotations
 
@@ -18,10 +18,17 @@ from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import _column
 from zephon_flow.operators.arrow import ReadArrow
 from zephon_flow.operators.splits import START, Record, Split
 
 OP = "ReadArrow('books')"
+
+
+@pytest.fixture(autouse=True)
+def fine_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small tables are cut as finely as big ones would be (no minimum split size)."""
+    monkeypatch.setattr(_column, "MIN_SPLIT_ROWS", 1)
 
 
 def write(path: Path, batches: list[dict[str, list[object]]], *, stream: bool = False) -> str:
@@ -47,16 +54,30 @@ def three_batches(path: Path, *, stream: bool = False) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_one_split_per_record_batch_read_in_order(tmp_path: Path, stream: bool) -> None:
+def test_row_ranges_over_batches_read_in_order(tmp_path: Path, stream: bool) -> None:
     path = three_batches(tmp_path / "a.arrow", stream=stream)
     source = ReadArrow(path)
-    assert source.splits() == [Split(path, 0, 1), Split(path, 1, 2), Split(path, 2, 3)]
-    assert read(source, source.splits()[1]) == [
-        (1, Record("doc 3", path, "record batch 1 row 0", 0)),
-        (2, Record("doc 4", path, "record batch 1 row 1", 1)),
+    # 9 rows, 1 lane: about 2 rows a split, cut at batch starts and inside the big batches.
+    assert [(s.start, s.stop) for s in source.splits()] == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 9)]
+    assert read(source, Split(path, 2, 6)) == [
+        (3, Record("doc 2", path, "record batch 0 row 2", 2)),
+        (4, Record("doc 3", path, "record batch 1 row 0", 3)),
+        (5, Record("doc 4", path, "record batch 1 row 1", 4)),
+        (6, Record("doc 5", path, "record batch 2 row 0", 5)),
     ]
     values = [r.payload for s in source.splits() for _, r in read(source, s)]
     assert values == texts(0, 9)
+
+
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+def test_many_small_batches_are_grouped_and_balanced(tmp_path: Path, lanes: int) -> None:
+    path = write(tmp_path / "a.arrow", [{"text": texts(i * 7, 7)} for i in range(100)])
+    source = ReadArrow(path)
+    splits = source.splits(lanes)
+    target = -(-700 // (8 * lanes))
+    assert max(s.cost for s in splits) <= 1.25 * target + 7
+    assert len(splits) >= min(100, 8 * lanes) * 0.6
+    assert [r.payload for s in splits for _, r in read(source, s)] == texts(0, 700)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -72,7 +93,7 @@ def test_resume_at_every_position_reproduces_the_rest(tmp_path: Path, stream: bo
 def test_resume_across_the_conversion_chunk(tmp_path: Path) -> None:
     path = write(tmp_path / "a.arrow", [{"text": texts(0, 9000)}])
     source = ReadArrow(path)
-    split = source.splits()[0]
+    split = Split(path, 0, 9000)
     items = read(source, split)
     assert [r.payload for _, r in items] == texts(0, 9000)
     for k in (0, 4095, 4096, 8999):
@@ -84,7 +105,7 @@ def test_feather_v2_with_compression_is_read(tmp_path: Path) -> None:
     table = pa.table({"n": list(range(5)), "body": texts(0, 5)})
     feather.write_feather(table, path, compression="zstd", chunksize=2)
     source = ReadArrow(path, column="body")
-    assert len(source.splits()) == 3
+    assert len(source.splits()) == 5  # 5 rows, 1 lane: one row a split
     docs = [t for s in source.splits() for _, r in read(source, s) for t in source.decode(r, OP)]
     assert docs == texts(0, 5)
 
@@ -93,13 +114,13 @@ def test_only_the_named_column_is_taken_and_large_strings_work(tmp_path: Path) -
     batch = {"id": [1, 2], "content": pa.array(["x", "y"], type=pa.large_string())}
     path = write(tmp_path / "a.arrow", [batch])
     source = ReadArrow(path, column="content")
-    assert [r.payload for _, r in read(source, source.splits()[0])] == ["x", "y"]
+    assert [r.payload for s in source.splits() for _, r in read(source, s)] == ["x", "y"]
 
 
 def test_nulls_and_empty_strings_give_no_document(tmp_path: Path) -> None:
     path = write(tmp_path / "a.arrow", [{"text": ["a", None, "", "d"]}])
     source = ReadArrow(path)
-    records = [r for _, r in read(source, source.splits()[0])]
+    records = [r for s in source.splits() for _, r in read(source, s)]
     assert [r.payload for r in records] == ["a", None, "", "d"]
     assert [t for r in records for t in source.decode(r, OP)] == ["a", "d"]
 
@@ -107,7 +128,7 @@ def test_nulls_and_empty_strings_give_no_document(tmp_path: Path) -> None:
 def test_non_string_values_name_the_file_batch_and_row(tmp_path: Path) -> None:
     path = write(tmp_path / "a.arrow", [{"text": [1, 2]}, {"text": [3, 4]}])
     source = ReadArrow(path, label="books")
-    record = read(source, source.splits()[1])[1][1]
+    record = read(source, Split(path, 2, 4))[1][1]
     message = f"{OP}: the column 'text' in {path} at record batch 1 row 1 holds a int, not a string"
     with pytest.raises(DataError, match=re.escape(message)):
         source.decode(record, OP)
@@ -184,20 +205,17 @@ def test_a_truncated_stream_names_the_batch(tmp_path: Path) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_that_is_gone_is_refused(tmp_path: Path, stream: bool) -> None:
     path = three_batches(tmp_path / "a.arrow", stream=stream)
-    message = f"{OP}: {path} has no record batch 7 (it has 3); did the file change"
+    message = f"{OP}: {path} holds 9 rows, not the 12 its splits were listed with; did the file change"
     with pytest.raises(DataError, match=re.escape(message)):
-        read(ReadArrow(path, label="books"), Split(path, 7, 8))
+        read(ReadArrow(path, label="books"), Split(path, 11, 12))
 
 
 def test_resume_beyond_the_batch_is_refused(tmp_path: Path) -> None:
     path = three_batches(tmp_path / "a.arrow")
     source = ReadArrow(path, label="books")
-    message = (
-        f"{OP}: cannot resume record batch 1 of {path} at row 3: it holds 2 rows; "
-        "did the file change since the checkpoint?"
-    )
+    message = f"{OP}: cannot resume rows [3, 5) of {path} at row 6; did the file change since the checkpoint?"
     with pytest.raises(DataError, match=re.escape(message)):
-        read(source, source.splits()[1], 3)
+        read(source, Split(path, 3, 5), 6)
 
 
 def test_vanished_file_is_refused(tmp_path: Path) -> None:
@@ -215,6 +233,7 @@ def test_params_and_option_checks() -> None:
         "epochs": 3,
         "on_error": "skip",
         "column": "content",
+        "split_plan": 2,
     }
     with pytest.raises(SpecError, match=re.escape("ReadArrow: column must be a non-empty string, got ''")):
         ReadArrow("d/*.arrow", column="")
@@ -266,3 +285,15 @@ def test_one_epoch_on_three_lanes_delivers_every_row_once(tmp_path: Path) -> Non
 
     batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
     assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))
+
+
+def test_listing_skips_a_file_that_is_not_arrow_under_skip(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = three_batches(tmp_path / "a.arrow")
+    bad = tmp_path / "b.arrow"
+    bad.write_bytes(b"")
+    source = ReadArrow(str(tmp_path / "*.arrow"), label="books", on_error="skip")
+    assert {s.path for s in source.splits()} == {good}
+    assert source.skipped_files == [str(bad)]
+    assert f"leaving out {bad} (on_error='skip'): {OP}: {bad} is empty (0 bytes)" in caplog.text

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import pickle
 import re
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import pytest
@@ -17,10 +19,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import files
+from zephon_flow.operators import jsonl as jsonl_module
 from zephon_flow.operators.jsonl import ReadJsonl
 from zephon_flow.operators.splits import START, Record, Split
 
 OP = "ReadJsonl('web')"
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seek indexes of this test's files go to its own cache directory."""
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "index-cache"))
 
 
 def write(path: Path, data: bytes) -> str:
@@ -136,38 +146,46 @@ def test_a_position_before_the_split_is_refused(tmp_path: Path) -> None:
 
 # -- compressed files ------------------------------------------------------------------------
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])
-def test_compressed_file_is_one_split_positioned_by_lines(tmp_path: Path, suffix: str) -> None:
+def test_small_compressed_file_is_one_split_positioned_by_decompressed_bytes(
+    tmp_path: Path, suffix: str
+) -> None:
     data = jsonl("a", "b") + b"  \n" + jsonl("", "d")
     path = write(tmp_path / f"a.jsonl{suffix}", compress(data, suffix))
     source = ReadJsonl(path)
-    assert source.splits() == [Split(path, 0, 0)]
+    assert source.splits() == [Split(path, 0, 0, len(data))]
     items = read_all(source)
-    assert [(pos, r.where) for pos, r in items] == [
-        (1, "line 1"),
-        (2, "line 2"),
-        (4, "line 4"),
-        (5, "line 5"),
-    ]
+    ends = [i + 1 for i, c in enumerate(data) if c == ord("\n")]
+    starts = [0, *ends[:-1]]
+    kept = [0, 1, 3, 4]  # the whitespace line (2) gives no record
+    assert [(pos, r.where) for pos, r in items] == [(ends[k], f"decompressed byte {starts[k]}") for k in kept]
     assert [t for _, r in items for t in source.decode(r, OP)] == ["a", "b", "d"]
     assert_resumes(source, source.splits()[0])
-    # Resuming at the whitespace line's count skips it like a fresh read does.
-    assert read(source, source.splits()[0], 3) == items[2:]
+    # Resuming at the whitespace line's start skips it like a fresh read does.
+    assert read(source, source.splits()[0], starts[2]) == items[2:]
 
 
-def test_zstd_file_of_several_frames_is_read_whole(tmp_path: Path) -> None:
+def test_zstd_file_of_several_frames_is_split_at_frames(tmp_path: Path) -> None:
     frames = [zstandard.ZstdCompressor().compress(jsonl(t)) for t in ("a", "b", "c")]
     path = write(tmp_path / "a.jsonl.zst", b"".join(frames))
-    source = ReadJsonl(path)
+    source = ReadJsonl(path, split_bytes=1)
+    n = len(jsonl("a"))
+    assert source.splits() == [Split(path, 0, n), Split(path, n, 2 * n), Split(path, 2 * n, 3 * n)]
     assert [t for _, r in read_all(source) for t in source.decode(r, OP)] == ["a", "b", "c"]
+    for split in source.splits():
+        assert_resumes(source, split)
 
 
 @pytest.mark.parametrize("suffix", [".gz", ".zst"])
 def test_resuming_beyond_a_compressed_file_is_refused(tmp_path: Path, suffix: str) -> None:
-    path = write(tmp_path / f"a.jsonl{suffix}", compress(jsonl("a", "b"), suffix))
+    data = jsonl("a", "b")
+    path = write(tmp_path / f"a.jsonl{suffix}", compress(data, suffix))
     source = ReadJsonl(path, label="web")
-    message = f"{OP}: cannot resume {path} after line 5: it holds only 2 lines"
+    message = (
+        f"{OP}: cannot resume {path} at decompressed byte 500: it holds only {len(data)} bytes; "
+        "did the file change since the checkpoint?"
+    )
     with pytest.raises(DataError, match=re.escape(message)):
-        read(source, source.splits()[0], 5)
+        read(source, source.splits()[0], 500)
 
 
 @pytest.mark.parametrize(
@@ -274,6 +292,7 @@ def test_params_include_field_and_split_bytes() -> None:
         "on_error": "raise",
         "field": "body",
         "split_bytes": 100,
+        "split_plan": 2,
     }
 
 
@@ -281,8 +300,8 @@ def test_params_include_field_and_split_bytes() -> None:
     ("kwargs", "message"),
     [
         ({"field": ""}, "ReadJsonl: field must be a non-empty string, got ''"),
-        ({"split_bytes": 0}, "ReadJsonl: split_bytes must be a positive integer, got 0"),
-        ({"split_bytes": True}, "ReadJsonl: split_bytes must be a positive integer, got True"),
+        ({"split_bytes": 0}, "ReadJsonl: split_bytes must be a positive integer or None, got 0"),
+        ({"split_bytes": True}, "ReadJsonl: split_bytes must be a positive integer or None, got True"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, object], message: str) -> None:
@@ -297,3 +316,51 @@ def test_reads_plain_and_compressed_files_in_a_beam_pipeline(tmp_path: Path) -> 
     with beam.Pipeline() as p:
         docs = p | "web" >> ReadJsonl(str(tmp_path / "*.jsonl*"), split_bytes=8)
         assert_that(docs, equal_to(["a1", "a2", "a3", "b1", "c1", "c2"]))
+
+
+# -- the automatic plan, huge lines, listing under on_error="skip" ---------------------------
+@pytest.mark.parametrize("lanes", [1, 4, 16])
+def test_automatic_splits_are_fine_and_balanced(
+    tmp_path: Path, lanes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jsonl_module, "MIN_SPLIT_BYTES", 1024)
+    texts = [f"doc {i} " + "x" * (i % 97) for i in range(3000)]
+    for k in range(3):
+        write(tmp_path / f"{k}.jsonl", jsonl(*texts[k * 1000 : (k + 1) * 1000]))
+    source = ReadJsonl(str(tmp_path / "*.jsonl"))
+    splits = source.splits(lanes)
+    assert len(splits) >= 8 * lanes
+    weights = [s.cost for s in splits]
+    assert max(weights) <= 1.25 * (sum(weights) / len(weights))
+    got = [t for s in splits for _, r in read(source, s) for t in source.decode(r, OP)]
+    assert got == texts
+
+
+def test_a_huge_line_is_read_once_not_by_every_split_inside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    huge = "h" * 2_000_000
+    path = write(tmp_path / "a.jsonl", jsonl("a", huge, "b"))
+    read_bytes = [0]
+
+    class Counting(io.FileIO):
+        def readinto(self, buffer: Any) -> int:
+            n = super().readinto(buffer) or 0
+            read_bytes[0] += n
+            return n
+
+    monkeypatch.setattr(files, "open_binary", lambda p, operator: io.BufferedReader(Counting(p)))
+    source = ReadJsonl(path, split_bytes=64 * 1024)
+    assert len(source.splits()) > 30
+    assert [t for _, r in read_all(source) for t in source.decode(r, OP)] == ["a", huge, "b"]
+    # Each split inside the line scans at most its own bytes (plus a buffer) for a line start.
+    assert read_bytes[0] < 3 * os.path.getsize(path)
+
+
+def test_listing_skips_an_empty_file_under_skip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = write(tmp_path / "a.jsonl", jsonl("a"))
+    empty = write(tmp_path / "b.jsonl", b"")
+    source = ReadJsonl(str(tmp_path / "*.jsonl"), on_error="skip", label="web")
+    assert [s.path for s in source.splits()] == [good]
+    assert source.skipped_files == [empty]
+    assert f"{OP}: leaving out {empty} (on_error='skip'): {OP}: {empty} is empty (0 bytes)" in caplog.text

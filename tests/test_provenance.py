@@ -55,13 +55,14 @@ def record_text(spec: zf.LoaderSpec, doc: np.ndarray) -> str:
     """The text of the record a provenance id names, read straight from the file."""
     source_index, split_index, offset = (int(x) for x in doc)
     source = spec.compile().sources[source_index].source
-    split = source.splits()[split_index]
+    split = source.splits(spec.lanes)[split_index]
     if isinstance(source, ops.ReadJsonl):
         with open(split.path, "rb") as f:
             f.seek(offset)
             text: str = json.loads(f.readline())["text"]
             return text
-    table = pq.ParquetFile(split.path).read_row_group(split.start, columns=["content"])
+    assert split.start <= offset < split.stop  # a Parquet record's offset is its row in the file
+    table = pq.read_table(split.path, columns=["content"])
     value: str = table.column(0)[offset].as_py()
     return value
 

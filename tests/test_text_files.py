@@ -41,7 +41,7 @@ def test_one_split_per_file_in_sorted_order(tmp_path: Path) -> None:
     a = write(tmp_path / "sub" / "a.txt", b"ay")
     c = write(tmp_path / "c.txt", b"sea")
     source = ReadTextFiles(str(tmp_path / "**" / "*.txt"))
-    assert source.splits() == [Split(b, 0, 1), Split(c, 0, 1), Split(a, 0, 1)]
+    assert source.splits() == [Split(b, 0, 1), Split(c, 1, 2), Split(a, 2, 3)]
     assert read(source, source.splits()[0]) == [(1, Record(None, b, WHOLE_FILE, 0))]
     assert documents(source) == ["bee", "sea", "ay"]
 
@@ -59,17 +59,43 @@ def test_listing_and_reading_splits_open_no_file(tmp_path: Path, monkeypatch: py
         source.decode(read(source, source.splits()[0])[0][1], OP)
 
 
-def test_resume_after_the_file_reads_nothing_and_other_positions_are_refused(tmp_path: Path) -> None:
+def test_resume_after_the_run_reads_nothing_and_other_positions_are_refused(tmp_path: Path) -> None:
     path = write(tmp_path / "a.txt", b"x")
     source = ReadTextFiles(path, label="notes")
     split = source.splits()[0]
     assert read(source, split, 1) == []
     message = (
-        f"{OP}: cannot resume {path} at position 2: a file is one document, "
-        "so the only position after its start is 1"
+        f"{OP}: cannot resume files [0, 1) from {path} at file 2; did the files change since the checkpoint?"
     )
     with pytest.raises(DataError, match=re.escape(message)):
         read(source, split, 2)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 8])
+def test_many_files_are_dealt_in_runs_positioned_by_files_consumed(tmp_path: Path, lanes: int) -> None:
+    paths = [write(tmp_path / f"{i:04d}.txt", f"doc {i}".encode()) for i in range(500)]
+    source = ReadTextFiles(str(tmp_path / "*.txt"), label="notes")
+    splits = source.splits(lanes)
+    per = -(-500 // (8 * lanes))
+    assert len(splits) >= 8 * lanes * 0.8 and max(s.cost for s in splits) <= 1.25 * per
+    assert [s.path for s in splits] == [paths[s.start] for s in splits]
+    items = [item for s in splits for item in read(source, s)]
+    assert [r.path for _, r in items] == paths and [r.offset for _, r in items] == list(range(500))
+    split = splits[1]
+    run = read(source, split)
+    for k, (position, _) in enumerate(run):
+        assert read(source, split, position) == run[k + 1 :]
+
+
+def test_a_changed_file_list_is_refused(tmp_path: Path) -> None:
+    write(tmp_path / "b.txt", b"b")
+    source = ReadTextFiles(str(tmp_path / "*.txt"), label="notes")
+    (split,) = source.splits()
+    fresh = ReadTextFiles(str(tmp_path / "*.txt"), label="notes")
+    write(tmp_path / "a.txt", b"a")
+    message = f"{OP}: file 0 of {str(tmp_path / '*.txt')!r} is no longer {split.path}; did the files change"
+    with pytest.raises(DataError, match=re.escape(message)):
+        read(fresh, split)
 
 
 def test_whole_file_text_is_kept_as_is(tmp_path: Path) -> None:
@@ -149,6 +175,7 @@ def test_params_and_option_checks() -> None:
         "epochs": 1,
         "on_error": "skip",
         "encoding": "latin-1",
+        "split_plan": 2,
     }
     message = "ReadTextFiles: encoding 'klingon' is not a text encoding Python knows"
     with pytest.raises(SpecError, match=re.escape(message)):

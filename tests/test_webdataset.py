@@ -20,6 +20,7 @@ from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators import webdataset
 from zephon_flow.operators.splits import START, Record, Split
 from zephon_flow.operators.webdataset import ReadWebDataset, TarSample, member_key
 
@@ -114,8 +115,33 @@ def test_split_offsets_point_at_each_splits_first_header(tmp_path: Path) -> None
     source = ReadWebDataset(path, samples_per_split=2)
     source.splits()
     headers = header_offsets(path)
-    assert source._offsets == {path: [headers[f"{long}{i:06d}.jpg"] for i in (0, 2, 4, 6)]}
+    assert source._offsets == {path: {i: headers[f"{long}{i:06d}.jpg"] for i in (0, 2, 4, 6)}}
     assert [e["__key__"] for e in elements(source)] == [f"{long}{i:06d}" for i in range(7)]
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 8])
+def test_automatic_runs_are_sized_from_samples_and_lanes(
+    tmp_path: Path, lanes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(webdataset, "MIN_SPLIT_SAMPLES", 1)
+    write_tar(tmp_path / "a.tar", sample_members(90))
+    write_tar(tmp_path / "b.tar", sample_members(7, prefix="b"))
+    source = ReadWebDataset(str(tmp_path / "*.tar"))
+    splits = source.splits(lanes)
+    per = -(-97 // (8 * lanes))
+    assert max(s.cost for s in splits) <= 1.25 * per and len(splits) >= min(97, 8 * lanes) * 0.7
+    keys = [e["__key__"] for s in splits for _, r in read(source, s) for e in source.decode(r, OP)]
+    assert keys == [f"{i:06d}" for i in range(90)] + [f"b{i:06d}" for i in range(7)]
+
+
+def test_listing_skips_an_empty_shard_under_skip(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    good = write_tar(tmp_path / "a.tar", sample_members(3))
+    empty = tmp_path / "b.tar"
+    empty.write_bytes(b"")
+    source = ReadWebDataset(str(tmp_path / "*.tar"), label="pics", on_error="skip")
+    assert {s.path for s in source.splits()} == {good}
+    assert source.skipped_files == [str(empty)]
+    assert f"leaving out {empty} (on_error='skip'): {OP}: {empty} is empty (0 bytes)" in caplog.text
 
 
 def test_resume_at_every_position_of_every_split(tmp_path: Path) -> None:
@@ -353,6 +379,7 @@ def test_params() -> None:
         "fields": ["jpg;png", "json"],
         "text_fields": ["json"],
         "samples_per_split": 8,
+        "split_plan": 2,
     }
 
 
@@ -367,8 +394,8 @@ def test_params() -> None:
         ({"fields": ["jpg", "png;JPG"]}, "the extension 'jpg' appears twice in fields ['jpg', 'png;JPG']"),
         ({"text_fields": "txt"}, "text_fields must be a sequence of extensions, got 'txt'"),
         ({"text_fields": ["json"]}, "text_fields names 'json', which is not among fields ('jpg', 'txt')"),
-        ({"samples_per_split": 0}, "samples_per_split must be a positive integer, got 0"),
-        ({"samples_per_split": True}, "samples_per_split must be a positive integer, got True"),
+        ({"samples_per_split": 0}, "samples_per_split must be a positive integer or None, got 0"),
+        ({"samples_per_split": True}, "samples_per_split must be a positive integer or None, got True"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, Any], message: str) -> None:
@@ -441,3 +468,12 @@ def test_one_epoch_on_three_lanes_delivers_every_sample_once(tmp_path: Path) -> 
 
     batches = run_batches(zf.LoaderSpec(build, lanes=3, seed=2, global_batch_size=3), world_size=1)
     assert sorted(int(d) for b in batches for d in b["doc"]) == list(range(12))
+
+
+def test_a_split_of_another_plan_is_read_from_the_shard_headers(tmp_path: Path) -> None:
+    path = write_tar(tmp_path / "s.tar", sample_members(30))
+    fine = ReadWebDataset(path, samples_per_split=3).splits()
+    other = ReadWebDataset(path, samples_per_split=7)
+    other.splits()  # another plan listed: its starts are 0, 7, 14, ...
+    keys = [e["__key__"] for s in fine for _, r in read(other, s) for e in other.decode(r, OP)]
+    assert keys == [f"{i:06d}" for i in range(30)]
