@@ -38,6 +38,10 @@ class Loader:
     step on, and the states this loader writes record it (``mix_history``), so a resume from
     any later one replays the change. Records dropped by a source's ``on_error="skip"`` are
     logged (a warning per source, with the first message) and counted: ``skipped()``.
+
+    ``allow_code_change=True`` accepts a ``state`` written before the code of a user function
+    or DoFn changed (the fingerprint's ``code <label>`` parts): for a deliberate fix or
+    refactor; without it such a state is refused with ``operator <label>: code changed``.
     """
 
     def __init__(
@@ -53,6 +57,7 @@ class Loader:
         chunk_records: int = 16,
         prefetch_chunks: int = 4,
         allow_mix_change: bool = False,
+        allow_code_change: bool = False,
     ) -> None:
         if not isinstance(spec, LoaderSpec):
             raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
@@ -71,6 +76,8 @@ class Loader:
                 raise SpecError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(allow_mix_change, bool):
             raise SpecError(f"allow_mix_change must be True or False, got {allow_mix_change!r}")
+        if not isinstance(allow_code_change, bool):
+            raise SpecError(f"allow_code_change must be True or False, got {allow_code_change!r}")
         self.spec = spec
         fingerprint = spec.fingerprint
         plan = spec.compile()
@@ -85,6 +92,7 @@ class Loader:
                 fingerprint=fingerprint,
                 mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
                 allow_mix_change=allow_mix_change,
+                allow_code_change=allow_code_change,
             )
             history = _mix_history(plan.mixer, loaded.mix_history, loaded.step, changed)
             missing = [lane for lane in lane_ids if lane not in loaded.lane_states]

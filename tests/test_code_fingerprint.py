@@ -1,0 +1,180 @@
+"""The code of user functions and DoFns in the fingerprint: edits refuse, cosmetics do not."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from helpers import chain_spec, write_jsonl
+
+import zephon_flow as zf
+from zephon_flow import operators as ops
+from zephon_flow.code import function_code_digest
+from zephon_flow.errors import FingerprintMismatchError
+
+MODULE_V1 = '''
+import apache_beam as beam
+from zephon_flow import operators as ops
+
+class Upper(beam.DoFn):
+    """Upper-cases a document."""
+
+    def process(self, text):
+        yield text.upper()
+
+def words(text):
+    return len(text.split())
+
+lengths = ops.Map(lambda text: len(text))
+'''
+
+# Comments, blank lines, a docstring edit and indentation of a continuation: same code.
+MODULE_COSMETIC = '''
+import apache_beam as beam
+from zephon_flow import operators as ops
+
+
+class Upper(beam.DoFn):
+    """Upper-cases a document (reworded docstring)."""
+
+    def process(self, text):
+        # a comment
+        yield text.upper(
+        )
+
+def words(text):
+
+    return len(text.split())   # trailing comment
+
+lengths = ops.Map(lambda text: len(text))
+'''
+
+MODULE_EDITED = MODULE_V1.replace("text.upper()", "text.lower()").replace(
+    "len(text.split())", "len(text.split()) + 1"
+)
+
+
+def load(tmp_path: Path, source: str, name: str = "user_dofns") -> types.ModuleType:
+    """Writes ``source`` as module ``name`` and imports it afresh (as a user's edit would be)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    sys.modules.pop(name, None)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def spec_of(jsonl: str, module: types.ModuleType) -> zf.LoaderSpec:
+    return chain_spec(
+        jsonl,
+        ("upper", module.Upper()),
+        ("words", ops.Map(module.words)),
+        global_batch_size=2,
+    )
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> str:
+    return write_jsonl(tmp_path / "docs.jsonl", [f"doc number {i}" for i in range(20)])
+
+
+def test_code_parts_are_in_the_fingerprint(tmp_path: Path, jsonl: str) -> None:
+    fp = spec_of(jsonl, load(tmp_path, MODULE_V1)).fingerprint
+    assert "code upper" in fp and "code words" in fp
+    assert "code src" not in fp  # zephon-flow's own operators are versioned with the package
+
+
+def test_comments_blank_lines_and_docstrings_do_not_count(tmp_path: Path, jsonl: str) -> None:
+    before = spec_of(jsonl, load(tmp_path, MODULE_V1)).fingerprint
+    after = spec_of(jsonl, load(tmp_path, MODULE_COSMETIC)).fingerprint
+    assert before == after
+
+
+def test_an_edited_dofn_refuses_the_old_checkpoint_by_name(tmp_path: Path, jsonl: str) -> None:
+    old = spec_of(jsonl, load(tmp_path, MODULE_V1))
+    with zf.Loader(old) as loader:
+        for step, _ in loader:
+            if step == 2:
+                state = loader.state_dict()
+                break
+    new = spec_of(jsonl, load(tmp_path, MODULE_EDITED))
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(new, state=state)
+    message = str(err.value)
+    assert "operator upper: code changed" in message
+    assert "operator words: code changed" in message
+    assert "allow_code_change=True" in message
+    with zf.Loader(new, state=state, allow_code_change=True) as loader:
+        step, _ = next(iter(loader))
+    assert step == 3
+    resumed = zf.Loader(new, state=state, allow_code_change=True)
+    try:
+        assert resumed.state_dict()["fingerprint"] == new.fingerprint
+    finally:
+        resumed.close()
+
+
+def test_a_changed_parameter_is_not_excused_by_allow_code_change(tmp_path: Path, jsonl: str) -> None:
+    module = load(tmp_path, MODULE_V1)
+    old = chain_spec(jsonl, ("upper", module.Upper()), ("words", ops.Map(module.words)), global_batch_size=2)
+    with zf.Loader(old) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    new = chain_spec(
+        jsonl, ("upper", module.Upper()), ("words", ops.Map(module.words, batched=False)), global_batch_size=2
+    )
+    zf.Loader(new, state=state, allow_code_change=True).close()  # same parameters: fine
+    other = chain_spec(jsonl, ("upper", module.Upper()), global_batch_size=2)
+    with pytest.raises(FingerprintMismatchError, match="graph"):
+        zf.Loader(other, state=state, allow_code_change=True)
+
+
+def test_lambdas_are_identified_by_their_source(tmp_path: Path) -> None:
+    module = load(tmp_path, MODULE_V1)
+    assert function_code_digest(module.lengths.fn).startswith("source:")
+    again = load(tmp_path, "# moved down a line\n" + MODULE_V1, name="user_dofns_moved")
+    assert function_code_digest(module.lengths.fn) == function_code_digest(again.lengths.fn)
+    edited = load(tmp_path, MODULE_V1.replace("len(text))", "len(text) * 2)"), name="user_dofns_x2")
+    assert function_code_digest(module.lengths.fn) != function_code_digest(edited.lengths.fn)
+
+
+def test_bytecode_does_not_count_where_source_exists(tmp_path: Path) -> None:
+    """The digest is of the parsed source, so a Python upgrade (new bytecode) changes nothing."""
+    module = load(tmp_path, MODULE_V1)
+    before = function_code_digest(module.words)
+    module.words.__code__ = module.words.__code__.replace(co_code=module.lengths.fn.__code__.co_code)
+    assert function_code_digest(module.words) == before
+
+
+def test_code_without_source_falls_back_to_bytecode() -> None:
+    namespace: dict[str, object] = {}
+    exec("def made(x):\n    return x + 1\n", namespace)  # no file: no source
+    made = namespace["made"]
+    assert isinstance(made, types.FunctionType)
+    assert function_code_digest(made).startswith("bytecode:")
+
+
+def test_beam_map_is_identified_by_source(tmp_path: Path, jsonl: str) -> None:
+    module = load(tmp_path, MODULE_V1)
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "src" >> ops.ReadJsonl(jsonl)
+        return docs | "n" >> beam.Map(module.words)
+
+    fp = zf.LoaderSpec(build, lanes=1, global_batch_size=1).fingerprint
+    edited = load(tmp_path, MODULE_EDITED)
+
+    def build2(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "src" >> ops.ReadJsonl(jsonl)
+        return docs | "n" >> beam.Map(edited.words)
+
+    fp2 = zf.LoaderSpec(build2, lanes=1, global_batch_size=1).fingerprint
+    assert fp["code n"] != fp2["code n"]
+    assert fp["operator n"] == fp2["operator n"]
