@@ -48,8 +48,8 @@ def main() -> None:
         spec = make_spec(folder)
         loader = StatefulDataLoader(ZephonDataset.from_loader(spec), batch_size=None, num_workers=0)
         batches = iter(loader)
-        for _ in range(3):
-            step, batch = next(batches)
+        for _ in range(3):  # steps 0, 1, 2
+            next(batches)
         state = loader.state_dict()
         print("StatefulDataLoader state keys:", sorted(state))
         print("dataset_state:", sorted(state["dataset_state"]), "step", state["dataset_state"]["step"])

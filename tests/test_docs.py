@@ -11,6 +11,7 @@ fresh-machine commands are (they are the demo and this test suite themselves).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -103,10 +104,8 @@ def peak_tree_mb(proc: subprocess.Popen[str]) -> float:
     peak = 0
     root = psutil.Process(proc.pid)
     while proc.poll() is None:
-        try:
+        with contextlib.suppress(psutil.Error):  # a process that ended while being read
             peak = max(peak, sum(p.memory_info().rss for p in (root, *root.children(recursive=True))))
-        except psutil.Error:
-            pass
         time.sleep(0.05)
     return peak / 1e6
 
