@@ -117,19 +117,19 @@ def run_block(block: Block, folder: Path, n: int, env: dict[str, str]) -> tuple[
         cmd = [sys.executable, script.name]
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
-    proc = subprocess.Popen(
+    with subprocess.Popen(
         cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    output: list[str] = []
-    reader = threading.Thread(target=lambda: output.append(proc.stdout.read() if proc.stdout else ""))
-    reader.start()
-    try:
-        peak = peak_tree_mb(proc)
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        reader.join()
+    ) as proc:
+        output: list[str] = []
+        reader = threading.Thread(target=lambda: output.append(proc.stdout.read() if proc.stdout else ""))
+        reader.start()
+        try:
+            peak = peak_tree_mb(proc)
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            reader.join()
     assert proc.returncode == 0, f"{block.where} failed ({proc.returncode}):\n{block.code}\n---\n{output[0]}"
     return output[0], peak
 
