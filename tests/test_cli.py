@@ -230,3 +230,25 @@ def test_digest_with_worker_processes_loads_a_pipeline_file(
         capsys, target, "--steps", "6", "--world-size", "2", "--backend", "processes", "--workers", "2"
     )
     assert procs == ref
+
+
+def test_serve_logs_where_it_resumes(
+    pipeline_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import zephon_flow as zf
+    from zephon_flow.cli import load_spec
+    from zephon_flow.service import server
+
+    spec = load_spec(f"{pipeline_file}:spec")
+    with zf.Loader(spec) as loader:
+        for step, _ in loader:
+            if step == 2:
+                break
+        ck = tmp_path / "step-3.zfstate"
+        zf.save_state(loader.state_dict(), ck)
+    started: list[object] = []
+    monkeypatch.setattr(server, "serve_forever", lambda srv: started.append(srv) or 0)
+    with caplog.at_level("INFO", logger="zephon_flow"):
+        assert main(["serve", f"{pipeline_file}:spec", "--port", "0", "--resume", str(ck)]) == 0
+    assert f"zephon serve: resuming from {ck} at step 3" in caplog.messages
+    assert len(started) == 1
