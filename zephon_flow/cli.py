@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from zephon_flow import __version__
@@ -186,22 +186,17 @@ def _inspect(args: argparse.Namespace) -> int:
         state=state,
         backend=args.backend,
         workers=args.workers,
-        progress=_inspect_progress(args),
+        progress=Progress(
+            total=max(1, args.step - (0 if state is None else int(state["step"])) + 1),
+            desc=f"to step {args.step}",
+            enabled=_bar(args),
+        ),
     )
     if args.json:
         print(json.dumps([dataclasses.asdict(v) for v in views], indent=1))
     else:
         print(render(views, step=args.step, rank=args.rank, world_size=args.world_size))
     return 0
-
-
-def _inspect_progress(args: argparse.Namespace) -> Callable[[Iterable[Any]], Iterable[Any]]:
-    first = 0
-    if args.state:
-        from zephon_flow.state import load_state
-
-        first = int(load_state(args.state)["step"])
-    return Progress(total=max(1, args.step - first + 1), desc=f"to step {args.step}", enabled=_bar(args))
 
 
 def _demo(args: argparse.Namespace) -> int:
