@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -178,3 +180,54 @@ def test_beam_map_is_identified_by_source(tmp_path: Path, jsonl: str) -> None:
     fp2 = zf.LoaderSpec(build2, lanes=1, global_batch_size=1).fingerprint
     assert fp["code n"] != fp2["code n"]
     assert fp["operator n"] == fp2["operator n"]
+
+
+PROBE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("zcode", sys.argv[1])
+code = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(code)
+sys.path.insert(0, sys.argv[2])
+import user_dofns as m
+print(sys.version_info[:2], "|", code.function_code_digest(m.words), code.function_code_digest(m.lengths.fn.__wrapped__),
+      code.class_code_digest(m.Upper), code.global_names(m.words.__code__))
+"""
+
+
+def other_pythons() -> list[str]:
+    """Other CPython 3.10+ interpreters on this machine (pyenv's or on PATH); often none."""
+    import glob
+    import shutil
+
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[0-9]*/bin/python")))
+    found += [p for p in (shutil.which(f"python3.{minor}") for minor in (10, 12, 13, 14)) if p]
+    return found
+
+
+def test_the_same_source_gives_the_same_digests_on_other_python_versions(tmp_path: Path) -> None:
+    """``zephon_flow/code.py`` needs only the standard library, so other interpreters can run it."""
+    source = (
+        MODULE_V1.replace("lengths = ops.Map(", "lengths = Wrap(")
+        .replace("from zephon_flow import operators as ops\n", "")
+        .replace("import apache_beam as beam\n", "")
+    )
+    source = source.replace("class Upper(beam.DoFn):", "class Upper:")
+    source = (
+        "class Wrap:\n    def __init__(self, fn):\n        self.fn = fn\n        fn.__wrapped__ = fn\n\n"
+        + source
+    )
+    (tmp_path / "user_dofns.py").write_text(source)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    code_py = Path(__file__).resolve().parent.parent / "zephon_flow" / "code.py"
+    results = {}
+    for python in [sys.executable, *other_pythons()]:
+        out = subprocess.run(
+            [python, str(probe), str(code_py), str(tmp_path)], capture_output=True, text=True, timeout=60
+        )
+        if out.returncode == 0:  # (a pyenv shim without that version fails: not an interpreter)
+            version, digests = out.stdout.split("|")
+            results[version.strip()] = digests
+    if len(results) < 2:
+        pytest.skip("no other Python 3.10+ interpreter on this machine")
+    assert len(set(results.values())) == 1, results
