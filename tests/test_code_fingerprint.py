@@ -231,3 +231,23 @@ def test_the_same_source_gives_the_same_digests_on_other_python_versions(tmp_pat
     if len(results) < 2:
         pytest.skip("no other Python 3.10+ interpreter on this machine")
     assert len(set(results.values())) == 1, results
+
+
+def test_a_checkpoint_from_before_code_was_fingerprinted(tmp_path: Path, jsonl: str) -> None:
+    """Such a state has no ``code`` parts: refused with that reason, adopted with the flag."""
+    module = load(tmp_path, MODULE_V1)
+    spec = chain_spec(jsonl, ("upper", module.Upper()), global_batch_size=2)
+    with zf.Loader(spec) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    state["fingerprint"] = {k: v for k, v in state["fingerprint"].items() if not k.startswith("code ")}
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(spec, state=state)
+    assert str(err.value) == (
+        "the checkpoint was written for another pipeline; these parts of the fingerprint differ: "
+        "operator upper: code changed (the checkpoint has no digest of the code of upper: it was "
+        "written before zephon-flow fingerprinted code); if the code change is deliberate (a fix or "
+        "a refactor you accept for the rest of the run), pass allow_code_change=True to zf.Loader"
+    )
+    with zf.Loader(spec, state=state, allow_code_change=True) as loader:
+        assert next(iter(loader))[0] == 1
