@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -117,8 +118,16 @@ def run_block(block: Block, folder: Path, n: int, env: dict[str, str]) -> tuple[
         cmd = [sys.executable, script.name]
     else:
         cmd = ["bash", "-euo", "pipefail", "-c", block.code]
+    # Its own process group, so that whatever a block left running (a server it put in the
+    # background, if it failed before its `kill`) is ended with it, by that group's id.
     with subprocess.Popen(
-        cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=folder,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     ) as proc:
         output: list[str] = []
         reader = threading.Thread(target=lambda: output.append(proc.stdout.read() if proc.stdout else ""))
@@ -127,8 +136,8 @@ def run_block(block: Block, folder: Path, n: int, env: dict[str, str]) -> tuple[
             peak = peak_tree_mb(proc)
             proc.wait(timeout=600)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             reader.join()
     assert proc.returncode == 0, f"{block.where} failed ({proc.returncode}):\n{block.code}\n---\n{output[0]}"
     return output[0], peak
