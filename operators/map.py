@@ -14,10 +14,12 @@ lane's resume cursor counts outputs per record. On Beam's own runners these DoFn
 unless an upstream DoFn produces batches, which is not supported).
 
 A function's identity in the pipeline fingerprint (``function_identity``) is its module and
-qualified name plus a digest of its code: bytecode, constants and names, recursively through
-nested code, and the plain values (numbers, str, bytes, None, tuples of these) of its
-defaults, closure cells and the module globals it names, with helper functions of the same
-module followed. Editing the function (or such a constant) changes the fingerprint.
+qualified name plus a digest of its code: its source, parsed and normalised
+(``zephon_flow.code``: comments, blank lines, indentation and docstrings do not count; the
+same on every Python version), or its bytecode where no source exists, and the plain values
+(numbers, str, bytes, None, tuples of these) of its defaults, closure cells and the module
+globals it names, with helper functions of the same module followed. Editing the function
+(or such a constant) changes the fingerprint's ``code <label>`` part.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, ClassVar
 import apache_beam as beam
 import numpy as np
 
+from zephon_flow.code import function_code_digest, global_names
 from zephon_flow.errors import SpecError, ZephonError
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
@@ -83,24 +86,18 @@ class _Hasher:
         elif not isinstance(value, types.ModuleType):
             self.h.update(f"{name}:{type(value).__module__}.{type(value).__qualname__};".encode())
 
-    def code(self, code: types.CodeType, globals_: dict[str, Any]) -> None:
-        self.h.update(code.co_code)
-        self.h.update(repr(code.co_names).encode())
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                self.code(const, globals_)
-            else:
-                self.h.update((_plain_repr(const) or type(const).__qualname__).encode() + b";")
-        for name in code.co_names:
-            if name in globals_:
-                self.value(f"global {name}", globals_[name])
+    def globals_(self, fn: types.FunctionType) -> None:
+        for name in global_names(fn.__code__):
+            if name in fn.__globals__:
+                self.value(f"global {name}", fn.__globals__[name])
 
     def function(self, fn: types.FunctionType) -> None:
         if id(fn) in self.seen:
             return
         self.seen.add(id(fn))
         self.h.update(fn.__qualname__.encode() + b"(")
-        self.code(fn.__code__, fn.__globals__)
+        self.h.update(function_code_digest(fn).encode())
+        self.globals_(fn)
         for i, default in enumerate(fn.__defaults__ or ()):
             self.value(f"default {i}", default)
         for name, default in sorted((fn.__kwdefaults__ or {}).items()):

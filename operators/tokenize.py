@@ -1,4 +1,10 @@
-"""``Tokenize``: text to token ids with a local HF ``tokenizer.json`` (stateless, runs in parallel).
+"""``Tokenize``: text to token ids with a local HF tokenizer (stateless, runs in parallel).
+
+The tokenizer is a ``tokenizer.json`` file, a folder holding one (``save_pretrained``), or a
+local hub cache folder (``models--org--name`` or its ``snapshots/<revision>/``); see
+``_tokenizer_files``. ``add_special_tokens=True`` gives HF's ``encode(text)`` ids (with what
+the post-processor adds, e.g. a BOS); the default, False, gives ``encode(text,
+add_special_tokens=False)``: the text's own tokens, then the EOS if ``append_eos``.
 
 Two engines give the same ids: HF ``tokenizers`` (the reference; any tokenizer.json) and
 tiktoken (byte-level BPE only, several times faster). With ``engine="auto"`` tiktoken is used
@@ -30,6 +36,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from zephon_flow.errors import DataError, SpecError
+from zephon_flow.operators._tokenizer_files import resolve_tokenizer_path, special_affixes
 from zephon_flow.operators.bpe_engines import (
     HfEngine,
     NotExpressible,
@@ -235,25 +242,36 @@ def _eos_id(tok: Any, path: str, eos_token: str | None) -> int:
 class Tokenize(beam.DoFn):  # type: ignore[misc]
     """Encodes each text into an ``int32`` array of ids, with the EOS id appended if asked.
 
+    ``tokenizer`` is a ``tokenizer.json``, a ``save_pretrained`` folder holding one, or a local
+    hub cache folder (``models--org--name`` or ``models--org--name/snapshots/<revision>``).
+    ``add_special_tokens`` has HF's meaning: True adds what the tokenizer's post-processor
+    adds (a BOS, ``[CLS]``/``[SEP]``), as HF's ``encode`` does by default; **the default here
+    is False** (the text's tokens only; ``append_eos`` then ends each document with the EOS,
+    which is what packing for causal LM training wants).
+
     The tokenizer file's sha256 is part of the pipeline's fingerprint, so a checkpoint never
-    resumes under another vocabulary. ``engine`` (``"auto"``, ``"hf"`` or ``"tiktoken"``) is
-    not: every engine gives HF's ids (see the module's doc).
+    resumes under another vocabulary; the path is not (a folder and its file are the same
+    tokenizer). ``engine`` (``"auto"``, ``"hf"`` or ``"tiktoken"``) is not either: every
+    engine gives HF's ids (see the module's doc).
     """
 
     def __init__(
         self,
-        tokenizer_json_path: str | os.PathLike[str],
+        tokenizer: str | os.PathLike[str],
         *,
         append_eos: bool = True,
         eos_token: str | None = None,
         engine: str = "auto",
+        add_special_tokens: bool = False,
     ) -> None:
         super().__init__()
         if engine not in ENGINES:
             raise SpecError(
                 f"Tokenize: engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}"
             )
-        path = os.fspath(tokenizer_json_path)
+        if not isinstance(add_special_tokens, bool):
+            raise SpecError(f"Tokenize: add_special_tokens must be True or False, got {add_special_tokens!r}")
+        path = resolve_tokenizer_path(os.fspath(tokenizer))
         raw = _read(path)
         self.path = path
         self.sha256 = hashlib.sha256(raw).hexdigest()
@@ -262,6 +280,13 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         tok = _hf_tokenizer(path, raw, self.sha256)
         self.append_eos = bool(append_eos)
         self.eos_id = _eos_id(tok, path, eos_token) if append_eos else None
+        self.add_special_tokens = add_special_tokens
+        self.prefix_ids, self.suffix_ids = special_affixes(tok, path) if add_special_tokens else ([], [])
+        if self.eos_id is not None and self.suffix_ids[-1:] == [self.eos_id]:
+            raise SpecError(
+                f"Tokenize: with add_special_tokens=True the post-processor of {path} already ends "
+                f"each text with the EOS id {self.eos_id}; pass append_eos=False"
+            )
         self.engine = engine
         self.fallback_reason: str | None = None
         self._plan: TiktokenPlan | None = None
@@ -297,7 +322,22 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         return None if self._tokenizer is None else self._tokenizer.name
 
     def params(self) -> dict[str, Any]:
-        return {"tokenizer_sha256": self.sha256, "append_eos": self.append_eos, "eos_id": self.eos_id}
+        params: dict[str, Any] = {
+            "tokenizer_sha256": self.sha256,
+            "append_eos": self.append_eos,
+            "eos_id": self.eos_id,
+        }
+        if self.add_special_tokens:  # only then: pipelines without it keep their fingerprint
+            params.update(add_special_tokens=True, prefix_ids=self.prefix_ids, suffix_ids=self.suffix_ids)
+        return params
+
+    def _finish(self, ids: list[int]) -> list[int]:
+        """The text's ids with the post-processor's tokens (if asked) and the EOS (if asked)."""
+        if self.add_special_tokens:
+            ids = [*self.prefix_ids, *ids, *self.suffix_ids]
+        if self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -363,9 +403,7 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
             self.setup()
         assert self._tokenizer is not None
         ids = self._encode_checked(text) if self._unchecked else self._tokenizer.encode(text)
-        if self.eos_id is not None:
-            ids.append(self.eos_id)
-        yield np.asarray(ids, dtype=np.int32)
+        yield np.asarray(self._finish(ids), dtype=np.int32)
 
     def get_input_batch_type(self, input_element_type: Any) -> Any:
         # Only so that Beam's runners accept ``process_batch``; they call ``process``.
@@ -395,8 +433,4 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
                 rows = [tokenizer.encode(text) for text in texts]
         else:
             rows = [tokenizer.encode(text) for text in texts]
-        eos = self.eos_id
-        if eos is not None:
-            for ids in rows:
-                ids.append(eos)
-        return [[np.asarray(ids, dtype=np.int32)] for ids in rows]
+        return [[np.asarray(self._finish(ids), dtype=np.int32)] for ids in rows]

@@ -16,15 +16,15 @@ from zephon_flow.operators.tokenize import Tokenize
 class TokenizeField(beam.DoFn):  # type: ignore[misc]
     """Encodes ``element[field]`` (str, or bytes decoded as UTF-8) into ``element[output]``.
 
-    The ids are exactly ``Tokenize``'s (same tokenizer file, ``append_eos``, ``eos_token`` and
-    ``engine``; see there); the rest of the sample passes through. With ``keep_input=False``
+    The ids are exactly ``Tokenize``'s (same tokenizer file or folder, ``append_eos``,
+    ``eos_token``, ``engine`` and ``add_special_tokens``; see there); the rest of the sample passes through. With ``keep_input=False``
     (the default) the text field is dropped from the output. A ``txt`` member of a WebDataset
     sample arrives as bytes; text that is not valid UTF-8 is a ``DataError`` naming the sample.
     """
 
     def __init__(
         self,
-        tokenizer_json_path: str | os.PathLike[str],
+        tokenizer: str | os.PathLike[str],
         *,
         field: str = "txt",
         output: str = "text_ids",
@@ -32,6 +32,7 @@ class TokenizeField(beam.DoFn):  # type: ignore[misc]
         eos_token: str | None = None,
         engine: str = "auto",
         keep_input: bool = False,
+        add_special_tokens: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("field", field), ("output", output)):
@@ -41,7 +42,11 @@ class TokenizeField(beam.DoFn):  # type: ignore[misc]
         self.output = output
         self.keep_input = bool(keep_input)
         self.tokenize = Tokenize(
-            tokenizer_json_path, append_eos=append_eos, eos_token=eos_token, engine=engine
+            tokenizer,
+            append_eos=append_eos,
+            eos_token=eos_token,
+            engine=engine,
+            add_special_tokens=add_special_tokens,
         )
 
     def params(self) -> dict[str, Any]:

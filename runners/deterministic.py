@@ -18,6 +18,7 @@ from apache_beam.runners.runner import PipelineResult, PipelineRunner, PipelineS
 from apache_beam.transforms import core, window
 from apache_beam.transforms.util import Reshuffle
 
+from zephon_flow.code import class_code_digest
 from zephon_flow.errors import SpecError, UnsupportedTransformError
 from zephon_flow.operators.map import beam_function_identity
 from zephon_flow.operators.mix import Mix
@@ -98,15 +99,30 @@ def _check_primitive(node: AppliedPTransform) -> None:
 
 
 def describe_params(obj: Any) -> Any:
-    """The parameters of an operator that change what it produces (for the fingerprint)."""
-    if hasattr(obj, "params"):
-        return obj.params()
+    """The parameters of an operator that change what it produces (for the fingerprint).
+
+    A ``"code"`` entry is the digest of the user's code in it (``zephon_flow.code``): the
+    function of ``ops.Map``/``beam.Map`` and friends, the class of a user's own DoFn. The
+    fingerprint keeps it apart, as the part ``code <label>``.
+    """
     if isinstance(obj, core.CallableWrapperDoFn):  # beam.Map(fn) and friends: see ops.Map
         return beam_function_identity(obj)
-    plain = {
-        k: v for k, v in sorted(vars(obj).items()) if isinstance(v, int | float | str | bool | type(None))
-    }
-    return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}", **plain}
+    if hasattr(obj, "params"):
+        described = obj.params()
+    else:
+        described = {
+            "class": f"{type(obj).__module__}.{type(obj).__qualname__}",
+            **{
+                k: v
+                for k, v in sorted(vars(obj).items())
+                if isinstance(v, int | float | str | bool | type(None))
+            },
+        }
+    own = class_code_digest(type(obj))
+    if own is not None and isinstance(described, dict):
+        described = dict(described)
+        described["code"] = f"{described['code']}+{own}" if "code" in described else own
+    return described
 
 
 class DeterministicRunner(PipelineRunner):  # type: ignore[misc]

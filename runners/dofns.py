@@ -17,6 +17,7 @@ from zephon_flow.rng import stable_hash
 from zephon_flow.runners.userstate import (
     StateValues,
     TimerDeadlines,
+    check_specs,
     copy_plain,
     runtime_state,
     runtime_timer,
@@ -261,7 +262,8 @@ class StatefulInvoker:
         self.dofn = dofn
         self.seed = seed
         self._process = _Binding(label, dofn, "process")
-        _, timer_specs = userstate.get_dofn_specs(dofn)
+        state_specs, timer_specs = userstate.get_dofn_specs(dofn)
+        check_specs(label, state_specs, timer_specs)
         self._on_timer = {
             spec.name: _Binding(label, dofn, spec._attached_callback.__name__)
             for spec in sorted(timer_specs, key=lambda s: s.name)

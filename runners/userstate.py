@@ -5,24 +5,133 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+from apache_beam import coders
 from apache_beam.transforms import userstate
+from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.utils.timestamp import Timestamp
 
-from zephon_flow.errors import SpecError
+from zephon_flow.errors import SpecError, StateError
 
 #: What one stateful DoFn holds for one lane: named state values and timer deadlines (micros).
 StateValues = dict[str, Any]
 TimerDeadlines = dict[str, int]
 
+_PLAIN_WORDS = "None, bool, int, float, str, bytes, numpy arrays, and lists, tuples and dicts of these"
+
+#: Coders of Python values: the runner keeps such state as the values themselves (plain data,
+#: checked when written) and never encodes them with the coder.
+_VALUE_CODERS: tuple[type[Any], ...] = (
+    coders.PickleCoder,
+    coders.CloudpickleCoder,
+    coders.DillCoder,
+    coders.FastPrimitivesCoder,
+    coders.VarIntCoder,
+    coders.BigIntegerCoder,
+    coders.BooleanCoder,
+    coders.ByteCoder,
+    coders.BytesCoder,
+    coders.FloatCoder,
+    coders.SinglePrecisionFloatCoder,
+    coders.StrUtf8Coder,
+    coders.NullableCoder,
+    coders.TupleCoder,
+    coders.TupleSequenceCoder,
+    coders.ListCoder,
+    coders.IterableCoder,
+    coders.MapCoder,
+)
+
+
+def _unstorable_coder(coder: Any) -> Any:
+    """The first coder in ``coder`` (itself or a component) whose values are not plain data."""
+    if not isinstance(coder, _VALUE_CODERS):
+        return coder
+    for component in coder._get_component_coders() or ():
+        bad = _unstorable_coder(component)
+        if bad is not None:
+            return bad
+    return None
+
+
+def check_specs(label: str, state_specs: Iterable[Any], timer_specs: Iterable[Any]) -> None:
+    """Refuses, before any work, the state and timers a stateful DoFn declares that the runner
+    cannot honour: timers in processing time, and state coders of values that are not plain data."""
+    for timer in sorted(timer_specs, key=lambda t: t.name):
+        name = timer.name.removeprefix("ts-")  # Beam prefixes timer names
+        if timer.time_domain != TimeDomain.WATERMARK:
+            raise SpecError(
+                f"stateful DoFn {label!r}: timer {name!r} is in time domain "
+                f"{timer.time_domain}; the deterministic runner has no processing time (a "
+                f"batch sequence that depended on the clock would not be reproducible). Declare "
+                f"it TimerSpec({name!r}, TimeDomain.WATERMARK): it fires when the lane's "
+                f"position passes the timestamp it is set to"
+            )
+    for spec in sorted(state_specs, key=lambda s: s.name):
+        coder = getattr(spec, "coder", None)
+        bad = None if coder is None else _unstorable_coder(coder)
+        if bad is not None:
+            raise SpecError(
+                f"stateful DoFn {label!r}: state {spec.name!r} is declared with {bad!r}, which "
+                f"the deterministic runner cannot store: checkpoints hold state as plain data "
+                f"({_PLAIN_WORDS}), not as coder bytes. Declare it with a coder of plain values "
+                f"(PickleCoder(), VarIntCoder(), StrUtf8Coder(), BytesCoder(), TupleCoder([...])) "
+                f"and store plain values (e.g. a message as its serialised bytes)"
+            )
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Raises ``StateError`` naming ``where`` unless ``value`` is plain data the codec stores."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return
+    if isinstance(value, np.ndarray | np.generic):
+        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind == "V":
+            raise StateError(
+                f"{where} is a {value.dtype} array; state holds plain numeric, bool, string and "
+                f"bytes arrays only (no object or structured dtypes)"
+            )
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            check_plain(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            check_plain(key, f"{where} key {key!r}")
+            check_plain(item, f"{where}[{key!r}]")
+        return
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    hint = " (store a sorted list)" if isinstance(value, set | frozenset) else ""
+    raise StateError(f"{where} is of type {kind}; state holds plain data only ({_PLAIN_WORDS}){hint}")
+
+
+class _Checked:
+    """Checks each value written to one state; a list re-written after appends (the object the
+    state already holds) only in its new items, so a growing buffer costs what it grows by."""
+
+    def __init__(self, dofn_label: str, name: str) -> None:
+        self._where = f"stateful DoFn {dofn_label!r}: the value written to state {name!r}"
+        self._checked = 0  # items of the list the state holds that were checked
+
+    def check(self, value: Any, current: Any = None) -> None:
+        if isinstance(value, list):
+            start = self._checked if value is current else 0
+            for i in range(start, len(value)):
+                check_plain(value[i], f"{self._where}, at [{i}],")
+            self._checked = len(value)
+            return
+        check_plain(value, self._where)
+
 
 class _ReadModifyWrite(userstate.ReadModifyWriteRuntimeState):  # type: ignore[misc]
-    def __init__(self, store: StateValues, name: str) -> None:
-        self._store, self._name = store, name
+    def __init__(self, store: StateValues, name: str, checked: _Checked) -> None:
+        self._store, self._name, self._checked = store, name, checked
 
     def read(self) -> Any:
         return self._store.get(self._name)
 
     def write(self, value: Any) -> None:
+        self._checked.check(value, self._store.get(self._name))
         self._store[self._name] = value
 
     def clear(self) -> None:
@@ -33,13 +142,14 @@ class _ReadModifyWrite(userstate.ReadModifyWriteRuntimeState):  # type: ignore[m
 
 
 class _Bag(userstate.BagRuntimeState):  # type: ignore[misc]
-    def __init__(self, store: StateValues, name: str) -> None:
-        self._store, self._name = store, name
+    def __init__(self, store: StateValues, name: str, checked: _Checked) -> None:
+        self._store, self._name, self._checked = store, name, checked
 
     def read(self) -> Iterable[Any]:
         return list(self._store.get(self._name, ()))
 
     def add(self, value: Any) -> None:
+        self._checked.check(value)
         self._store.setdefault(self._name, []).append(value)
 
     def clear(self) -> None:
@@ -50,8 +160,8 @@ class _Bag(userstate.BagRuntimeState):  # type: ignore[misc]
 
 
 class _Combining(userstate.CombiningValueRuntimeState):  # type: ignore[misc]
-    def __init__(self, store: StateValues, name: str, combine_fn: Any) -> None:
-        self._store, self._name, self._fn = store, name, combine_fn
+    def __init__(self, store: StateValues, name: str, combine_fn: Any, checked: _Checked) -> None:
+        self._store, self._name, self._fn, self._checked = store, name, combine_fn, checked
 
     def _accumulator(self) -> Any:
         if self._name not in self._store:
@@ -62,7 +172,9 @@ class _Combining(userstate.CombiningValueRuntimeState):  # type: ignore[misc]
         return self._fn.extract_output(self._accumulator())
 
     def add(self, value: Any) -> None:
-        self._store[self._name] = self._fn.add_input(self._accumulator(), value)
+        accumulator = self._fn.add_input(self._accumulator(), value)
+        self._checked.check(accumulator)
+        self._store[self._name] = accumulator
 
     def clear(self) -> None:
         self._store.pop(self._name, None)
@@ -86,12 +198,13 @@ class _Timer(userstate.BaseTimer):  # type: ignore[misc]
 
 def runtime_state(spec: userstate.StateSpec, store: StateValues, *, dofn_label: str) -> Any:
     """The runtime state object for ``spec`` over ``store`` (one DoFn, one lane)."""
+    checked = _Checked(dofn_label, spec.name)
     if isinstance(spec, userstate.ReadModifyWriteStateSpec):
-        return _ReadModifyWrite(store, spec.name)
+        return _ReadModifyWrite(store, spec.name, checked)
     if isinstance(spec, userstate.BagStateSpec):
-        return _Bag(store, spec.name)
+        return _Bag(store, spec.name, checked)
     if isinstance(spec, userstate.CombiningValueStateSpec):
-        return _Combining(store, spec.name, spec.combine_fn)
+        return _Combining(store, spec.name, spec.combine_fn, checked)
     raise SpecError(
         f"{dofn_label}: {type(spec).__name__} is not supported by the deterministic runner; "
         f"use ReadModifyWriteStateSpec, BagStateSpec or CombiningValueStateSpec"

@@ -111,23 +111,101 @@ def test_diff_names_the_first_differing_step(tmp_path: Path, capsys: pytest.Capt
     assert capsys.readouterr().out.startswith("first difference at step 2: ccc != xxx")
 
 
-def test_errors_are_reported_with_exit_code_2(
+def test_failures_exit_1_with_one_line(
     pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["digest", f"{pipeline_file}:nope", "--steps", "1"]) == 2
-    assert "has no attribute 'nope'" in capsys.readouterr().err
-    assert main(["digest", "no_colon_here", "--steps", "1"]) == 2
-    assert "expected MODULE:SPEC" in capsys.readouterr().err
-    assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--world-size", "3"]) == 2
+    assert main(["digest", f"{pipeline_file}:nope", "--steps", "1"]) == 1
+    assert capsys.readouterr().err == f"zephon: error: {pipeline_file} has no attribute 'nope'\n"
+    assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--world-size", "3"]) == 1
     assert "not divisible by world_size=3" in capsys.readouterr().err
     bad = tmp_path / "bad.zfck"
     bad.write_bytes(b"not a checkpoint at all, just some bytes that are long enough" * 2)
-    assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--state", str(bad)]) == 2
+    assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--state", str(bad)]) == 1
     assert "not a zephon-flow checkpoint" in capsys.readouterr().err
     garbage = tmp_path / "g.txt"
     garbage.write_text("zero deadbeef\n")
-    assert main(["diff", str(garbage), str(garbage)]) == 2
+    assert main(["diff", str(garbage), str(garbage)]) == 1
     assert "expected 'STEP SHA256'" in capsys.readouterr().err
+    assert main(["diff", str(tmp_path / "missing.txt"), str(garbage)]) == 1
+    assert (
+        capsys.readouterr().err == f"zephon: error: {tmp_path / 'missing.txt'}: No such file or directory\n"
+    )
+    assert main(["digest", str(tmp_path / "nowhere.py") + ":spec", "--steps", "1"]) == 1
+    assert capsys.readouterr().err == f"zephon: error: no such pipeline file: {tmp_path / 'nowhere.py'}\n"
+    assert main(["digest", "no_such_module_here:spec", "--steps", "1"]) == 1
+    assert "no module named 'no_such_module_here'" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["digest", "no_colon_here", "--steps", "1"]) == 2
+    assert capsys.readouterr().err == (
+        "zephon: error: expected MODULE:SPEC (e.g. examples/pipeline.py:spec), got 'no_colon_here'\n"
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["digest", "x.py:spec"])
+    assert exit_.value.code == 2
+    assert "the following arguments are required: --steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["frobnicate"])
+    assert exit_.value.code == 2
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import zephon_flow
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"zephon-flow {zephon_flow.__version__}\n"
+
+
+def test_a_broken_pipeline_file_is_one_line_and_v_gives_the_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("import zephon_flow as zf\nimport no_such_package_xyz\n")
+    assert main(["digest", f"{broken}:spec", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"zephon: error: pipeline file {broken} raised at {broken}:2: ModuleNotFoundError: "
+        f"No module named 'no_such_package_xyz'\n"
+    )
+    assert main(["digest", f"{broken}:spec", "--steps", "1", "-v"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):")
+    assert err.endswith("ModuleNotFoundError: No module named 'no_such_package_xyz'\n")
+    syntax = tmp_path / "syntax.py"
+    syntax.write_text("def build(p:\n")
+    assert main(["digest", f"{syntax}:spec", "--steps", "1"]) == 1
+    assert f"pipeline file {syntax} raised at {syntax}:1: SyntaxError" in capsys.readouterr().err
+
+
+def test_unexpected_errors_say_how_to_see_the_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    odd = tmp_path / "odd.py"
+    odd.write_text("def spec():\n    return {}['missing']\n")
+    assert main(["digest", f"{odd}:spec", "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"zephon: error: {odd}:spec() raised at {odd}:2: KeyError: 'missing'\n")
+
+
+def test_console_script_exit_codes_and_log_level(pipeline_file: Path, tmp_path: Path) -> None:
+    zephon = Path(sys.executable).with_name("zephon")
+    usage = subprocess.run([str(zephon), "digest"], capture_output=True, text=True, timeout=120)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: zephon digest")
+    missing = subprocess.run(
+        [str(zephon), "diff", "a.txt", "b.txt"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert (missing.returncode, missing.stderr) == (1, "zephon: error: a.txt: No such file or directory\n")
+    logged = subprocess.run(
+        [str(zephon), "--log-level", "debug", "digest", f"{pipeline_file}:spec", "--steps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert logged.returncode == 0, logged.stderr
+    assert f" DEBUG zephon_flow.cli: loaded {pipeline_file}:spec: lanes=4, global batch 8" in logged.stderr
 
 
 def test_console_script_runs(pipeline_file: Path) -> None:
@@ -152,3 +230,25 @@ def test_digest_with_worker_processes_loads_a_pipeline_file(
         capsys, target, "--steps", "6", "--world-size", "2", "--backend", "processes", "--workers", "2"
     )
     assert procs == ref
+
+
+def test_serve_logs_where_it_resumes(
+    pipeline_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import zephon_flow as zf
+    from zephon_flow.cli import load_spec
+    from zephon_flow.service import server
+
+    spec = load_spec(f"{pipeline_file}:spec")
+    with zf.Loader(spec) as loader:
+        for step, _ in loader:
+            if step == 2:
+                break
+        ck = tmp_path / "step-3.zfstate"
+        zf.save_state(loader.state_dict(), ck)
+    started: list[object] = []
+    monkeypatch.setattr(server, "serve_forever", lambda srv: started.append(srv) or 0)
+    with caplog.at_level("INFO", logger="zephon_flow"):
+        assert main(["serve", f"{pipeline_file}:spec", "--port", "0", "--resume", str(ck)]) == 0
+    assert f"zephon serve: resuming from {ck} at step 3" in caplog.messages
+    assert len(started) == 1

@@ -155,6 +155,19 @@ def test_dataloader_workers_are_refused(corpus: Corpus) -> None:
         next(iter(loader))
 
 
+def test_a_dataloader_batch_size_is_refused_with_what_to_use(corpus: Corpus) -> None:
+    ds = ZephonDataset.from_loader(example_spec(corpus))
+    with pytest.raises(SpecError) as err:
+        next(iter(DataLoader(ds, batch_size=8, num_workers=0)))
+    assert str(err.value).startswith(
+        "ZephonDataset yields whole batches (this rank's rows of one global batch per step), but the "
+        "DataLoader collated 8 of them (steps 0..7) into one: use DataLoader(dataset, batch_size=None, "
+        "num_workers=0)"
+    )
+    step, batch = next(iter(DataLoader(ZephonDataset.from_loader(example_spec(corpus)), batch_size=None)))
+    assert step == 0 and isinstance(batch["input_ids"], torch.Tensor)
+
+
 def test_import_zephon_flow_does_not_import_torch() -> None:
     code = "import sys, zephon_flow; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")

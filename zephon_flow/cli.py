@@ -1,18 +1,83 @@
-"""The ``zephon`` command line: digests of global batches, digest diffs, inspection, the demo."""
+"""The ``zephon`` command line: digests of global batches, digest diffs, inspection, the demo, serving.
+
+Exit codes: 0 success, 1 a failure (a file that cannot be read, a pipeline that does not load
+or is refused, bad data), 2 a usage error (arguments argparse refuses, a malformed
+``MODULE:SPEC``, options that do not go together). Errors are one line on stderr; ``-v``
+adds the traceback. Logging is configured here, not by ``import zephon_flow``:
+``--log-level`` (default INFO) for zephon-flow's loggers, WARNING for other libraries.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import importlib.util
+import logging
 import os
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from zephon_flow import __version__
 from zephon_flow.errors import SpecError, ZephonError
+from zephon_flow.progress import Progress
 from zephon_flow.runners.backends.base import BACKENDS
 from zephon_flow.spec import LoaderSpec
+
+logger = logging.getLogger("zephon_flow.cli")
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+class UsageError(SpecError):
+    """The command line itself is wrong: exit code 2, like argparse's own errors."""
+
+
+def _import_file(module_name: str) -> Any:
+    path = os.path.abspath(module_name)
+    if not os.path.isfile(path):
+        raise SpecError(f"no such pipeline file: {module_name}")
+    sys.path.insert(0, os.path.dirname(path))
+    spec_ = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    if spec_ is None or spec_.loader is None:
+        raise SpecError(f"{module_name} is not a Python file")
+    module = importlib.util.module_from_spec(spec_)
+    sys.modules[spec_.name] = module
+    try:
+        spec_.loader.exec_module(module)
+    except ZephonError:
+        raise
+    except Exception as exc:
+        raise SpecError(
+            f"pipeline file {module_name} raised {_where(exc)}{type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
+def _import_module(module_name: str) -> Any:
+    sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            raise SpecError(
+                f"no module named {module_name!r} (from the current directory or the installed "
+                f"packages); for a file, give its path: path/to/pipeline.py:spec"
+            ) from exc
+        raise SpecError(f"module {module_name} raised {_where(exc)}ModuleNotFoundError: {exc}") from exc
+    except ZephonError:
+        raise
+    except Exception as exc:
+        raise SpecError(f"module {module_name} raised {_where(exc)}{type(exc).__name__}: {exc}") from exc
+
+
+def _where(exc: BaseException) -> str:
+    """``file:line: `` of the innermost frame of ``exc`` (where a pipeline file broke)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"at {exc.filename}:{exc.lineno}: "
+    return f"at {frames[-1].filename}:{frames[-1].lineno}: " if frames else ""
 
 
 def load_spec(target: str) -> LoaderSpec:
@@ -20,38 +85,38 @@ def load_spec(target: str) -> LoaderSpec:
     ``LoaderSpec`` or a function returning one."""
     module_name, sep, attr = target.rpartition(":")
     if not sep or not module_name or not attr:
-        raise SpecError(f"expected MODULE:SPEC (e.g. pipeline.py:spec), got {target!r}")
+        raise UsageError(f"expected MODULE:SPEC (e.g. examples/pipeline.py:spec), got {target!r}")
     if module_name.endswith(".py") or os.sep in module_name:
-        path = os.path.abspath(module_name)
-        if not os.path.isfile(path):
-            raise SpecError(f"no such pipeline file: {module_name}")
-        sys.path.insert(0, os.path.dirname(path))
-        spec_ = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-        assert spec_ is not None and spec_.loader is not None
-        module = importlib.util.module_from_spec(spec_)
-        sys.modules[spec_.name] = module
-        spec_.loader.exec_module(module)
+        module = _import_file(module_name)
     else:
-        sys.path.insert(0, os.getcwd())
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     if not hasattr(module, attr):
         raise SpecError(f"{module_name} has no attribute {attr!r}")
     value: Any = getattr(module, attr)
     if callable(value) and not isinstance(value, LoaderSpec):
-        value = value()
+        try:
+            value = value()
+        except ZephonError:
+            raise
+        except Exception as exc:
+            raise SpecError(f"{target}() raised {_where(exc)}{type(exc).__name__}: {exc}") from exc
     if not isinstance(value, LoaderSpec):
         raise SpecError(f"{target} is a {type(value).__name__}, not a zf.LoaderSpec")
+    logger.debug("loaded %s: lanes=%d, global batch %d", target, value.lanes, value.global_batch_size)
     return value
 
 
 def _digest(args: argparse.Namespace) -> int:
-    from zephon_flow.simulate import global_digests
+    from zephon_flow.batches import batch_digest
+    from zephon_flow.simulate import global_batches
     from zephon_flow.state import load_state, save_state
 
     spec = load_spec(args.target)
     state = load_state(args.state) if args.state else None
     final: list[dict[str, Any]] = []
-    digests = global_digests(
+    progress = Progress(total=args.steps, desc="digest", enabled=_bar(args))
+    digests = []
+    batches = global_batches(
         spec,
         steps=args.steps,
         world_size=args.world_size,
@@ -60,13 +125,19 @@ def _digest(args: argparse.Namespace) -> int:
         state=state,
         final_state=final,
     )
-    for step, digest in digests:
-        print(f"{step} {digest}", flush=True)
+    for step, batch in progress(batches):
+        digests.append((step, batch_digest(batch)))
+        print(f"{step} {digests[-1][1]}", flush=True)
     if args.save_state:
         save_state(final[0], args.save_state)
     if len(digests) < args.steps:
-        print(f"input ended after {len(digests)} of {args.steps} steps", file=sys.stderr)
+        logger.warning("input ended after %d of %d steps", len(digests), args.steps)
     return 0
+
+
+def _bar(args: argparse.Namespace) -> bool | None:
+    """Progress bars: on a terminal unless ``--no-progress``."""
+    return False if getattr(args, "no_progress", False) else None
 
 
 def _read_digests(path: str) -> dict[int, str]:
@@ -110,7 +181,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.splits:
         return _inspect_splits(spec, state, as_json=args.json)
     if args.step is None:
-        raise SpecError("zephon inspect: give --step N (or --splits)")
+        raise UsageError("zephon inspect: give --step N (or --splits)")
     views = inspect_step(
         spec,
         args.step,
@@ -119,6 +190,11 @@ def _inspect(args: argparse.Namespace) -> int:
         state=state,
         backend=args.backend,
         workers=args.workers,
+        progress=Progress(
+            total=max(1, args.step - (0 if state is None else int(state["step"])) + 1),
+            desc=f"to step {args.step}",
+            enabled=_bar(args),
+        ),
     )
     if args.json:
         print(json.dumps([dataclasses.asdict(v) for v in views], indent=1))
@@ -152,8 +228,17 @@ def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.server import BatchServer, serve_forever
 
     if (args.tls_cert is None) != (args.tls_key is None):
-        raise SpecError("zephon serve: --tls-cert and --tls-key go together")
-    token = read_token(args.token_file)
+        raise UsageError("zephon serve: --tls-cert and --tls-key go together")
+    try:
+        token = read_token(args.token_file)
+    except SpecError as exc:
+        raise UsageError(str(exc)) from exc
+    if args.resume:
+        from zephon_flow.state import load_state
+
+        logger.info("zephon serve: resuming from %s at step %d", args.resume, load_state(args.resume)["step"])
+    else:
+        logger.info("zephon serve: starting at step 0")
     server = BatchServer(
         load_spec(args.target),
         host=args.host,
@@ -170,13 +255,45 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_forever(server)
 
 
+def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """Options every command takes, before or after its name (``zephon -v digest`` or
+    ``zephon digest ... -v``); a subcommand's copy only overrides what it is given."""
+    default: Any = argparse.SUPPRESS if not top else None
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS if not top else False,
+        help="full tracebacks on errors, and DEBUG logging",
+    )
+    parser.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default=default,
+        help="level of zephon-flow's log messages (default INFO; other libraries: WARNING)",
+    )
+
+
+def add_command(
+    sub: Any, name: str, func: Callable[[argparse.Namespace], int], help: str
+) -> argparse.ArgumentParser:
+    """A subcommand with the common options; add its own and it is ready."""
+    parser: argparse.ArgumentParser = sub.add_parser(name, help=help, description=help)
+    _common(parser, top=False)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zephon", description="zephon-flow: elastically deterministic data loading"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"zephon-flow {__version__}")
+    _common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    d = sub.add_parser("digest", help="print STEP SHA256 for each global batch")
+    d = add_command(sub, "digest", _digest, "print STEP SHA256 for each global batch")
     d.add_argument("target", metavar="MODULE:SPEC")
     d.add_argument("--steps", type=int, required=True)
     d.add_argument("--world-size", type=int, default=1, help="simulated ranks whose slices are concatenated")
@@ -184,15 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=1)
     d.add_argument("--state", help="resume from this checkpoint file")
     d.add_argument("--save-state", help="write the merged checkpoint after the last step here")
-    d.set_defaults(func=_digest)
+    d.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
 
-    f = sub.add_parser("diff", help="name the first step where two digest files differ")
+    f = add_command(sub, "diff", _diff, "name the first step where two digest files differ")
     f.add_argument("a")
     f.add_argument("b")
-    f.set_defaults(func=_diff)
 
-    i = sub.add_parser(
-        "inspect", help="show the documents of every sequence of one step, or (--splits) the split plan"
+    i = add_command(
+        sub,
+        "inspect",
+        _inspect,
+        "show the documents of every sequence of one step, or (--splits) the split plan",
     )
     i.add_argument("target", metavar="MODULE:SPEC")
     i.add_argument("--step", type=int, help="the step to show (required unless --splits)")
@@ -207,15 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--backend", choices=BACKENDS, default="inline")
     i.add_argument("--workers", type=int, default=1)
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
-    i.set_defaults(func=_inspect)
+    i.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
 
-    m = sub.add_parser("demo", help="build a small real corpus and show elastic determinism")
+    m = add_command(sub, "demo", _demo, "build a small real corpus and show elastic determinism")
     m.add_argument("--steps", type=int, default=300)
     m.add_argument("--backend", choices=BACKENDS, default="processes")
     m.add_argument("--workers", type=int, default=2)
-    m.set_defaults(func=_demo)
 
-    s = sub.add_parser("serve", help="serve every rank its slice of each global batch over gRPC")
+    s = add_command(sub, "serve", _serve, "serve every rank its slice of each global batch over gRPC")
     s.add_argument("target", metavar="MODULE:SPEC")
     s.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on start)")
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
@@ -228,17 +346,47 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    s.set_defaults(func=_serve)
     return parser
 
 
+def configure_logging(level: str, *, verbose: bool) -> None:
+    """zephon-flow's loggers at ``level`` (DEBUG with ``verbose``), other libraries at WARNING,
+    one line per record on stderr."""
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    logging.getLogger("zephon_flow").setLevel(logging.DEBUG if verbose else level)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Runs one command; returns its exit code (argparse exits 2 itself on bad arguments)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    verbose = bool(getattr(args, "verbose", False))
+    configure_logging(getattr(args, "log_level", None) or "INFO", verbose=verbose)
     try:
         return int(args.func(args))
-    except ZephonError as exc:
-        print(f"zephon: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("zephon: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if verbose:
+            traceback.print_exc(file=sys.stderr)
+        print(f"zephon: error: {_one_line(exc)}", file=sys.stderr)
+        if not verbose and not isinstance(exc, ZephonError | OSError):
+            print("zephon: run with -v for the traceback", file=sys.stderr)
+        return 2 if isinstance(exc, UsageError) else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ZephonError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from typing import Any
 
 import apache_beam as beam
-from tqdm import tqdm
 
 from zephon_flow import operators as ops
 from zephon_flow.batches import batch_digest
 from zephon_flow.demo_data import build_demo_data, corpus_bytes
+from zephon_flow.progress import Progress
 from zephon_flow.simulate import global_batches
 from zephon_flow.spec import LoaderSpec
 from zephon_flow.state import encode_state, load_state, save_state
@@ -38,24 +37,17 @@ def demo_spec(root: str | None = None) -> LoaderSpec:
 
 
 def _run(spec: LoaderSpec, desc: str, steps: int, **kwargs: object) -> tuple[list[str], float]:
-    digests: list[str] = []
-    start = first = time.perf_counter()
-    with tqdm(
-        total=steps, desc=desc, unit="step", file=sys.stdout, dynamic_ncols=True, mininterval=0.5
-    ) as bar:
-        for i, (_, batch) in enumerate(global_batches(spec, steps=steps, **kwargs)):  # type: ignore[arg-type]
-            if i == 0:
-                first = time.perf_counter()
-            digests.append(batch_digest(batch))
-            elapsed = time.perf_counter() - first
-            if i and elapsed > 0:
-                bar.set_postfix_str(f"{i * GLOBAL_BATCH * SEQ_LEN / elapsed:,.0f} tokens/s")
-            bar.update(1)
-    seconds = time.perf_counter() - first
-    tokens_per_s = (len(digests) - 1) * GLOBAL_BATCH * SEQ_LEN / seconds if seconds > 0 else 0.0
+    progress = Progress(
+        total=steps, desc=desc, file=sys.stdout, enabled=True, tokens_per_step=GLOBAL_BATCH * SEQ_LEN
+    )
+    digests = [
+        batch_digest(batch)
+        for _, batch in progress(global_batches(spec, steps=steps, **kwargs))  # type: ignore[arg-type]
+    ]
+    tokens_per_s = progress.steps_per_second * GLOBAL_BATCH * SEQ_LEN
     print(
         f"  {desc}: {len(digests)} global batches, {tokens_per_s:,.0f} tokens/s after the first "
-        f"batch ({first - start:.1f} s to the first)"
+        f"batch ({progress.startup:.1f} s to the first)"
     )
     return digests, tokens_per_s
 

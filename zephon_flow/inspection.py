@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +51,10 @@ def batch_at(
     state: Any = None,
     backend: str = "inline",
     workers: int = 1,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> Batch:
-    """Rank ``rank``'s slice of global batch ``step``, running from ``state`` when given."""
+    """Rank ``rank``'s slice of global batch ``step``, running from ``state`` when given;
+    ``progress`` wraps the iteration over steps (the CLI's progress bar)."""
     start = 0
     if state is not None:
         state = to_loader_state(state)
@@ -64,7 +66,7 @@ def batch_at(
             )
     last = start - 1
     with Loader(spec, rank=rank, world_size=world_size, state=state, backend=backend, workers=workers) as ld:
-        for last, batch in ld:
+        for last, batch in ld if progress is None else progress(ld):
             if last == step:
                 return batch
     raise SpecError(f"the input ended before step {step} (the last step is {last})")
@@ -79,10 +81,18 @@ def inspect_step(
     state: Any = None,
     backend: str = "inline",
     workers: int = 1,
+    progress: Callable[[Iterable[Any]], Iterable[Any]] | None = None,
 ) -> list[SequenceView]:
     """Every sequence of rank ``rank``'s slice of step ``step``, with its documents."""
     batch = batch_at(
-        spec, step, rank=rank, world_size=world_size, state=state, backend=backend, workers=workers
+        spec,
+        step,
+        rank=rank,
+        world_size=world_size,
+        state=state,
+        backend=backend,
+        workers=workers,
+        progress=progress,
     )
     if "documents" not in batch or "documents" + COUNT_SUFFIX not in batch:
         raise SpecError(

@@ -48,6 +48,13 @@ class Loader:
     step on, and the states this loader writes record it (``mix_history``), so a resume from
     any later one replays the change. Records dropped by a source's ``on_error="skip"`` are
     logged (a warning per source, with the first message) and counted: ``skipped()``.
+
+    ``allow_code_change=True`` accepts a ``state`` written before the code of a user function
+    or DoFn changed (the fingerprint's ``code <label>`` parts): for a deliberate fix or
+    refactor; without it such a state is refused with ``operator <label>: code changed``.
+
+    ``end_sync`` is how the ranks of a finite pipeline agree on its last step (see
+    ``zephon_flow.endsync``); by default ``torch.distributed`` when it is initialised.
     """
 
     def __init__(
@@ -63,19 +70,23 @@ class Loader:
         chunk_records: int = 16,
         prefetch_chunks: int = 4,
         allow_mix_change: bool = False,
+        allow_code_change: bool = False,
         end_sync: EndSync | None = None,
     ) -> None:
         # Phases: check the options, restore the state, build the lanes, take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
-        if not isinstance(allow_mix_change, bool):
-            raise SpecError(f"allow_mix_change must be True or False, got {allow_mix_change!r}")
+        for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
+            if not isinstance(flag, bool):
+                raise SpecError(f"{name} must be True or False, got {flag!r}")
         self.spec = spec
         self._slice = RankSlice(
             rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
         )
         self._fingerprint = spec.fingerprint
         plan = spec.compile()
-        start = self._restore(plan, state, allow_mix_change=allow_mix_change)
+        start = self._restore(
+            plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
+        )
         self._mix_history = [] if start.mixture is None else start.mixture.history()
         self._build_lanes(
             plan, start, backend=backend, workers=workers, chunk_records=chunk_records, depth=prefetch_chunks
@@ -93,7 +104,12 @@ class Loader:
         self._closed = False
 
     def _restore(
-        self, plan: Plan, state: LoaderState | bytes | Mapping[str, Any] | None, *, allow_mix_change: bool
+        self,
+        plan: Plan,
+        state: LoaderState | bytes | Mapping[str, Any] | None,
+        *,
+        allow_mix_change: bool,
+        allow_code_change: bool,
     ) -> _Start:
         """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
         lane_ids = list(self._slice.lane_ids)
@@ -106,6 +122,7 @@ class Loader:
             fingerprint=self._fingerprint,
             mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
             allow_mix_change=allow_mix_change,
+            allow_code_change=allow_code_change,
         )
         if plan.mixer is not None:
             mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)

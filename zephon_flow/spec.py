@@ -88,6 +88,9 @@ class LoaderSpec:
             "global_batch_size": _digest(self.global_batch_size),
         }
         for label, params in plan.params:
+            if isinstance(params, dict) and "code" in params:
+                params = dict(params)
+                parts[f"code {label}"] = _digest(params.pop("code"))
             parts[f"operator {label}"] = _digest(params)
         for sp in plan.sources:
             parts[f"data {sp.label}"] = _digest(sp.source.data_identity(self.lanes, DEALING_VERSION))

@@ -199,11 +199,14 @@ class LoaderState:
         fingerprint: dict[str, str],
         mix_part: str | None = None,
         allow_mix_change: bool = False,
+        allow_code_change: bool = False,
     ) -> bool:
         """Refuses a state written for another lane count or another pipeline, naming the part.
 
         ``mix_part`` names the fingerprint part of the pipeline's Mix: a state that differs
         only there is accepted with ``allow_mix_change`` (returns True: the mixture changes).
+        Parts ``code <label>`` (the code of a user's function or DoFn) that differ are named
+        ``operator <label>: code changed`` and accepted with ``allow_code_change``.
         """
         if self.lanes != lanes:
             raise LaneCountMismatchError(
@@ -214,10 +217,27 @@ class LoaderState:
             return False
         parts = sorted(set(self.fingerprint) | set(fingerprint))
         differ = [p for p in parts if p != "total" and self.fingerprint.get(p) != fingerprint.get(p)]
+        code = [p for p in differ if p.startswith("code ")]
+        if allow_code_change:
+            differ = [p for p in differ if p not in code]
+            if not differ:
+                return False
+        named = [f"operator {p[5:]}: code changed" if p in code else p for p in differ]
         message = (
             "the checkpoint was written for another pipeline; these parts of the fingerprint "
-            f"differ: {', '.join(differ) or 'total'}"
+            f"differ: {', '.join(named) or 'total'}"
         )
+        if code and not allow_code_change:
+            old = [p for p in code if p not in self.fingerprint]
+            if old:
+                message += (
+                    f" (the checkpoint has no digest of the code of {', '.join(p[5:] for p in old)}: "
+                    f"it was written before zephon-flow fingerprinted code)"
+                )
+            message += (
+                "; if the code change is deliberate (a fix or a refactor you accept for the rest "
+                "of the run), pass allow_code_change=True to zf.Loader"
+            )
         if mix_part is not None and differ == [mix_part]:
             if allow_mix_change:
                 return True

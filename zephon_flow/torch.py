@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data._utils.collate import default_collate_fn_map
 
 from zephon_flow.errors import CorruptStateError, SpecError, StateConflictError, StateError
 from zephon_flow.lanes import RankSlice
@@ -23,7 +24,30 @@ from zephon_flow.spec import LoaderSpec
 from zephon_flow.state import encode_state, merge_states, to_loader_state
 
 TorchBatch = dict[str, torch.Tensor]
-Item = tuple[int, TorchBatch]
+
+
+class StepBatch(NamedTuple):
+    """What ``ZephonDataset`` yields: ``(step, batch)``, this rank's rows of global batch ``step``."""
+
+    step: int
+    batch: TorchBatch
+
+
+Item = StepBatch
+
+
+def _refuse_collate(batch: list[StepBatch], *, collate_fn_map: Any = None) -> Any:
+    raise SpecError(
+        f"ZephonDataset yields whole batches (this rank's rows of one global batch per step), but "
+        f"the DataLoader collated {len(batch)} of them (steps {batch[0].step}..{batch[-1].step}) "
+        f"into one: use DataLoader(dataset, batch_size=None, num_workers=0); set the batch size "
+        f"with zf.LoaderSpec(global_batch_size=...)"
+    )
+
+
+# DataLoader(batch_size=N) collates N items with default_collate, which looks their type up here
+# (torch's documented extension point); batch_size=None never collates.
+default_collate_fn_map[StepBatch] = _refuse_collate
 
 # A fresh start (nothing yielded, nothing loaded) has no lane states to save: b"" says so.
 FRESH = b""
@@ -187,7 +211,7 @@ class ZephonDataset(IterableDataset[Item]):
                     f"ZephonDataset: expected step {self._next_step}, the source gave step {step}"
                 )
             self._next_step = step + 1
-            yield step, _to_tensors(batch)
+            yield StepBatch(step, _to_tensors(batch))
 
     def _open(self) -> Loader | ClientLike:
         if self._client_factory is not None:

@@ -1,0 +1,127 @@
+"""What the runner cannot honour of Beam's state and timers is refused up front; state values
+are checked when written, not when a checkpoint is saved."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+import pytest
+from apache_beam.coders import Coder, PickleCoder, VarIntCoder
+from apache_beam.transforms.timeutil import TimeDomain
+from apache_beam.transforms.userstate import (
+    BagStateSpec,
+    ReadModifyWriteStateSpec,
+    TimerSpec,
+    on_timer,
+)
+from helpers import chain_spec, write_jsonl
+
+import zephon_flow as zf
+from zephon_flow.errors import SpecError, StateError
+
+
+class WallClock(beam.DoFn):  # type: ignore[misc]
+    TICK = TimerSpec("tick", TimeDomain.REAL_TIME)
+
+    def process(self, element: Any, tick: Any = beam.DoFn.TimerParam(TICK)) -> Any:
+        yield element[1]
+
+    @on_timer(TICK)
+    def ticked(self) -> Any:
+        return []
+
+
+class PointCoder(Coder):  # type: ignore[misc]
+    """A user's coder of a user's type: what it encodes is not plain data."""
+
+    def encode(self, value: Any) -> bytes:
+        return f"{value[0]},{value[1]}".encode()
+
+    def decode(self, data: bytes) -> Any:
+        return tuple(int(v) for v in data.split(b","))
+
+
+class RowState(beam.DoFn):  # type: ignore[misc]
+    LAST = ReadModifyWriteStateSpec("last", PointCoder())
+
+    def process(self, element: Any, last: Any = beam.DoFn.StateParam(LAST)) -> Any:
+        yield element[1]
+
+
+class SeenWords(beam.DoFn):  # type: ignore[misc]
+    """Legal in Beam with a PickleCoder: a set in state."""
+
+    SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())
+
+    def process(self, element: Any, seen: Any = beam.DoFn.StateParam(SEEN)) -> Any:
+        words = seen.read() or set()
+        words.update(element[1].split())
+        seen.write(words)
+        yield len(words)
+
+
+class Buffered(beam.DoFn):  # type: ignore[misc]
+    """Appends to a list held in state; element 5 appends an object."""
+
+    HELD = ReadModifyWriteStateSpec("held", PickleCoder())
+    COUNT = BagStateSpec("count", VarIntCoder())
+
+    def process(
+        self,
+        element: Any,
+        held: Any = beam.DoFn.StateParam(HELD),
+        count: Any = beam.DoFn.StateParam(COUNT),
+    ) -> Any:
+        items = held.read() or []
+        items.append(object() if element[1].endswith(" 5") else element[1])
+        held.write(items)
+        count.add(1)
+        yield len(items)
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> str:
+    return write_jsonl(tmp_path / "docs.jsonl", [f"doc {i}" for i in range(10)])
+
+
+def test_a_processing_time_timer_is_refused_at_construction(jsonl: str) -> None:
+    spec = chain_spec(jsonl, ("clock", WallClock()))
+    with pytest.raises(SpecError) as err:
+        spec.compile()
+    assert str(err.value).startswith(
+        "stateful DoFn 'clock': timer 'tick' is in time domain REAL_TIME; the deterministic runner "
+        "has no processing time"
+    )
+    assert "TimerSpec('tick', TimeDomain.WATERMARK)" in str(err.value)
+
+
+def test_a_state_coder_of_objects_is_refused_at_construction(jsonl: str) -> None:
+    spec = chain_spec(jsonl, ("rows", RowState()))
+    with pytest.raises(SpecError) as err:
+        spec.compile()
+    message = str(err.value)
+    assert message.startswith("stateful DoFn 'rows': state 'last' is declared with PointCoder")
+    assert "cannot store" in message and "PickleCoder()" in message
+
+
+def test_a_set_in_state_is_refused_when_written(jsonl: str) -> None:
+    with zf.Loader(chain_spec(jsonl, ("seen", SeenWords()))) as loader, pytest.raises(StateError) as err:
+        next(iter(loader))
+    assert str(err.value).startswith(
+        "stateful DoFn 'seen': the value written to state 'seen' is of type set;"
+    )
+    assert str(err.value).endswith("(store a sorted list)")
+
+
+def test_an_appended_object_is_refused_when_written(jsonl: str) -> None:
+    with zf.Loader(chain_spec(jsonl, ("buf", Buffered()))) as loader:
+        steps = []
+        with pytest.raises(StateError) as err:
+            for step, _ in loader:
+                steps.append(step)
+    assert steps == [0, 1, 2, 3, 4]  # the record "doc 5" is the one that writes the object
+    assert "stateful DoFn 'buf': the value written to state 'held', at [5], is of type object;" in str(
+        err.value
+    )

@@ -1,0 +1,253 @@
+"""The code of user functions and DoFns in the fingerprint: edits refuse, cosmetics do not."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from helpers import chain_spec, write_jsonl
+
+import zephon_flow as zf
+from zephon_flow import operators as ops
+from zephon_flow.code import function_code_digest
+from zephon_flow.errors import FingerprintMismatchError
+
+MODULE_V1 = '''
+import apache_beam as beam
+from zephon_flow import operators as ops
+
+class Upper(beam.DoFn):
+    """Upper-cases a document."""
+
+    def process(self, text):
+        yield text.upper()
+
+def words(text):
+    return len(text.split())
+
+lengths = ops.Map(lambda text: len(text))
+'''
+
+# Comments, blank lines, a docstring edit and indentation of a continuation: same code.
+MODULE_COSMETIC = '''
+import apache_beam as beam
+from zephon_flow import operators as ops
+
+
+class Upper(beam.DoFn):
+    """Upper-cases a document (reworded docstring)."""
+
+    def process(self, text):
+        # a comment
+        yield text.upper(
+        )
+
+def words(text):
+
+    return len(text.split())   # trailing comment
+
+lengths = ops.Map(lambda text: len(text))
+'''
+
+MODULE_EDITED = MODULE_V1.replace("text.upper()", "text.lower()").replace(
+    "len(text.split())", "len(text.split()) + 1"
+)
+
+
+def load(tmp_path: Path, source: str, name: str = "user_dofns") -> types.ModuleType:
+    """Writes ``source`` as module ``name`` and imports it afresh (as a user's edit would be)."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    sys.modules.pop(name, None)
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def spec_of(jsonl: str, module: types.ModuleType) -> zf.LoaderSpec:
+    return chain_spec(
+        jsonl,
+        ("upper", module.Upper()),
+        ("words", ops.Map(module.words)),
+        global_batch_size=2,
+    )
+
+
+@pytest.fixture
+def jsonl(tmp_path: Path) -> str:
+    return write_jsonl(tmp_path / "docs.jsonl", [f"doc number {i}" for i in range(20)])
+
+
+def test_code_parts_are_in_the_fingerprint(tmp_path: Path, jsonl: str) -> None:
+    fp = spec_of(jsonl, load(tmp_path, MODULE_V1)).fingerprint
+    assert "code upper" in fp and "code words" in fp
+    assert "code src" not in fp  # zephon-flow's own operators are versioned with the package
+
+
+def test_comments_blank_lines_and_docstrings_do_not_count(tmp_path: Path, jsonl: str) -> None:
+    before = spec_of(jsonl, load(tmp_path, MODULE_V1)).fingerprint
+    after = spec_of(jsonl, load(tmp_path, MODULE_COSMETIC)).fingerprint
+    assert before == after
+
+
+def test_an_edited_dofn_refuses_the_old_checkpoint_by_name(tmp_path: Path, jsonl: str) -> None:
+    old = spec_of(jsonl, load(tmp_path, MODULE_V1))
+    with zf.Loader(old) as loader:
+        for step, _ in loader:
+            if step == 2:
+                state = loader.state_dict()
+                break
+    new = spec_of(jsonl, load(tmp_path, MODULE_EDITED))
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(new, state=state)
+    message = str(err.value)
+    assert "operator upper: code changed" in message
+    assert "operator words: code changed" in message
+    assert "allow_code_change=True" in message
+    with zf.Loader(new, state=state, allow_code_change=True) as loader:
+        step, _ = next(iter(loader))
+    assert step == 3
+    resumed = zf.Loader(new, state=state, allow_code_change=True)
+    try:
+        assert resumed.state_dict()["fingerprint"] == new.fingerprint
+    finally:
+        resumed.close()
+
+
+def test_a_changed_parameter_is_not_excused_by_allow_code_change(tmp_path: Path, jsonl: str) -> None:
+    module = load(tmp_path, MODULE_V1)
+    old = chain_spec(jsonl, ("upper", module.Upper()), ("words", ops.Map(module.words)), global_batch_size=2)
+    with zf.Loader(old) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    new = chain_spec(
+        jsonl, ("upper", module.Upper()), ("words", ops.Map(module.words, batched=False)), global_batch_size=2
+    )
+    zf.Loader(new, state=state, allow_code_change=True).close()  # same parameters: fine
+    other = chain_spec(jsonl, ("upper", module.Upper()), global_batch_size=2)
+    with pytest.raises(FingerprintMismatchError, match="graph"):
+        zf.Loader(other, state=state, allow_code_change=True)
+
+
+def test_lambdas_are_identified_by_their_source(tmp_path: Path) -> None:
+    module = load(tmp_path, MODULE_V1)
+    assert function_code_digest(module.lengths.fn).startswith("source:")
+    again = load(tmp_path, "# moved down a line\n" + MODULE_V1, name="user_dofns_moved")
+    assert function_code_digest(module.lengths.fn) == function_code_digest(again.lengths.fn)
+    edited = load(tmp_path, MODULE_V1.replace("len(text))", "len(text) * 2)"), name="user_dofns_x2")
+    assert function_code_digest(module.lengths.fn) != function_code_digest(edited.lengths.fn)
+
+
+def test_bytecode_does_not_count_where_source_exists(tmp_path: Path) -> None:
+    """The digest is of the parsed source, so a Python upgrade (new bytecode) changes nothing."""
+    module = load(tmp_path, MODULE_V1)
+    before = function_code_digest(module.words)
+    module.words.__code__ = module.words.__code__.replace(co_code=module.lengths.fn.__code__.co_code)
+    assert function_code_digest(module.words) == before
+
+
+def test_code_without_source_falls_back_to_bytecode() -> None:
+    namespace: dict[str, object] = {}
+    exec("def made(x):\n    return x + 1\n", namespace)  # no file: no source
+    made = namespace["made"]
+    assert isinstance(made, types.FunctionType)
+    assert function_code_digest(made).startswith("bytecode:")
+
+
+def test_beam_map_is_identified_by_source(tmp_path: Path, jsonl: str) -> None:
+    module = load(tmp_path, MODULE_V1)
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "src" >> ops.ReadJsonl(jsonl)
+        return docs | "n" >> beam.Map(module.words)
+
+    fp = zf.LoaderSpec(build, lanes=1, global_batch_size=1).fingerprint
+    edited = load(tmp_path, MODULE_EDITED)
+
+    def build2(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "src" >> ops.ReadJsonl(jsonl)
+        return docs | "n" >> beam.Map(edited.words)
+
+    fp2 = zf.LoaderSpec(build2, lanes=1, global_batch_size=1).fingerprint
+    assert fp["code n"] != fp2["code n"]
+    assert fp["operator n"] == fp2["operator n"]
+
+
+PROBE = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("zcode", sys.argv[1])
+code = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(code)
+sys.path.insert(0, sys.argv[2])
+import user_dofns as m
+print(sys.version_info[:2], "|", code.function_code_digest(m.words), code.function_code_digest(m.lengths.fn.__wrapped__),
+      code.class_code_digest(m.Upper), code.global_names(m.words.__code__))
+"""
+
+
+def other_pythons() -> list[str]:
+    """Other CPython 3.10+ interpreters on this machine (pyenv's or on PATH); often none."""
+    import glob
+    import shutil
+
+    found = sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1[0-9]*/bin/python")))
+    found += [p for p in (shutil.which(f"python3.{minor}") for minor in (10, 12, 13, 14)) if p]
+    return found
+
+
+def test_the_same_source_gives_the_same_digests_on_other_python_versions(tmp_path: Path) -> None:
+    """``zephon_flow/code.py`` needs only the standard library, so other interpreters can run it."""
+    source = (
+        MODULE_V1.replace("lengths = ops.Map(", "lengths = Wrap(")
+        .replace("from zephon_flow import operators as ops\n", "")
+        .replace("import apache_beam as beam\n", "")
+    )
+    source = source.replace("class Upper(beam.DoFn):", "class Upper:")
+    source = (
+        "class Wrap:\n    def __init__(self, fn):\n        self.fn = fn\n        fn.__wrapped__ = fn\n\n"
+        + source
+    )
+    (tmp_path / "user_dofns.py").write_text(source)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    code_py = Path(__file__).resolve().parent.parent / "zephon_flow" / "code.py"
+    results = {}
+    for python in [sys.executable, *other_pythons()]:
+        out = subprocess.run(
+            [python, str(probe), str(code_py), str(tmp_path)], capture_output=True, text=True, timeout=60
+        )
+        if out.returncode == 0:  # (a pyenv shim without that version fails: not an interpreter)
+            version, digests = out.stdout.split("|")
+            results[version.strip()] = digests
+    if len(results) < 2:
+        pytest.skip("no other Python 3.10+ interpreter on this machine")
+    assert len(set(results.values())) == 1, results
+
+
+def test_a_checkpoint_from_before_code_was_fingerprinted(tmp_path: Path, jsonl: str) -> None:
+    """Such a state has no ``code`` parts: refused with that reason, adopted with the flag."""
+    module = load(tmp_path, MODULE_V1)
+    spec = chain_spec(jsonl, ("upper", module.Upper()), global_batch_size=2)
+    with zf.Loader(spec) as loader:
+        next(iter(loader))
+        state = loader.state_dict()
+    state["fingerprint"] = {k: v for k, v in state["fingerprint"].items() if not k.startswith("code ")}
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(spec, state=state)
+    assert str(err.value) == (
+        "the checkpoint was written for another pipeline; these parts of the fingerprint differ: "
+        "operator upper: code changed (the checkpoint has no digest of the code of upper: it was "
+        "written before zephon-flow fingerprinted code); if the code change is deliberate (a fix or "
+        "a refactor you accept for the rest of the run), pass allow_code_change=True to zf.Loader"
+    )
+    with zf.Loader(spec, state=state, allow_code_change=True) as loader:
+        assert next(iter(loader))[0] == 1
