@@ -107,6 +107,16 @@ class Mix(beam.PTransform):  # type: ignore[misc]
             exhausted=str(params["exhausted"]),
         )
 
+    def can_end(self, finite: Sequence[bool]) -> bool:
+        """Whether a lane's mixed input can end, given which inputs have finite ``epochs``:
+        with ``"stop"``, once any finite input is drawn after it ran out; with
+        ``"renormalize"``, once only finite inputs are left with weight (all are finite, or
+        some schedule point gives every endless input weight 0)."""
+        if self.exhausted == "stop":
+            return any(finite)
+        endless = [i for i, f in enumerate(finite) if not f]
+        return not endless or any(all(row[i] == 0 for i in endless) for row in self._normalised)
+
     def weights_at(self, step: int) -> np.ndarray:
         """The normalised weights at global step ``step`` (a new array)."""
         i = int(np.searchsorted(self.steps, step, side="right")) - 1

@@ -47,9 +47,10 @@ class Plan:
 
     @property
     def finite(self) -> bool:
-        """Whether a lane's input can end (a source has a number of passes): its batches then
-        carry ``valid`` and lanes that end early contribute padding."""
-        return any(sp.source.epochs is not None for sp in self.sources)
+        """Whether a lane's input can end (its source has a number of passes, or its Mix says
+        it can end): its batches then carry ``valid`` and lanes that end early are padded."""
+        finite = [sp.source.epochs is not None for sp in self.sources]
+        return finite[0] if self.mixer is None else self.mixer.can_end(finite)
 
     def padding_sample(self) -> Any:
         """The padding sample an operator declares (``padding_sample()``) at the end of the

@@ -22,7 +22,7 @@ def mix_spec(corpus: Corpus) -> zf.LoaderSpec:
         web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text", split_bytes=500)
         code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content", epochs=1)
         docs = (web, code) | "mix" >> ops.Mix(
-            schedule=[(0, [0.1, 0.9]), (8, [0.6, 0.4]), (12, [0.5, 0.5])],
+            schedule=[(0, [0.01, 0.99]), (12, [0.6, 0.4]), (14, [0.5, 0.5])],
             interpolation="linear",
             exhausted="renormalize",
         )

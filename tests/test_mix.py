@@ -105,3 +105,13 @@ def test_resume_at_every_step_across_epochs_of_both_sources(files: tuple[str, st
     epochs = source_epochs(spec, ref.final_state)
     assert min(epochs["web"]) >= 1 and min(epochs["code"]) >= 1
     assert sources(ref.batches).count(WEB) > 8 and sources(ref.batches).count(CODE) > 6
+
+
+def test_a_mix_can_end_only_when_its_exhausted_policy_lets_it() -> None:
+    stop = ops.Mix(weights=[0.5, 0.5])
+    renorm = ops.Mix(weights=[0.5, 0.5], exhausted="renormalize")
+    assert stop.can_end([True, False]) and not stop.can_end([False, False])
+    assert renorm.can_end([True, True]) and not renorm.can_end([True, False])
+    # A schedule point that gives the endless input no weight lets the lane end there.
+    gap = ops.Mix(schedule=[(0, [0.5, 0.5]), (10, [1.0, 0.0])], exhausted="renormalize")
+    assert gap.can_end([True, False]) and not gap.can_end([False, True])
