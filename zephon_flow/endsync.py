@@ -20,7 +20,12 @@ from zephon_flow.errors import SpecError
 
 
 class EndSync(Protocol):
-    """Agreement on whether the global sequence goes on at a step."""
+    """Agreement on whether the global sequence goes on at a step.
+
+    An implementation whose agreement is a collective that every rank must enter (as
+    ``torch.distributed``'s) sets ``lockstep = True``: the loader then enters it for a step only
+    once its trainer has asked for that step.
+    """
 
     def any_rank(self, step: int, local: bool, stop: threading.Event) -> bool:
         """Whether any rank's lanes have a real sample at ``step`` (``local``: this rank's).
@@ -66,6 +71,8 @@ class TorchEndSync:
     """An ``EndSync`` over ``torch.distributed``: a MAX all-reduce of one integer per step on a
     gloo group made for it. Every rank must construct its loader (and so this) in the same
     order, as with any ``torch.distributed`` group."""
+
+    lockstep = True
 
     def __init__(self, group: Any = None) -> None:
         import torch

@@ -100,6 +100,8 @@ class Loader:
         self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
+        self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
+        self._requested_cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -216,7 +218,21 @@ class Loader:
         local = any(windows)
         if self._end_sync is None:
             return local
+        if getattr(self._end_sync, "lockstep", False) and not self._wait_for_request(step):
+            return False
         return self._end_sync.any_rank(step, local, self._stop)
+
+    def _wait_for_request(self, step: int) -> bool:
+        """Waits until the consumer has asked for ``step`` (False: the loader closed first).
+
+        A collective agreement (``lockstep``) is entered only for steps every rank's trainer
+        asks for, so ranks that stop at the same step never leave one waiting in it."""
+        with self._requested_cond:
+            while self._requested <= step - self._step:
+                if self._stop.is_set():
+                    return False
+                self._requested_cond.wait(timeout=0.1)
+        return True
 
     def _assemble(self, step: int, windows: list[list[Any]]) -> Batch:
         """This rank's rows of global batch ``step``; a finite pass's lanes are padded to full
@@ -272,6 +288,9 @@ class Loader:
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
         while True:
+            with self._requested_cond:
+                self._requested += 1
+                self._requested_cond.notify_all()
             try:
                 item = self._queue.get(timeout=0.1)
             except queue.Empty:
