@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
+from bench.stats import median
 from zephon_flow import operators as ops
 from zephon_flow.demo_data import EOS_TOKEN, build_demo_data
 
@@ -200,8 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     (rows[name]["sequences"] / secs[name]) / (rows["concat"]["sequences"] / secs["concat"])
                 )
         for name in packs:
-            rows[name]["seqs_per_s"] = statistics.median(times[name])
-            rows[name]["seqs_per_s_over_concat"] = statistics.median(ratios[name])
+            rows[name]["seqs_per_s"] = median(times[name])
+            rows[name]["seqs_per_s_over_concat"] = median(ratios[name])
         results["runs"][str(seq_len)] = rows
         _print_table(seq_len, rows, docs=len(docs), long_docs=sum(n > seq_len for n in lengths))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,6 @@ import argparse
 import io
 import json
 import os
-import statistics
 import tarfile
 import tempfile
 import time
@@ -39,6 +38,7 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.ipc as ipc
 
+from bench.stats import median
 from zephon_flow.operators.arrow import ReadArrow
 from zephon_flow.operators.splits import Source
 from zephon_flow.operators.text_files import ReadTextFiles
@@ -129,7 +129,7 @@ def resume_times(pattern: str, repeats: int) -> tuple[float, float]:
         for position, got in times.items():
             t, _ = timed(lambda p=position: next(iter(source.read_split(split, p)))[0])
             got.append(t)
-    return statistics.median(times[split.start]), statistics.median(times[split.stop - 1])
+    return median(times[split.start]), median(times[split.stop - 1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 counts[name] = n
                 rates[name].append(n / seconds)
         resume_first, resume_last = resume_times(data["tar"], repeats)
-    medians = {f"{name}_per_s": statistics.median(r) for name, r in rates.items()}
+    medians = {f"{name}_per_s": median(r) for name, r in rates.items()}
     ratios = {
         f"{kind}_source_over_baseline": medians[f"{kind}_source_per_s"] / medians[f"{kind}_baseline_per_s"]
         for kind in ("arrow", "text", "webdataset")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +34,7 @@ import apache_beam as beam
 import numpy as np
 
 from bench._per_element import PerElementTokenize
+from bench.stats import median
 from zephon_flow import operators as ops
 from zephon_flow.operators.splits import Record, Source
 from zephon_flow.runners.dofns import StatelessInvoker
@@ -91,7 +91,7 @@ def _timed(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str, 
             start = time.perf_counter()
             contenders[name]()
             times[name].append(time.perf_counter() - start)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return {n: median(t) for n, t in times.items()}
 
 
 def overhead(elements: int, chunk: int, repeats: int) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def tokenize(texts: list[str], tokenizer_json: str, chunk: int, repeats: int, en
 
 def _demo_texts(data_root: str | None, limit: int) -> tuple[list[str], str]:
     """The first ``limit`` demo documents, prose and code alternating, and the tokenizer."""
-    from bench.throughput import load_texts
+    from bench.demo import load_texts
     from zephon_flow.demo_data import build_demo_data
 
     data = build_demo_data(data_root, progress=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import tarfile
 import time
 import traceback
@@ -31,10 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import cpu_seconds
+from bench.contenders.harness import cpu_seconds, emit, rate
 from bench.workload import encode, load_tokenizer
 
-RESULT_TAG = "BENCH-RESULT "
 IMAGE_EXTS = ("jpg", "png")
 _ALPHA_MODES = ("RGBA", "LA", "La", "RGBa", "PA")
 _WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
@@ -201,13 +199,6 @@ def counts(batch: dict[str, Any], w: VlmWorkload) -> tuple[int, int]:
 # -- timing, the same for every loader -----------------------------------------------------------
 
 
-def _rate(marks: list[tuple[float, int, int]], lo: int, hi: int, k: int) -> float | None:
-    """Item ``k`` (1 images, 2 caption tokens) of batches ``lo+1..hi`` per second between them."""
-    if hi <= lo or marks[hi][0] <= marks[lo][0]:
-        return None
-    return sum(m[k] for m in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
-
-
 def measure(
     batches: Iterator[dict[str, Any]], w: VlmWorkload, *, start: float, steps: int, warmup: int
 ) -> dict[str, Any]:
@@ -236,7 +227,7 @@ def measure(
     lo, hi = warmup, warmup + steps
     mid = lo + steps // 2
     window = marks[hi][0] - marks[lo][0]
-    halves = (_rate(marks, lo, mid, 1), _rate(marks, mid, hi, 1))
+    halves = (rate(marks, lo, mid, 1), rate(marks, mid, hi, 1))
     elapsed = marks[-1][0] - start
     return {
         "ttfb_s": marks[0][0] - start,
@@ -245,8 +236,8 @@ def measure(
         "seconds": window,
         "images": sum(m[1] for m in marks[lo + 1 :]),
         "caption_tokens": sum(m[2] for m in marks[lo + 1 :]),
-        "images_per_s": _rate(marks, lo, hi, 1),
-        "caption_tokens_per_s": _rate(marks, lo, hi, 2),
+        "images_per_s": rate(marks, lo, hi, 1),
+        "caption_tokens_per_s": rate(marks, lo, hi, 2),
         "end_to_end_images_per_s": sum(m[1] for m in marks) / elapsed,
         "end_to_end_caption_tokens_per_s": sum(m[2] for m in marks) / elapsed,
         "first_half_images_per_s": halves[0],
@@ -272,6 +263,5 @@ def contender_main(name: str, run: Callable[[VlmWorkload, dict[str, Any]], dict[
         result.update(run(load_workload(args.workload), task), ok=True)
     except Exception as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    sys.stdout.flush()
-    print(RESULT_TAG + json.dumps(result), flush=True)
+    emit(result)
     return 0 if result["ok"] else 1

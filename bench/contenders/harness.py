@@ -9,16 +9,21 @@ standard library and numpy (the peers' venv has no zephon-flow).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
+from bench.procs import RESULT_TAG
+from bench.stats import median
 from bench.workload import TextWorkload, concat, digest, load_workload, real_tokens
 
 Batch = dict[str, Any]
+#: Called with each batch's index (0: the first batch) and the batch, as it is delivered.
+Observer = Callable[[int, Batch], None]
 
 
 class Session(Protocol):
@@ -33,6 +38,43 @@ class Session(Protocol):
     def close(self) -> None: ...
 
 
+class TorchSession:
+    """A session over a torch-style loader (``DataLoader``, ``StatefulDataLoader``, torchdata's
+    ``nodes.Loader``): one iterator over it, ``convert`` applied to each batch, checkpoints as
+    ``torch.save`` of its ``state_dict()`` (and restored from ``state`` by ``load_state_dict``),
+    its worker processes shut down on close."""
+
+    def __init__(
+        self, loader: Any, convert: Callable[[Any], Batch] | None = None, *, state: bytes | None = None
+    ) -> None:
+        if state is not None:
+            import torch
+
+            loader.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+        self._loader = loader
+        self._convert = convert
+        self._it: Any = None
+
+    def batches(self) -> Iterator[Batch]:
+        if self._it is None:
+            self._it = iter(self._loader)
+        for batch in self._it:
+            yield batch if self._convert is None else self._convert(batch)
+
+    def checkpoint(self) -> bytes:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self._loader.state_dict(), buf)
+        return buf.getvalue()
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
 class Contender(Protocol):
     name: str
     resumable: bool
@@ -42,14 +84,19 @@ class Contender(Protocol):
     ) -> Session: ...
 
 
-def _rate(marks: list[tuple[float, int]], lo: int, hi: int) -> float | None:
-    """Tokens delivered in batches ``lo+1..hi`` over the time between batch ``lo`` and ``hi``."""
+def rate(
+    marks: Sequence[tuple[float, int] | tuple[float, int, int]], lo: int, hi: int, k: int = 1
+) -> float | None:
+    """Per batch ``(delivery instant, count, ...)``: count ``k`` summed over batches ``lo+1..hi``,
+    per second between the deliveries of batch ``lo`` and batch ``hi`` (None for an empty span)."""
     if hi <= lo or marks[hi][0] <= marks[lo][0]:
         return None
-    return sum(n for _, n in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
+    return sum(m[k] for m in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
 
 
-def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
+def run_throughput(
+    c: Contender, w: TextWorkload, task: dict[str, Any], observe: Observer | None = None
+) -> dict[str, Any]:
     """Time to the first batch, then ``warmup`` untimed steps, then ``steps`` timed steps.
 
     Every batch's delivery instant and real-token count is recorded. ``tokens_per_s`` is the rate
@@ -58,6 +105,7 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
     it, so the window is also split in halves: in a steady state their rates agree
     (``half_rate_ratio`` near 1), while a draining buffer makes the first half faster. The
     end-to-end rate (construction to last batch) can never be inflated by read-ahead.
+    ``observe``, if given, sees every batch as it is delivered (its time is counted).
     """
     steps, warmup, workers = int(task["steps"]), int(task["warmup"]), int(task["workers"])
     start = time.perf_counter()
@@ -71,12 +119,16 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
         it = session.batches()
         first = next(it)
         marks.append((time.perf_counter(), real_tokens(first)))
+        if observe is not None:
+            observe(0, first)
         for i in range(warmup + steps):
             if i == warmup:
                 cpu = cpu_seconds()
             batch = next(it)
             real = real_tokens(batch)
             marks.append((time.perf_counter(), real))
+            if observe is not None:
+                observe(i + 1, batch)
             if i >= warmup:
                 pad += int(batch["segment_ids"].size) - real
         end_cpu = cpu_seconds()
@@ -91,7 +143,7 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
     mid = (lo + hi) // 2
     tokens = sum(n for _, n in marks[lo + 1 :])
     seconds = marks[hi][0] - marks[lo][0]
-    first_half, second_half = _rate(marks, lo, mid), _rate(marks, mid, hi)
+    first_half, second_half = rate(marks, lo, mid), rate(marks, mid, hi)
     return {
         "ttfb_s": ttfb,
         "warmup_s": marks[lo][0] - marks[0][0],
@@ -139,17 +191,27 @@ def _take(session: Session, n: int) -> list[Batch]:
     return [next(it) for _ in range(n)]
 
 
-def _emit(result: dict[str, Any]) -> None:
+def emit(result: dict[str, Any]) -> None:
     """One result line; the orchestrator keeps the last one, so a task that prints partial results
     as it goes and is then killed at its timeout still reports what it measured."""
     sys.stdout.flush()
-    print("BENCH-RESULT " + json.dumps(result), flush=True)
+    print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return float(statistics.median(values))
+def first_batch(
+    c: Contender, w: TextWorkload, *, workers: int, state: bytes | None
+) -> tuple[Batch, dict[str, float]]:
+    """Opens a loader (fresh, or resumed from ``state``), takes its first batch and closes it:
+    the batch, with the seconds from ``open`` to it (``ttfb_s``) and to close (``close_s``)."""
+    start = time.perf_counter()
+    session = c.open(w, rank=0, world_size=1, workers=workers, state=state)
+    try:
+        batch = next(session.batches())
+        got = time.perf_counter()
+    finally:
+        closing = time.perf_counter()
+        session.close()
+    return batch, {"ttfb_s": got - start, "close_s": time.perf_counter() - closing}
 
 
 def run_resume(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
@@ -204,26 +266,21 @@ def run_resume(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str,
     for point in points_at:
         taken = [samples[point + i] for i in range(consecutive)]
         for sample in taken[:resumes]:
-            t = time.perf_counter()
-            resumed = c.open(w, rank=0, world_size=1, workers=workers, state=blobs.pop(sample["step"]))
-            try:
-                first = next(resumed.batches())
-                sample["ttfb_s"] = time.perf_counter() - t
-            finally:
-                resumed.close()
+            first, times = first_batch(c, w, workers=workers, state=blobs.pop(sample["step"]))
+            sample["ttfb_s"] = times["ttfb_s"]
             sample["matches_uninterrupted"] = digest(first) == sample["digest"]
         resumed_ = [x for x in taken if "ttfb_s" in x]
         result["points"].append(
             {
                 "step": point,
                 "reached_s": reached[point],
-                "checkpoint_bytes": _median([x["checkpoint_bytes"] for x in taken]),
-                "ttfb_s": _median([x["ttfb_s"] for x in resumed_]),
+                "checkpoint_bytes": median([x["checkpoint_bytes"] for x in taken]),
+                "ttfb_s": median([x["ttfb_s"] for x in resumed_]),
                 "matches_uninterrupted": all(x["matches_uninterrupted"] for x in resumed_),
                 "samples": [{k: v for k, v in x.items() if k != "digest"} for x in taken],
             }
         )
-        _emit({"contender": c.name, "kind": "resume", "ok": True, "partial": True, **result})
+        emit({"contender": c.name, "kind": "resume", "ok": True, "partial": True, **result})
     return result
 
 
@@ -293,5 +350,5 @@ def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = N
         result["ok"] = True
     except Exception as exc:
         result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    _emit(result)
+    emit(result)
     return 0 if result["ok"] else 1
