@@ -69,7 +69,7 @@ class _Cell:
 
 
 def load_documents(
-    data_root: str | None, *, limit: int | None, sources: str = "all", **build: int
+    data_root: str | None, *, limit: int | None, sources: str = "all", **build: Any
 ) -> list[np.ndarray]:
     """Every prose document and code file of the demo corpus (or only those of ``sources``) as
     int32 ids with EOS, in one seeded order that interleaves the two (the first ``limit``)."""
@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sources", choices=("all", "prose", "code"), default="all")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    seq_lens, buffers, repeats, limit = SEQ_LENS, BUFFERS, args.repeats, None
+    seq_lens: tuple[int, ...] = SEQ_LENS
+    buffers: tuple[int, ...] = BUFFERS
+    repeats, limit = args.repeats, None
     if args.quick:
         seq_lens, buffers, repeats, limit = (512,), (0, 16), 1, 200
     docs = load_documents(

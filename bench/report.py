@@ -119,7 +119,7 @@ def summarise(
             goals[f"{name}_over_limit"] = {"value": table[name]["over_limit"], "goal": GOAL_LIMIT}
             goals[f"{name}_over_best_peer"] = {"value": table[name]["over_best_peer"], "goal": GOAL_PEER}
     # the resume goals: from the processes backend's study, or the inline one's if only that ran
-    z = next((resume[n] for n in RESUME_ZEPHON if "points" in resume.get(n, {})), {})
+    z: dict[str, Any] = next((resume[n] for n in RESUME_ZEPHON if "points" in resume.get(n, {})), {})
     if "points" in z:
         first, last = z["points"][0], z["points"][-1]
         for key, what in (("ttfb_s", "zephon_resume_ttfb"), ("checkpoint_bytes", "zephon_checkpoint_bytes")):
@@ -339,7 +339,8 @@ def plots(res: dict[str, Any], out: Path) -> None:
                 )[0]
                 raw = [(p["step"], x[key]) for p in r["points"] for x in p.get("samples", []) if key in x]
                 if raw:
-                    ax.scatter(*zip(*raw, strict=True), s=10, alpha=0.5, color=line.get_color())
+                    steps, values = zip(*raw, strict=True)
+                    ax.scatter(steps, values, s=10, alpha=0.5, color=line.get_color())
                 drawn = True
         ax.set_xscale("log")
         ax.set_xlabel("step")

@@ -111,7 +111,8 @@ def decode_resize(data: bytes, size: int) -> np.ndarray:
     """``DecodeImage(draft_size=size)`` then ``ResizeImage(size)`` in plain Pillow: the same pixels."""
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(data)) as im:
+    with Image.open(io.BytesIO(data)) as opened:
+        im: Image.Image = opened
         if im.format == "JPEG":
             im.draft(im.mode, (size, size))
         im.load()

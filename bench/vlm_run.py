@@ -23,14 +23,8 @@ import numpy as np
 from bench import vlm_report
 from bench.procs import run_task
 from bench.stats import rotated
-from bench.vlm import (
-    VlmWorkload,
-    decode_resize,
-    encode,
-    iter_samples,
-    load_tokenizer,
-    load_workload,
-)
+from bench.vlm import VlmWorkload, decode_resize, iter_samples, load_workload
+from bench.workload import encode, load_tokenizer
 
 #: name -> (module, what it adds to the task)
 CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
