@@ -6,12 +6,12 @@ section is ``bench.vlm_report``) and the tokenizer-limit run's (``bench.throughp
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from bench import vlm_report
-from bench.stats import NOISE, fmt, machine, median, median_or_none, rate_flags, ratio
+from bench.stats import NOISE, fmt, machine, median, paired_over_limit, rate_flags, ratio
+from bench.stats import table as stats_table
 
 GOAL_LIMIT = 0.8
 GOAL_PEER = 1.0
@@ -22,44 +22,16 @@ OTHER_ENGINE = {"zephon_processes_auto"}  # not the limit's HF tokenizer: may be
 
 
 def _throughput(runs: list[dict[str, Any]], peers: set[str]) -> dict[str, Any]:
-    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for run in runs:
-        by_name[run["name"]].append(run)
-    table: dict[str, dict[str, Any]] = {}
-    for name, items in by_name.items():
-        good = [r for r in items if r["ok"]]
-        table[name] = {
-            "runs": len(items),
-            "failed": [r.get("error", "")[:300] for r in items if not r["ok"]],
-            "tokens_per_s": median_or_none([r["tokens_per_s"] for r in good]),
-            "end_to_end_tokens_per_s": median_or_none(
-                [r["end_to_end_tokens_per_s"] for r in good if "end_to_end_tokens_per_s" in r]
-            ),
-            "ttfb_s": median_or_none([r["ttfb_s"] for r in good if "ttfb_s" in r]),
-            "peak_rss_mb": median_or_none([r["peak_rss_bytes"] / 1e6 for r in good]),
-            "padding_fraction": median_or_none([r["padding_fraction"] for r in good]),
-            "half_rate_ratio": median_or_none(
-                [r["half_rate_ratio"] for r in good if r.get("half_rate_ratio")]
-            ),
-            "main_cpu_cores": median_or_none(
-                [r["main_cpu_cores"] for r in good if r.get("main_cpu_cores") is not None]
-            ),
-            "children_cpu_cores": median_or_none(
-                [r["children_cpu_cores"] for r in good if r.get("children_cpu_cores") is not None]
-            ),
-        }
+    keys = ("tokens_per_s", "end_to_end_tokens_per_s", "ttfb_s", "padding_fraction", "half_rate_ratio")
+    table = stats_table(runs, (*keys, "main_cpu_cores", "children_cpu_cores"))
     limit = table.get("limit", {}).get("tokens_per_s")
     peer_rates = {n: t["tokens_per_s"] for n, t in table.items() if n in peers and t["tokens_per_s"]}
     best_peer = max(peer_rates, key=lambda n: peer_rates[n]) if peer_rates else None
-    rounds: dict[int, dict[str, float]] = defaultdict(dict)
-    for run in runs:
-        if run["ok"]:
-            rounds[run["round"]][run["name"]] = run["tokens_per_s"]
+    paired = paired_over_limit(runs, "tokens_per_s")
     for name, row in table.items():
         row["over_limit"] = ratio(row["tokens_per_s"], limit)
         row["over_best_peer"] = ratio(row["tokens_per_s"], peer_rates.get(best_peer)) if best_peer else None
-        paired = [r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")]
-        row["over_limit_paired_median"] = median_or_none(paired)
+        row["over_limit_paired_median"] = paired[name]
         row["flags"] = _flags(name, row, limit)
     return {"table": table, "best_peer": best_peer}
 

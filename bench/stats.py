@@ -10,6 +10,7 @@ import platform
 import statistics
 import subprocess
 import sys
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,38 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def fmt(x: Any, spec: str = ",.0f") -> str:
     """``x`` formatted with ``spec``; ``n/a`` for a missing number."""
     return "n/a" if x is None else format(x, spec)
+
+
+def table(runs: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """One row per contender (a run's ``name``): how many runs, why the failed ones failed, the
+    median peak memory of its process tree and the median of each of ``keys`` over its good
+    runs (those that have it)."""
+    by_name: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for run in runs:
+        by_name[run["name"]].append(run)
+    rows: dict[str, dict[str, Any]] = {}
+    for name, items in by_name.items():
+        good = [r for r in items if r["ok"]]
+        rows[name] = {
+            "runs": len(items),
+            "failed": [r.get("error", "")[:300] for r in items if not r["ok"]],
+            "peak_rss_mb": median_or_none([r["peak_rss_bytes"] / 1e6 for r in good]),
+            **{key: median_or_none([r[key] for r in good if r.get(key) is not None]) for key in keys},
+        }
+    return rows
+
+
+def paired_over_limit(runs: Sequence[Mapping[str, Any]], key: str) -> dict[str, float | None]:
+    """Per contender: the median over rounds of its ``key`` over the limit's in the same round."""
+    rounds: dict[int, dict[str, float]] = defaultdict(dict)
+    for run in runs:
+        if run["ok"]:
+            rounds[run["round"]][run["name"]] = run[key]
+    names = {run["name"] for run in runs}
+    return {
+        name: median_or_none([r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")])
+        for name in names
+    }
 
 
 def rotated(names: Sequence[str], round_: int) -> list[str]:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from bench.stats import fmt, median_or_none, rate_flags, ratio
+from bench.stats import fmt, paired_over_limit, rate_flags, ratio
+from bench.stats import table as stats_table
 
 PEER = "torch_dataloader"
 ZEPHON = "zephon_processes"
@@ -32,35 +32,18 @@ def _flags(name: str, row: dict[str, Any], limit: dict[str, Any]) -> list[str]:
 def summarise(
     raw: list[dict[str, Any]], *, workload: dict[str, Any], config: dict[str, Any], checks: dict[str, Any]
 ) -> dict[str, Any]:
-    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for run in raw:
-        by_name[run["name"]].append(run)
-    table: dict[str, dict[str, Any]] = {}
-    for name, items in by_name.items():
-        good = [r for r in items if r["ok"]]
-        row: dict[str, Any] = {
-            "runs": len(items),
-            "failed": [r.get("error", "")[:300] for r in items if not r["ok"]],
-            "peak_rss_mb": median_or_none([r["peak_rss_bytes"] / 1e6 for r in good]),
-        }
-        for key in (
-            *RATES,
-            "ttfb_s",
-            "padding_fraction",
-            "half_rate_ratio",
-            "main_cpu_cores",
-            "children_cpu_cores",
-        ):
-            row[key] = median_or_none([r[key] for r in good if r.get(key) is not None])
-        shapes = [r["first_batch_shapes"] for r in good if "first_batch_shapes" in r]
+    keys = ("ttfb_s", "padding_fraction", "half_rate_ratio", "main_cpu_cores", "children_cpu_cores")
+    table = stats_table(raw, (*RATES, *keys))
+    for name, row in table.items():
+        shapes = [
+            r["first_batch_shapes"]
+            for r in raw
+            if r["name"] == name and r["ok"] and "first_batch_shapes" in r
+        ]
         row["first_batch_shapes"] = shapes[0] if shapes else None
-        table[name] = row
     limit = table.get("limit", {})
     peer = table.get(PEER, {})
-    rounds: dict[int, dict[str, float]] = defaultdict(dict)
-    for run in raw:
-        if run["ok"]:
-            rounds[run["round"]][run["name"]] = run["images_per_s"]
+    paired = paired_over_limit(raw, "images_per_s")
     for name, row in table.items():
         row["over_limit"] = ratio(row["images_per_s"], limit.get("images_per_s"))
         row["tokens_over_limit"] = ratio(row["caption_tokens_per_s"], limit.get("caption_tokens_per_s"))
@@ -68,8 +51,7 @@ def summarise(
         row["end_to_end_over_peer"] = ratio(
             row["end_to_end_images_per_s"], peer.get("end_to_end_images_per_s")
         )
-        paired = [r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")]
-        row["over_limit_paired_median"] = median_or_none(paired)
+        row["over_limit_paired_median"] = paired[name]
         row["flags"] = _flags(name, row, limit)
     # zephon-flow's batches have the peer's fields and shapes (plus its ``documents`` provenance)
     same_shapes = None
