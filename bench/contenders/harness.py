@@ -38,6 +38,16 @@ class Session(Protocol):
     def close(self) -> None: ...
 
 
+class Peer:
+    """A peer loader's contender: resumable, its ``--option`` values kept (none used today)."""
+
+    name = "peer"
+    resumable = True
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+
+
 class TorchSession:
     """A session over a torch-style loader (``DataLoader``, ``StatefulDataLoader``, torchdata's
     ``nodes.Loader``): one iterator over it, ``convert`` applied to each batch, checkpoints as

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import TorchSession, main
+from bench.contenders.harness import Peer, TorchSession, main
 from bench.workload import TextWorkload, load_tokenizer, shards
 
 MAP_BATCH = 256  # documents per map batch (tokenize, then pack)
@@ -89,12 +89,8 @@ def build_dataset(w: TextWorkload, rank: int, world_size: int, workers: int) -> 
     return ds
 
 
-class HfDatasets:
+class HfDatasets(Peer):
     name = "hf_datasets"
-    resumable = True
-
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None

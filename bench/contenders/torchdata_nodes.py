@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import TorchSession, main
+from bench.contenders.harness import Peer, TorchSession, main
 from bench.workload import Packer, TextWorkload, encode, iter_mixed, load_tokenizer
 
 
@@ -104,12 +104,8 @@ def _pack_shuffle_node(source: Any, seq_len: int, buffer: int, seed: int) -> Any
     return PackShuffle()
 
 
-class TorchdataNodes:
+class TorchdataNodes(Peer):
     name = "torchdata_nodes"
-    resumable = True
-
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
