@@ -17,6 +17,7 @@ from zephon_flow.operators.dealing import Dealing, Share
 from zephon_flow.operators.splits import START, Record
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.backends.inline import InlineBackend
+from zephon_flow.runners.backends.threads import ThreadBackend
 from zephon_flow.runners.dofns import StatelessInvoker
 from zephon_flow.runners.plan import SourcePlan
 from zephon_flow.runners.segment import Chunk, FrontSegment, Skipped
@@ -262,13 +263,21 @@ def test_a_read_skip_travels_in_order_without_backend_work(tmp_path: Path) -> No
     )
 
 
-def test_a_chunk_failure_comes_back_with_the_worker_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_a_chunk_failure_comes_back_with_the_worker_traceback(tmp_path: Path, backend: str) -> None:
     source = _source(tmp_path, range(10), per_split=10, epochs=1)
     chain = (StatelessInvoker("strict", Fails()),)
-    stream = _stream(source, InlineBackend(_segment(source, chain)), chain, chunk_records=8)
-    assert [stream.take() is not None for _ in range(3)] == [True] * 3  # chunks of 1 and 2 records
-    with pytest.raises(StageError) as info:
-        _take_all(stream)
+    segment = _segment(source, chain)
+    runs: InlineBackend | ThreadBackend = (
+        InlineBackend(segment) if backend == "inline" else ThreadBackend(segment, 2)
+    )
+    stream = _stream(source, runs, chain, chunk_records=8)
+    try:
+        assert [stream.take() is not None for _ in range(3)] == [True] * 3  # chunks of 1 and 2 records
+        with pytest.raises(StageError) as info:
+            _take_all(stream)
+    finally:
+        runs.close()
     text = str(info.value)
     assert text.startswith(
         "DoFn 'strict' raised ValueError: five is not allowed here (5) "
