@@ -22,15 +22,15 @@ import argparse
 import io
 import json
 import tarfile
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import cpu_seconds, emit, rate
+from bench.contenders.harness import emit, rate, time_batches
 from bench.workload import encode, load_tokenizer
 
 IMAGE_EXTS = ("jpg", "png")
@@ -210,31 +210,17 @@ def measure(
     loader's read-ahead has drained). End-to-end rates run from ``start`` (before the loader
     was built) to the last batch. ``padding_fraction`` is pad tokens over all tokens.
     """
-    marks: list[tuple[float, int, int]] = []
-    pad = total = 0
-    shapes: dict[str, list[int]] = {}
-    cpu: dict[str, float] = {}
-    for i in range(1 + warmup + steps):
-        if i == 1 + warmup:
-            cpu = cpu_seconds()
-        batch = next(batches)
-        images, tokens = counts(batch, w)
-        marks.append((time.perf_counter(), images, tokens))
-        seg = np.asarray(batch["segment_ids"])
-        pad, total = pad + int((seg < 0).sum()), total + seg.size
-        if i == 0:
-            shapes = {k: list(np.asarray(v).shape) for k, v in sorted(batch.items())}
-    end = cpu_seconds()
+    timed = time_batches(batches, partial(_counts, w), steps=steps, warmup=warmup)
+    marks = timed.marks  # (delivery instant, images, caption tokens, pad tokens, tokens) per batch
     lo, hi = warmup, warmup + steps
     mid = lo + steps // 2
-    window = marks[hi][0] - marks[lo][0]
     halves = (rate(marks, lo, mid, 1), rate(marks, mid, hi, 1))
     elapsed = marks[-1][0] - start
     return {
         "ttfb_s": marks[0][0] - start,
         "steps": steps,
         "warmup": warmup,
-        "seconds": window,
+        "seconds": marks[hi][0] - marks[lo][0],
         "images": sum(m[1] for m in marks[lo + 1 :]),
         "caption_tokens": sum(m[2] for m in marks[lo + 1 :]),
         "images_per_s": rate(marks, lo, hi, 1),
@@ -244,11 +230,16 @@ def measure(
         "first_half_images_per_s": halves[0],
         "second_half_images_per_s": halves[1],
         "half_rate_ratio": halves[0] / halves[1] if halves[0] and halves[1] else None,
-        "padding_fraction": pad / max(1, total),
-        "first_batch_shapes": shapes,
-        "main_cpu_cores": (end["main"] - cpu["main"]) / window if window > 0 else None,
-        "children_cpu_cores": (end["children"] - cpu["children"]) / window if window > 0 else None,
+        "padding_fraction": sum(m[3] for m in marks) / max(1, sum(m[4] for m in marks)),
+        "first_batch_shapes": {k: list(np.asarray(v).shape) for k, v in sorted(timed.first.items())},
+        **timed.cores(lo, hi),
     }
+
+
+def _counts(w: VlmWorkload, batch: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(images, caption tokens, pad tokens, tokens) of a batch."""
+    seg = np.asarray(batch["segment_ids"])
+    return (*counts(batch, w), int((seg < 0).sum()), int(seg.size))
 
 
 def contender_main(name: str, run: Callable[[VlmWorkload, dict[str, Any]], dict[str, Any]]) -> int:

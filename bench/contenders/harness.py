@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from bench.procs import RESULT_TAG
@@ -94,14 +95,70 @@ class Contender(Protocol):
     ) -> Session: ...
 
 
-def rate(
-    marks: Sequence[tuple[float, int] | tuple[float, int, int]], lo: int, hi: int, k: int = 1
-) -> float | None:
+def rate(marks: Sequence[tuple[float, ...]], lo: int, hi: int, k: int = 1) -> float | None:
     """Per batch ``(delivery instant, count, ...)``: count ``k`` summed over batches ``lo+1..hi``,
     per second between the deliveries of batch ``lo`` and batch ``hi`` (None for an empty span)."""
     if hi <= lo or marks[hi][0] <= marks[lo][0]:
         return None
     return sum(m[k] for m in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
+
+
+@dataclass(frozen=True)
+class Timed:
+    """Batches taken one by one: per batch its delivery instant and counts, the first batch, and
+    the CPU seconds (``cpu_seconds``' keys) spent over the timed window and since ``born``."""
+
+    marks: list[tuple[float, ...]]
+    first: Batch
+    window_cpu: dict[str, float]
+    life_cpu: dict[str, float]
+
+    def cores(self, lo: int, hi: int) -> dict[str, float | None]:
+        """CPU cores busy between the deliveries of batch ``lo`` and ``hi``: this (consumer)
+        process, and its child processes (None without psutil)."""
+        window = self.marks[hi][0] - self.marks[lo][0]
+        children = self.window_cpu.get("children")
+        return {
+            "main_cpu_cores": self.window_cpu.get("main", 0.0) / window if window > 0 else None,
+            "children_cpu_cores": children / window if children is not None and window > 0 else None,
+        }
+
+
+def time_batches(
+    batches: Iterator[Batch],
+    count: Callable[[Batch], tuple[int, ...]],
+    *,
+    steps: int,
+    warmup: int,
+    born: dict[str, float] | None = None,
+    observe: Observer | None = None,
+) -> Timed:
+    """The first batch, ``warmup`` untimed ones, then ``steps`` timed ones (the window: from the
+    delivery of batch ``warmup`` to that of batch ``warmup + steps``), each marked with its
+    delivery instant and ``count(batch)``. ``observe``, if given, sees every batch as it is
+    delivered (its time is counted)."""
+    marks: list[tuple[float, ...]] = []
+    first: Batch = {}
+    cpu: dict[str, float] = {}
+    for i in range(1 + warmup + steps):
+        if i == 1 + warmup:
+            cpu = cpu_seconds()
+        batch = next(batches)
+        marks.append((time.perf_counter(), *count(batch)))
+        if observe is not None:
+            observe(i, batch)
+        if i == 0:
+            first = batch
+    end = cpu_seconds()
+    window = {k: v - cpu.get(k, 0.0) for k, v in end.items()}
+    life = {k: v - born.get(k, 0.0) for k, v in end.items()} if born is not None else {}
+    return Timed(marks, first, window, life)
+
+
+def _tokens(batch: Batch) -> tuple[int, int]:
+    """(real tokens, pad tokens) of a text batch."""
+    real = real_tokens(batch)
+    return real, int(batch["segment_ids"].size) - real
 
 
 def run_throughput(
@@ -121,44 +178,24 @@ def run_throughput(
     start = time.perf_counter()
     born = cpu_seconds()
     session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
-    marks: list[tuple[float, int]] = []  # (delivery instant, real tokens) per batch, first = index 0
-    pad = 0
-    cpu: dict[str, float] = {}
-    life: dict[str, float] = {}
     try:
-        it = session.batches()
-        first = next(it)
-        marks.append((time.perf_counter(), real_tokens(first)))
-        if observe is not None:
-            observe(0, first)
-        for i in range(warmup + steps):
-            if i == warmup:
-                cpu = cpu_seconds()
-            batch = next(it)
-            real = real_tokens(batch)
-            marks.append((time.perf_counter(), real))
-            if observe is not None:
-                observe(i + 1, batch)
-            if i >= warmup:
-                pad += int(batch["segment_ids"].size) - real
-        end_cpu = cpu_seconds()
-        cpu = {k: v - cpu.get(k, 0.0) for k, v in end_cpu.items()}
-        # whole life, start-up included: CPU per delivered token, where every core-second went
-        life = {k: v - born.get(k, 0.0) for k, v in end_cpu.items()}
+        timed = time_batches(
+            session.batches(), _tokens, steps=steps, warmup=warmup, born=born, observe=observe
+        )
     finally:
         session.close()
-    ttfb = marks[0][0] - start
+    marks = timed.marks  # (delivery instant, real tokens, pad tokens) per batch, first = index 0
     lo, hi = warmup, warmup + steps
-    window = marks[hi][0] - marks[lo][0]
     mid = (lo + hi) // 2
-    tokens = sum(n for _, n in marks[lo + 1 :])
+    tokens = sum(m[1] for m in marks[lo + 1 :])
+    pad = sum(m[2] for m in marks[lo + 1 :])
     seconds = marks[hi][0] - marks[lo][0]
     first_half, second_half = rate(marks, lo, mid), rate(marks, mid, hi)
     return {
-        "ttfb_s": ttfb,
+        "ttfb_s": marks[0][0] - start,
         "warmup_s": marks[lo][0] - marks[0][0],
         "seconds": seconds,
-        "end_to_end_tokens_per_s": sum(n for _, n in marks) / (marks[-1][0] - start),
+        "end_to_end_tokens_per_s": sum(m[1] for m in marks) / (marks[-1][0] - start),
         "first_half_tokens_per_s": first_half,
         "second_half_tokens_per_s": second_half,
         "half_rate_ratio": first_half / second_half if first_half and second_half else None,
@@ -167,14 +204,13 @@ def run_throughput(
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "padding_fraction": pad / max(1, tokens + pad),
-        "first_batch_shape": list(first["input_ids"].shape),
-        "batch_times_s": [round(t - start, 4) for t, _ in marks],
-        # CPU cores busy during the timed window: this (consumer) process, and its child processes
-        "main_cpu_cores": cpu.get("main", 0.0) / window if window > 0 else None,
-        "children_cpu_cores": cpu["children"] / window if "children" in cpu and window > 0 else None,
-        "life_main_cpu_s": life.get("main"),
-        "life_children_cpu_s": life.get("children"),
-        "life_tokens": sum(n for _, n in marks),
+        "first_batch_shape": list(timed.first["input_ids"].shape),
+        "batch_times_s": [round(m[0] - start, 4) for m in marks],
+        **timed.cores(lo, hi),
+        # whole life, start-up included: CPU per delivered token, where every core-second went
+        "life_main_cpu_s": timed.life_cpu.get("main"),
+        "life_children_cpu_s": timed.life_cpu.get("children"),
+        "life_tokens": sum(m[1] for m in marks),
     }
 
 
