@@ -22,7 +22,6 @@ import argparse
 import io
 import json
 import tarfile
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -30,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import emit, rate, time_batches
+from bench.contenders.harness import emit_outcome, rate, time_batches
 from bench.workload import encode, load_tokenizer
 
 IMAGE_EXTS = ("jpg", "png")
@@ -250,10 +249,4 @@ def contender_main(name: str, run: Callable[[VlmWorkload, dict[str, Any]], dict[
     parser.add_argument("--task", required=True)
     args = parser.parse_args()
     task = json.loads(args.task)
-    result: dict[str, Any] = {"contender": name}
-    try:
-        result.update(run(load_workload(args.workload), task), ok=True)
-    except Exception as exc:
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    emit(result)
-    return 0 if result["ok"] else 1
+    return emit_outcome({"contender": name}, lambda: run(load_workload(args.workload), task))

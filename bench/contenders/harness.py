@@ -377,6 +377,17 @@ def run_elastic(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str
 TASKS = {"throughput": run_throughput, "resume": run_resume, "elastic": run_elastic}
 
 
+def emit_outcome(result: dict[str, Any], work: Callable[[], dict[str, Any]]) -> int:
+    """Adds what ``work()`` measured to ``result`` (``ok`` true), or the exception it raised
+    (``ok`` false, the error and its traceback); prints the result line; the exit status."""
+    try:
+        result.update(work(), ok=True)
+    except Exception as exc:
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    emit(result)
+    return 0 if result["ok"] else 1
+
+
 def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = None) -> int:
     """Entry point of a contender module: ``make(options)`` builds the contender."""
     parser = argparse.ArgumentParser(description="a bench contender")
@@ -387,14 +398,10 @@ def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = N
     contender = make(dict(o.split("=", 1) for o in args.option))
     workload = load_workload(args.workload)
     task = json.loads(args.task)
-    result: dict[str, Any] = {"contender": contender.name, "kind": task["kind"]}
-    try:
+
+    def work() -> dict[str, Any]:
         if task["kind"] != "throughput" and not contender.resumable:
-            result["unsupported"] = f"{contender.name} has no checkpoint"
-        else:
-            result.update(TASKS[task["kind"]](contender, workload, task))
-        result["ok"] = True
-    except Exception as exc:
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    emit(result)
-    return 0 if result["ok"] else 1
+            return {"unsupported": f"{contender.name} has no checkpoint"}
+        return TASKS[task["kind"]](contender, workload, task)
+
+    return emit_outcome({"contender": contender.name, "kind": task["kind"]}, work)
