@@ -39,6 +39,7 @@ import numpy as np
 import PIL
 from PIL import Image
 
+from bench.stats import median
 from zephon_flow import operators as ops
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "images.json")
@@ -118,12 +119,11 @@ def measure(images: Sequence[bytes], *, size: int, repeats: int) -> dict[str, An
                 runs[f"{name}_wall"].append(per_wall_s)
         paired = [z / p for z, p in zip(runs["zephon"], runs["pillow"], strict=True)]
         results[tag] = {
-            "pillow_images_per_s": statistics.median(runs["pillow"]),
-            "zephon_images_per_s": statistics.median(runs["zephon"]),
-            "zephon_over_pillow": statistics.median(runs["zephon"]) / statistics.median(runs["pillow"]),
-            "zephon_over_pillow_paired_median": statistics.median(paired),
-            "zephon_over_pillow_wall": statistics.median(runs["zephon_wall"])
-            / statistics.median(runs["pillow_wall"]),
+            "pillow_images_per_s": median(runs["pillow"]),
+            "zephon_images_per_s": median(runs["zephon"]),
+            "zephon_over_pillow": median(runs["zephon"]) / median(runs["pillow"]),
+            "zephon_over_pillow_paired_median": median(paired),
+            "zephon_over_pillow_wall": median(runs["zephon_wall"]) / median(runs["pillow_wall"]),
             "runs": runs,
         }
     results["draft_speedup_zephon"] = (

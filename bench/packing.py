@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
+from bench.stats import median
 from zephon_flow import operators as ops
 from zephon_flow.demo_data import EOS_TOKEN, build_demo_data
 
@@ -69,7 +69,7 @@ class _Cell:
 
 
 def load_documents(
-    data_root: str | None, *, limit: int | None, sources: str = "all", **build: int
+    data_root: str | None, *, limit: int | None, sources: str = "all", **build: Any
 ) -> list[np.ndarray]:
     """Every prose document and code file of the demo corpus (or only those of ``sources``) as
     int32 ids with EOS, in one seeded order that interleaves the two (the first ``limit``)."""
@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sources", choices=("all", "prose", "code"), default="all")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    seq_lens, buffers, repeats, limit = SEQ_LENS, BUFFERS, args.repeats, None
+    seq_lens: tuple[int, ...] = SEQ_LENS
+    buffers: tuple[int, ...] = BUFFERS
+    repeats, limit = args.repeats, None
     if args.quick:
         seq_lens, buffers, repeats, limit = (512,), (0, 16), 1, 200
     docs = load_documents(
@@ -200,8 +202,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     (rows[name]["sequences"] / secs[name]) / (rows["concat"]["sequences"] / secs["concat"])
                 )
         for name in packs:
-            rows[name]["seqs_per_s"] = statistics.median(times[name])
-            rows[name]["seqs_per_s_over_concat"] = statistics.median(ratios[name])
+            rows[name]["seqs_per_s"] = median(times[name])
+            rows[name]["seqs_per_s_over_concat"] = median(ratios[name])
         results["runs"][str(seq_len)] = rows
         _print_table(seq_len, rows, docs=len(docs), long_docs=sum(n > seq_len for n in lengths))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -77,3 +78,23 @@ def run_contender(cmd: list[str], timeout: float) -> Finished:
     lines = [line for line in stdout.splitlines() if line.startswith(RESULT_TAG)]
     result = json.loads(lines[-1][len(RESULT_TAG) :]) if lines else None
     return Finished(result, stderr, time.perf_counter() - start, peak, timed_out)
+
+
+def run_task(name: str, cmd: list[str], timeout: float, *, label: str, **fallback: Any) -> dict[str, Any]:
+    """Runs one contender's task: its JSON result (or, when it printed none, ``fallback`` with
+    ``ok`` false and the end of its stderr), marked when it was cut at ``timeout``, plus its name,
+    wall time and the peak resident memory of its tree; one progress line to stderr."""
+    done = run_contender(cmd, timeout)
+    if done.result is not None:
+        result = done.result
+    else:
+        result = {**fallback, "ok": False, "error": done.stderr.strip()[-1500:]}
+    if done.timed_out:
+        # what it printed before the timeout (a partial result) is kept, and says it was cut short
+        result.update(timed_out=True, timeout_s=timeout)
+        if done.result is None:
+            result["error"] = f"timed out after {timeout:.0f} s; " + result["error"][-1000:]
+    result.update(name=name, wall_s=done.wall_s, peak_rss_bytes=done.peak_rss_bytes)
+    status = "ok" if result["ok"] else f"FAILED {result.get('error', '')[:300]}"
+    print(f"bench.run: {label}: {status}", file=sys.stderr, flush=True)
+    return result

@@ -1,103 +1,46 @@
-"""Turns the contenders' raw results into medians, ratios, goals, a Markdown report and plots."""
+"""Turns raw benchmark results into medians, ratios, goals, a Markdown report and plots.
+
+The side-by-side run's (``bench.run``: ``summarise``, ``markdown``, ``plots``; its vision-language
+section is ``bench.vlm_report``) and the tokenizer-limit run's (``bench.throughput``:
+``summarise_throughput``, ``markdown_throughput``)."""
 
 from __future__ import annotations
 
-import os
-import platform
-import statistics
-import subprocess
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from bench import vlm_report
+from bench.stats import NOISE, fmt, machine, median, paired_over_limit, rate_flags, ratio
+from bench.stats import table as stats_table
 
 GOAL_LIMIT = 0.8
 GOAL_PEER = 1.0
 GOAL_FLAT = 1.2
-NOISE = 0.10  # a rate above the limit by more than this is not a measurement of steady throughput
-UNSTEADY = 1.25  # first half of the timed window faster than the second by more: a buffer was draining
 ZEPHON = ("zephon_processes_hf", "zephon_processes_auto")
 RESUME_ZEPHON = ("zephon_processes_hf", "zephon_inline_hf")
 OTHER_ENGINE = {"zephon_processes_auto"}  # not the limit's HF tokenizer: may beat it legitimately
 
 
-def _median(values: list[float]) -> float | None:
-    return float(statistics.median(values)) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def machine() -> dict[str, Any]:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout
-    except OSError:
-        head = ""
-    return {
-        "cpu_count": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "loadavg": list(os.getloadavg()),
-        "git": head.strip(),
-    }
-
-
 def _throughput(runs: list[dict[str, Any]], peers: set[str]) -> dict[str, Any]:
-    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for run in runs:
-        by_name[run["name"]].append(run)
-    table: dict[str, dict[str, Any]] = {}
-    for name, items in by_name.items():
-        good = [r for r in items if r["ok"]]
-        table[name] = {
-            "runs": len(items),
-            "failed": [r.get("error", "")[:300] for r in items if not r["ok"]],
-            "tokens_per_s": _median([r["tokens_per_s"] for r in good]),
-            "end_to_end_tokens_per_s": _median(
-                [r["end_to_end_tokens_per_s"] for r in good if "end_to_end_tokens_per_s" in r]
-            ),
-            "ttfb_s": _median([r["ttfb_s"] for r in good if "ttfb_s" in r]),
-            "peak_rss_mb": _median([r["peak_rss_bytes"] / 1e6 for r in good]),
-            "padding_fraction": _median([r["padding_fraction"] for r in good]),
-            "half_rate_ratio": _median([r["half_rate_ratio"] for r in good if r.get("half_rate_ratio")]),
-            "main_cpu_cores": _median(
-                [r["main_cpu_cores"] for r in good if r.get("main_cpu_cores") is not None]
-            ),
-            "children_cpu_cores": _median(
-                [r["children_cpu_cores"] for r in good if r.get("children_cpu_cores") is not None]
-            ),
-        }
+    keys = ("tokens_per_s", "end_to_end_tokens_per_s", "ttfb_s", "padding_fraction", "half_rate_ratio")
+    table = stats_table(runs, (*keys, "main_cpu_cores", "children_cpu_cores"))
     limit = table.get("limit", {}).get("tokens_per_s")
     peer_rates = {n: t["tokens_per_s"] for n, t in table.items() if n in peers and t["tokens_per_s"]}
     best_peer = max(peer_rates, key=lambda n: peer_rates[n]) if peer_rates else None
-    rounds: dict[int, dict[str, float]] = defaultdict(dict)
-    for run in runs:
-        if run["ok"]:
-            rounds[run["round"]][run["name"]] = run["tokens_per_s"]
+    paired = paired_over_limit(runs, "tokens_per_s")
     for name, row in table.items():
-        row["over_limit"] = _ratio(row["tokens_per_s"], limit)
-        row["over_best_peer"] = _ratio(row["tokens_per_s"], peer_rates.get(best_peer)) if best_peer else None
-        paired = [r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")]
-        row["over_limit_paired_median"] = _median(paired)
+        row["over_limit"] = ratio(row["tokens_per_s"], limit)
+        row["over_best_peer"] = ratio(row["tokens_per_s"], peer_rates.get(best_peer)) if best_peer else None
+        row["over_limit_paired_median"] = paired[name]
         row["flags"] = _flags(name, row, limit)
     return {"table": table, "best_peer": best_peer}
 
 
 def _flags(name: str, row: dict[str, Any], limit: float | None) -> list[str]:
-    """Why this row's rate is not a valid steady-state throughput (empty when it looks valid)."""
-    flags = []
-    for key in ("tokens_per_s", "end_to_end_tokens_per_s"):
-        rate = row.get(key)
-        if name != "limit" and name not in OTHER_ENGINE and limit and rate and rate > limit * (1 + NOISE):
-            flags.append(f"{key} {rate / limit:.2f}x the limit (> {1 + NOISE:.2f}x): read-ahead or a bug")
-    ratio = row.get("half_rate_ratio")
-    if ratio and ratio > UNSTEADY:
-        flags.append(
-            f"timed window not steady: its first half {ratio:.2f}x faster than its second (buffer draining)"
-        )
-    return flags
+    """Why this row's rate is not a valid steady-state throughput (empty when it looks valid);
+    the limit, and an engine other than the limit's, are not held to the limit's rate."""
+    exempt = name == "limit" or name in OTHER_ENGINE
+    return rate_flags(row, {} if exempt else {"tokens_per_s": limit, "end_to_end_tokens_per_s": limit})
 
 
 def _resume(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -119,8 +62,8 @@ def _resume(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "resumes": run.get("resumes"),
             "timed_out": run.get("timed_out", False),
             "timeout_s": run.get("timeout_s"),
-            "ttfb_last_over_first": _ratio(last["ttfb_s"], first["ttfb_s"]),
-            "bytes_last_over_first": _ratio(last["checkpoint_bytes"], first["checkpoint_bytes"]),
+            "ttfb_last_over_first": ratio(last["ttfb_s"], first["ttfb_s"]),
+            "bytes_last_over_first": ratio(last["checkpoint_bytes"], first["checkpoint_bytes"]),
             "first_step": first["step"],
             "last_point": last["step"],
             "all_match": all(p["matches_uninterrupted"] for p in points),
@@ -148,12 +91,12 @@ def summarise(
             goals[f"{name}_over_limit"] = {"value": table[name]["over_limit"], "goal": GOAL_LIMIT}
             goals[f"{name}_over_best_peer"] = {"value": table[name]["over_best_peer"], "goal": GOAL_PEER}
     # the resume goals: from the processes backend's study, or the inline one's if only that ran
-    z = next((resume[n] for n in RESUME_ZEPHON if "points" in resume.get(n, {})), {})
+    z: dict[str, Any] = next((resume[n] for n in RESUME_ZEPHON if "points" in resume.get(n, {})), {})
     if "points" in z:
         first, last = z["points"][0], z["points"][-1]
         for key, what in (("ttfb_s", "zephon_resume_ttfb"), ("checkpoint_bytes", "zephon_checkpoint_bytes")):
             goals[f"{what}_last_over_first"] = {
-                "value": _ratio(last[key], first[key]),
+                "value": ratio(last[key], first[key]),
                 "goal": GOAL_FLAT,
                 # the medians the ratio is taken of, and the samples behind them
                 "steps": [first["step"], last["step"]],
@@ -187,10 +130,6 @@ def summarise(
     }
 
 
-def _fmt(x: Any, spec: str = ",.0f") -> str:
-    return "n/a" if x is None else format(x, spec)
-
-
 def markdown(res: dict[str, Any]) -> str:
     w, cfg = res["workload"], res["config"]
     lines = [
@@ -217,12 +156,12 @@ def markdown(res: dict[str, Any]) -> str:
     table = res["throughput"]["table"]
     for name, row in sorted(table.items(), key=lambda kv: -(kv[1]["tokens_per_s"] or 0)):
         lines.append(
-            f"| {name} | {_fmt(row['tokens_per_s'])} | {_fmt(row['over_limit'], '.2f')} "
-            f"| {_fmt(row['over_limit_paired_median'], '.2f')} | {_fmt(row['over_best_peer'], '.2f')} "
-            f"| {_fmt(row.get('end_to_end_tokens_per_s'))} "
-            f"| {_fmt(row['ttfb_s'], '.2f')} | {_fmt(row['peak_rss_mb'])} | {_fmt(row['padding_fraction'], '.4f')} "
-            f"| {_fmt(row.get('half_rate_ratio'), '.2f')} "
-            f"| {_fmt(row.get('main_cpu_cores'), '.2f')} / {_fmt(row.get('children_cpu_cores'), '.2f')} "
+            f"| {name} | {fmt(row['tokens_per_s'])} | {fmt(row['over_limit'], '.2f')} "
+            f"| {fmt(row['over_limit_paired_median'], '.2f')} | {fmt(row['over_best_peer'], '.2f')} "
+            f"| {fmt(row.get('end_to_end_tokens_per_s'))} "
+            f"| {fmt(row['ttfb_s'], '.2f')} | {fmt(row['peak_rss_mb'])} | {fmt(row['padding_fraction'], '.4f')} "
+            f"| {fmt(row.get('half_rate_ratio'), '.2f')} "
+            f"| {fmt(row.get('main_cpu_cores'), '.2f')} / {fmt(row.get('children_cpu_cores'), '.2f')} "
             f"| {'**FLAGGED**' if row.get('flags') else 'ok'} |"
         )
     lines.append(f"\nBest peer: {res['throughput']['best_peer']}.")
@@ -230,8 +169,8 @@ def markdown(res: dict[str, Any]) -> str:
     if served and embedded:
         lines.append(
             "zephon-flow served over gRPC (`zephon serve`, processes x2, one `zf.Client` rank) over "
-            f"embedded: {_fmt(_ratio(served['tokens_per_s'], embedded['tokens_per_s']), '.2f')} after "
-            f"warm-up, {_fmt(_ratio(served['end_to_end_tokens_per_s'], embedded['end_to_end_tokens_per_s']), '.2f')} "
+            f"embedded: {fmt(ratio(served['tokens_per_s'], embedded['tokens_per_s']), '.2f')} after "
+            f"warm-up, {fmt(ratio(served['end_to_end_tokens_per_s'], embedded['end_to_end_tokens_per_s']), '.2f')} "
             "end to end (the server's start-up, work and the loopback transfer, on the same 2 cores)."
         )
     flagged = [(n, f) for n, row in table.items() for f in row.get("flags", [])]
@@ -286,14 +225,14 @@ def markdown(res: dict[str, Any]) -> str:
                 f"median at step {a:,}: {_num(g['medians'][0], spec)} [{_num(ra, spec)}]; "
                 f"at step {b:,}: {_num(g['medians'][1], spec)} [{_num(rb, spec)}]"
             )
-        lines.append(f"| {key} | {_fmt(g['value'], '.2f')} | {op} {g['goal']} | {met} | {raw} |")
+        lines.append(f"| {key} | {fmt(g['value'], '.2f')} | {op} {g['goal']} | {met} | {raw} |")
     lines += vlm_report.markdown_lines(res.get("vlm"))
     lines.append("")
     return "\n".join(lines)
 
 
 def _num(x: Any, spec: str) -> str:
-    return ", ".join(_fmt(v, spec) for v in x) if isinstance(x, list) else _fmt(x, spec)
+    return ", ".join(fmt(v, spec) for v in x) if isinstance(x, list) else fmt(x, spec)
 
 
 def _resume_markdown(res: dict[str, Any]) -> list[str]:
@@ -324,15 +263,15 @@ def _resume_markdown(res: dict[str, Any]) -> list[str]:
             ttfb = [x["ttfb_s"] for x in samples if "ttfb_s" in x]
             size = [x["checkpoint_bytes"] for x in samples]
             lines.append(
-                f"| {name} | {p['step']:,} | {_fmt(p['ttfb_s'], '.2f')} [{_num(ttfb, '.2f')}] "
-                f"| {_fmt(p['checkpoint_bytes'])} [{_num(size, ',.0f')}] | {p['matches_uninterrupted']} "
-                f"| {_fmt(p.get('reached_s'), ',.1f')} |"
+                f"| {name} | {p['step']:,} | {fmt(p['ttfb_s'], '.2f')} [{_num(ttfb, '.2f')}] "
+                f"| {fmt(p['checkpoint_bytes'])} [{_num(size, ',.0f')}] | {p['matches_uninterrupted']} "
+                f"| {fmt(p.get('reached_s'), ',.1f')} |"
             )
         took = f"{r['uninterrupted_s']:,.0f} s" if r.get("uninterrupted_s") is not None else "n/a"
-        note = f"- {name}: the uninterrupted run to step {_fmt(r.get('last_step'), ',')} took {took}"
+        note = f"- {name}: the uninterrupted run to step {fmt(r.get('last_step'), ',')} took {took}"
         if r.get("timed_out"):
             note += (
-                f"; **the task hit its timeout ({_fmt(r.get('timeout_s'), ',.0f')} s) after the points "
+                f"; **the task hit its timeout ({fmt(r.get('timeout_s'), ',.0f')} s) after the points "
                 "shown: the later points were not measured**"
             )
         notes.append(note + ".")
@@ -372,7 +311,8 @@ def plots(res: dict[str, Any], out: Path) -> None:
                 )[0]
                 raw = [(p["step"], x[key]) for p in r["points"] for x in p.get("samples", []) if key in x]
                 if raw:
-                    ax.scatter(*zip(*raw, strict=True), s=10, alpha=0.5, color=line.get_color())
+                    steps, values = zip(*raw, strict=True)
+                    ax.scatter(steps, values, s=10, alpha=0.5, color=line.get_color())
                 drawn = True
         ax.set_xscale("log")
         ax.set_xlabel("step")
@@ -382,3 +322,142 @@ def plots(res: dict[str, Any], out: Path) -> None:
         fig.tight_layout()
         fig.savefig(out / fname, dpi=100)
         plt.close(fig)
+
+
+# -- bench.throughput: zephon-flow against the tokenizer's limit, and the cost of a resume -------
+
+
+def summarise_throughput(
+    *,
+    config: dict[str, Any],
+    machine: dict[str, Any],
+    raw: dict[str, list[Any]],
+    states: dict[str, dict[str, Any]],
+    checks: dict[str, bool],
+) -> dict[str, Any]:
+    """``bench.throughput``'s results: medians over repeats, ratios, goals, beside the raw runs."""
+
+    def med(name: str, key: str) -> float:
+        return median([r[key] for r in raw[name]])
+
+    def med_resume(backend: str, which: str) -> float:
+        return median([r[backend][which]["ttfb_s"] for r in raw["resume"]])
+
+    bytes_per_token = config["bytes_per_token"]
+    limit_tps = med("limit", "tokens_per_s")
+    proc_tps = med("zephon_processes", "tokens_per_s")
+    inline_tps = med("zephon_inline", "tokens_per_s")
+    paired = [
+        p["tokens_per_s"] / lim["tokens_per_s"]
+        for p, lim in zip(raw["zephon_processes"], raw["limit"], strict=True)
+    ]
+    medians = {
+        "limit_tokens_per_s": limit_tps,
+        "limit_mb_per_s": med("limit", "mb_per_s"),
+        "zephon_processes_tokens_per_s": proc_tps,
+        "zephon_processes_mb_per_s_est": proc_tps * bytes_per_token / 1e6,
+        "zephon_processes_ttfb_fresh_s": med("zephon_processes", "ttfb_s"),
+        "zephon_processes_init_s": med("zephon_processes", "init_s"),
+        "zephon_processes_main_cpu_cores": median(
+            [r["main_cpu_s"] / r["seconds"] for r in raw["zephon_processes"]]
+        ),
+        "zephon_processes_main_cpu_us_per_token": med("zephon_processes", "main_cpu_us_per_token"),
+        "zephon_inline_tokens_per_s": inline_tps,
+        "zephon_inline_mb_per_s_est": inline_tps * bytes_per_token / 1e6,
+        "zephon_inline_ttfb_fresh_s": med("zephon_inline", "ttfb_s"),
+        "zephon_inline_init_s": med("zephon_inline", "init_s"),
+        "resume_processes_ttfb_early_s": med_resume("processes", "early"),
+        "resume_processes_ttfb_late_s": med_resume("processes", "late"),
+        "resume_inline_ttfb_early_s": med_resume("inline", "early"),
+        "resume_inline_ttfb_late_s": med_resume("inline", "late"),
+        "state_bytes_early": states["early"]["bytes"],
+        "state_bytes_late": states["late"]["bytes"],
+    }
+    ratios = {
+        "processes_over_limit": proc_tps / limit_tps,
+        "processes_over_limit_paired_median": median(paired),
+        "inline_over_limit": inline_tps / limit_tps,
+        "processes_over_inline": proc_tps / inline_tps,
+        "resume_processes_ttfb_late_over_early": medians["resume_processes_ttfb_late_s"]
+        / medians["resume_processes_ttfb_early_s"],
+        "resume_inline_ttfb_late_over_early": medians["resume_inline_ttfb_late_s"]
+        / medians["resume_inline_ttfb_early_s"],
+        "state_bytes_late_over_early": states["late"]["bytes"] / states["early"]["bytes"],
+    }
+    goals = {
+        "processes_over_limit_min": GOAL_LIMIT,
+        "resume_late_over_early_max": GOAL_FLAT,
+        "met": {
+            "throughput": ratios["processes_over_limit"] >= GOAL_LIMIT,
+            "resume_time_processes": ratios["resume_processes_ttfb_late_over_early"] <= GOAL_FLAT,
+            "resume_time_inline": ratios["resume_inline_ttfb_late_over_early"] <= GOAL_FLAT,
+            "state_size": ratios["state_bytes_late_over_early"] <= GOAL_FLAT,
+        },
+    }
+    return {
+        "benchmark": "zephon-flow throughput and resume cost",
+        "config": config,
+        "machine": machine,
+        "medians": medians,
+        "ratios": ratios,
+        "goals": goals,
+        "checks": checks,
+        "state": states,
+        "raw": raw,
+    }
+
+
+def markdown_throughput(results: dict[str, Any]) -> str:
+    """``bench.throughput``'s table, printed to stdout."""
+    m, r, c = results["medians"], results["ratios"], results["config"]
+    engine = c.get("tokenize_engine", {}).get("selected", "hf")
+    rows: list[tuple[str, str, str]] = [
+        (
+            "limit: tokenizer alone, 2 processes",
+            f"{m['limit_tokens_per_s']:,.0f} tok/s",
+            f"{m['limit_mb_per_s']:.2f} MB/s",
+        ),
+        (
+            f"zephon-flow, processes x2 (Tokenize: {engine})",
+            f"{m['zephon_processes_tokens_per_s']:,.0f} tok/s",
+            f"~{m['zephon_processes_mb_per_s_est']:.2f} MB/s; first batch {m['zephon_processes_ttfb_fresh_s']:.2f} s; "
+            f"main process uses {m['zephon_processes_main_cpu_cores']:.2f} cores",
+        ),
+        (
+            f"zephon-flow, inline (Tokenize: {engine})",
+            f"{m['zephon_inline_tokens_per_s']:,.0f} tok/s",
+            f"~{m['zephon_inline_mb_per_s_est']:.2f} MB/s; first batch {m['zephon_inline_ttfb_fresh_s']:.2f} s",
+        ),
+        (
+            "ratio processes / limit",
+            f"{r['processes_over_limit']:.2f}",
+            f"paired median {r['processes_over_limit_paired_median']:.2f}; goal >= {GOAL_LIMIT}",
+        ),
+        (
+            f"resume processes: step {c['early_step']} / {c['late_step']}",
+            f"{m['resume_processes_ttfb_early_s']:.2f} s / {m['resume_processes_ttfb_late_s']:.2f} s",
+            f"late/early {r['resume_processes_ttfb_late_over_early']:.2f}",
+        ),
+        (
+            f"resume inline: step {c['early_step']} / {c['late_step']}",
+            f"{m['resume_inline_ttfb_early_s']:.2f} s / {m['resume_inline_ttfb_late_s']:.2f} s",
+            f"late/early {r['resume_inline_ttfb_late_over_early']:.2f}",
+        ),
+        (
+            f"checkpoint bytes: step {c['early_step']} / {c['late_step']}",
+            f"{m['state_bytes_early']:,} / {m['state_bytes_late']:,}",
+            f"late/early {r['state_bytes_late_over_early']:.2f}",
+        ),
+    ]
+    lines = [
+        f"### zephon-flow throughput ({c['steps']} timed steps after {c['warmup_steps']} warm-up, "
+        f"{c['global_batch_size']} x {c['seq_len']} tokens each; "
+        f"median of {c['repeats']}, {results['machine']['cpu_count']} CPUs)",
+        "",
+        "| measurement | value | notes |",
+        "| --- | --- | --- |",
+        *(f"| {a} | {b} | {n} |" for a, b, n in rows),
+        "",
+        "checks: " + ", ".join(f"{k}={v}" for k, v in results["checks"].items()),
+    ]
+    return "\n".join(lines)

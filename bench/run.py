@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import vlm_report, vlm_run
-from bench.procs import ROOT, run_contender
+from bench import procs, vlm_report, vlm_run
+from bench.procs import ROOT
+from bench.stats import rotated
 from bench.workload import TextWorkload, load_workload
 
 
@@ -90,24 +91,9 @@ def run_task(name: str, workload_path: str, task: dict[str, Any], timeout: float
     cmd = [python, "-m", entry.module, "--workload", workload_path, "--task", json.dumps(task)]
     for option in entry.options:
         cmd += ["--option", option]
-    done = run_contender(cmd, timeout)
-    if done.result is not None:
-        result: dict[str, Any] = done.result
-    else:
-        result = {"contender": name, "kind": task["kind"], "ok": False, "error": done.stderr.strip()[-1500:]}
-    if done.timed_out:
-        # what it printed before the timeout (a partial result) is kept, and says it was cut short
-        result.update(timed_out=True, timeout_s=timeout)
-        if done.result is None:
-            result["error"] = f"timed out after {timeout:.0f} s; " + result["error"][-1000:]
-    result.update(name=name, wall_s=done.wall_s, peak_rss_bytes=done.peak_rss_bytes)
-    print(
-        f"bench.run: {name} {task['kind']}: "
-        + ("ok" if result["ok"] else f"FAILED {result.get('error', '')[:300]}"),
-        file=sys.stderr,
-        flush=True,
+    return procs.run_task(
+        name, cmd, timeout, label=f"{name} {task['kind']}", contender=name, kind=task["kind"]
     )
-    return result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -228,8 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if "throughput" not in skip:
         task = {"kind": "throughput", "steps": args.steps, "warmup": args.warmup, "workers": args.workers}
         for r in range(args.rounds):
-            order = names[r % len(names) :] + names[: r % len(names)]
-            for name in order:
+            for name in rotated(names, r):
                 raw["throughput"].append({"round": r, **run_task(name, main_path, task, args.timeout)})
             write()
     # Elasticity before the resume study: a peer that replays its data to resume at 10,000 steps

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from bench.stats import median
 
 COLS = 4096  # int32 tokens per row: 16 KiB rows
 SIZES = {"1MiB": 64, "4MiB": 252}  # rows per message; 252 rows stay under the 4 MiB chunk
@@ -188,7 +189,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
             for proc in (raw_proc, svc_proc):
                 proc.kill()
                 proc.join()
-        raw_bps, svc_bps = statistics.median(runs["raw"]), statistics.median(runs["service"])
+        raw_bps, svc_bps = median(runs["raw"]), median(runs["service"])
         out[label] = {
             "message_bytes": size,
             "messages": messages,
@@ -198,7 +199,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
             "service_batches_per_s": svc_bps / size,
             "service_over_raw": svc_bps / raw_bps,
             "paired_ratios": [s / r for s, r in zip(runs["service"], runs["raw"], strict=True)],
-            **{f"{key}_cpu_ms_per_message": statistics.median(v) for key, v in cpu.items()},
+            **{f"{key}_cpu_ms_per_message": median(v) for key, v in cpu.items()},
         }
     return out
 
@@ -228,7 +229,7 @@ def end_to_end(repeats: int, warmup: int, steps: int, backend: str, workers: int
                 rate = _service_tokens_per_s(warmup, steps, backend, workers)
             runs[name].append(rate)
             _say(f"end to end {name}: {rate:,.0f} tokens/s")
-    emb, svc = statistics.median(runs["embedded"]), statistics.median(runs["service"])
+    emb, svc = median(runs["embedded"]), median(runs["service"])
     return {
         "backend": backend,
         "workers": workers,

@@ -27,11 +27,11 @@ import argparse
 import io
 import json
 import os
-import statistics
 import tarfile
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,9 @@ import pyarrow as pa
 import pyarrow.feather as feather
 import pyarrow.ipc as ipc
 
+from bench.stats import median
 from zephon_flow.operators.arrow import ReadArrow
-from zephon_flow.operators.splits import Source
+from zephon_flow.operators.splits import Source, Split
 from zephon_flow.operators.text_files import ReadTextFiles
 from zephon_flow.operators.webdataset import ReadWebDataset
 
@@ -120,6 +121,11 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
     return time.perf_counter() - start, n
 
 
+def _first_position(source: ReadWebDataset, split: Split, position: int) -> int:
+    """The position after the first record read from ``position``."""
+    return next(iter(source.read_split(split, position)))[0]
+
+
 def resume_times(pattern: str, repeats: int) -> tuple[float, float]:
     """Median seconds to the first record resuming at a split's first sample and at its last."""
     source = ReadWebDataset(pattern, samples_per_split=100)
@@ -127,9 +133,9 @@ def resume_times(pattern: str, repeats: int) -> tuple[float, float]:
     times: dict[int, list[float]] = {split.start: [], split.stop - 1: []}
     for _ in range(repeats * 20):
         for position, got in times.items():
-            t, _ = timed(lambda p=position: next(iter(source.read_split(split, p)))[0])
+            t, _ = timed(partial(_first_position, source, split, position))
             got.append(t)
-    return statistics.median(times[split.start]), statistics.median(times[split.stop - 1])
+    return median(times[split.start]), median(times[split.stop - 1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -163,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 counts[name] = n
                 rates[name].append(n / seconds)
         resume_first, resume_last = resume_times(data["tar"], repeats)
-    medians = {f"{name}_per_s": statistics.median(r) for name, r in rates.items()}
+    medians = {f"{name}_per_s": median(r) for name, r in rates.items()}
     ratios = {
         f"{kind}_source_over_baseline": medians[f"{kind}_source_per_s"] / medians[f"{kind}_baseline_per_s"]
         for kind in ("arrow", "text", "webdataset")

@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import apache_beam as beam
 import numpy as np
 
 from bench._per_element import PerElementTokenize
+from bench.stats import median
 from zephon_flow import operators as ops
 from zephon_flow.operators.splits import Record, Source
 from zephon_flow.runners.dofns import StatelessInvoker
@@ -78,7 +79,7 @@ def _run(segment: FrontSegment, chunks: list[Chunk]) -> list[Any]:
         result = segment.run_chunk(chunk)
         assert isinstance(result, list), result
         for outputs in result:
-            out.extend(outputs)
+            out.extend(cast(list[Any], outputs))  # no source here skips records
     return out
 
 
@@ -91,7 +92,7 @@ def _timed(contenders: dict[str, Callable[[], Any]], repeats: int) -> dict[str, 
             start = time.perf_counter()
             contenders[name]()
             times[name].append(time.perf_counter() - start)
-    return {n: statistics.median(t) for n, t in times.items()}
+    return {n: median(t) for n, t in times.items()}
 
 
 def overhead(elements: int, chunk: int, repeats: int) -> dict[str, Any]:
@@ -108,7 +109,7 @@ def overhead(elements: int, chunk: int, repeats: int) -> dict[str, Any]:
     for name, seg in segments.items():
         assert _run(seg, chunks) == (values if name.startswith("no DoFn") else want), name
     contenders: dict[str, Callable[[], Any]] = {"plain loop": lambda: [work(v) for v in values]}
-    contenders.update({name: (lambda s=seg: _run(s, chunks)) for name, seg in segments.items()})
+    contenders.update({name: partial(_run, seg, chunks) for name, seg in segments.items()})
     medians = _timed(contenders, repeats)
     base = medians["plain loop"]
     return {
@@ -132,7 +133,7 @@ def tokenize(texts: list[str], tokenizer_json: str, chunk: int, repeats: int, en
             np.asarray(engine_alone.encode(text), dtype=np.int32)
 
     contenders: dict[str, Callable[[], Any]] = {f"{engine_alone.name} engine alone (loop)": alone}
-    contenders.update({f"Tokenize {n}": (lambda s=seg: _run(s, chunks)) for n, seg in segs.items()})
+    contenders.update({f"Tokenize {n}": partial(_run, seg, chunks) for n, seg in segs.items()})
     medians = _timed(contenders, repeats)
     base = medians[next(iter(contenders))]
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
@@ -144,7 +145,7 @@ def tokenize(texts: list[str], tokenizer_json: str, chunk: int, repeats: int, en
 
 def _demo_texts(data_root: str | None, limit: int) -> tuple[list[str], str]:
     """The first ``limit`` demo documents, prose and code alternating, and the tokenizer."""
-    from bench.throughput import load_texts
+    from bench.demo import load_texts
     from zephon_flow.demo_data import build_demo_data
 
     data = build_demo_data(data_root, progress=True)

@@ -24,31 +24,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Pipeline geometry (the issue's demo pipeline).
-SEQ_LEN = 512
-GLOBAL_BATCH = 32
-LANES = 8
-SHUFFLE_BUFFER = 64
+from bench import report, stats
+from bench.contenders.harness import Batch, first_batch, run_throughput
+from bench.contenders.limit import run_parts
+from bench.contenders.zephon_embedded import ZephonEmbedded
+from bench.demo import (
+    GLOBAL_BATCH,
+    JSONL_SPLIT_BYTES,
+    LANES,
+    SEQ_LEN,
+    SHUFFLE_BUFFER,
+    load_texts,
+    pipeline_spec,
+)
+from bench.workload import TextWorkload
+
 MIX_WEIGHTS = (0.5, 0.5)
-JSONL_SPLIT_BYTES = 64 * 1024  # as zephon_flow.demo: the prose file is dealt in several splits
 SEED = 0
 WORKERS = 2
-
-# Goals from the issue.
-GOAL_THROUGHPUT_RATIO = 0.8
-GOAL_RESUME_RATIO = 1.2
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "throughput.json")
 CONTENDERS = ("limit", "zephon_processes", "zephon_inline")
@@ -57,23 +58,7 @@ CONTENDERS = ("limit", "zephon_processes", "zephon_inline")
 DocRef = tuple[int, int]
 
 
-# -- the corpus, as both contenders see it ------------------------------------------------------
-
-
-def load_texts(docs_jsonl: str, code_parquet: str) -> tuple[list[str], list[str]]:
-    """Prose documents and code files, as the pipeline's sources yield them (empties dropped)."""
-    import pyarrow.parquet as pq
-
-    prose: list[str] = []
-    with open(docs_jsonl, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                text = json.loads(line)["text"]
-                if text:
-                    prose.append(text)
-    column = pq.read_table(code_parquet, columns=["content"])["content"].to_pylist()
-    code = [text for text in column if text]
-    return prose, code
+# -- the limit's documents --------------------------------------------------------------------
 
 
 def plan_documents(token_counts: Sequence[Sequence[int]], target_tokens: int, seed: int) -> list[DocRef]:
@@ -109,64 +94,46 @@ def split_by_tokens(
 
 # -- the limit: the tokenizer alone in worker processes -----------------------------------------
 
-_TOKENIZER: Any = None
-_TEXTS: tuple[list[str], list[str]] = ([], [])
 
-
-def _limit_init(tokenizer_json: str, docs_jsonl: str, code_parquet: str) -> None:
-    global _TOKENIZER, _TEXTS
+def _limit_worker(
+    tokenizer_json: str,
+    docs_jsonl: str,
+    code_parquet: str,
+    warm: list[list[DocRef]],
+    work: list[list[DocRef]],
+    part: int,
+    parts: int,
+    target: int,
+    barrier: Any,
+    out: Any,
+) -> None:
+    """One limit process: loads its tokenizer and the corpus, encodes its ``warm`` part untimed,
+    waits for the others, then encodes its ``work`` part one ``encode`` call per document, as
+    ``Tokenize`` does, and counts the ids."""
     from tokenizers import Tokenizer
 
-    _TOKENIZER = Tokenizer.from_file(tokenizer_json)
-    _TEXTS = load_texts(docs_jsonl, code_parquet)
-
-
-def _limit_ready(delay: float) -> int:
-    time.sleep(delay)
-    return os.getpid()
-
-
-def _limit_encode(plan: list[DocRef]) -> dict[str, Any]:
-    """Encodes the documents one ``encode`` call each, as ``Tokenize`` does; counts the ids."""
-    tokenizer, texts = _TOKENIZER, _TEXTS
+    tokenizer = Tokenizer.from_file(tokenizer_json)
+    texts = load_texts(docs_jsonl, code_parquet)
+    for source, row in warm[part]:
+        tokenizer.encode(texts[source][row], add_special_tokens=False)
+    barrier.wait()
     start = time.perf_counter()
     tokens = 0
-    for source, row in plan:
+    for source, row in work[part]:
         tokens += len(tokenizer.encode(texts[source][row], add_special_tokens=False).ids)
-    return {"pid": os.getpid(), "tokens": tokens, "docs": len(plan), "seconds": time.perf_counter() - start}
-
-
-class LimitPool:
-    """``WORKERS`` spawned processes, started, initialised and warmed before any timing."""
-
-    def __init__(self, data: Any, workers: int) -> None:
-        self.workers = workers
-        self._pool = ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=get_context("spawn"),
-            initializer=_limit_init,
-            initargs=(data.tokenizer_json, data.docs_jsonl, data.code_parquet),
-        )
-        pids: set[int] = set()
-        for _ in range(10):  # until every worker has answered (all started and initialised)
-            pids |= set(self._pool.map(_limit_ready, [0.3] * workers))
-            if len(pids) >= workers:
-                break
-
-    def encode(self, halves: list[list[DocRef]]) -> tuple[float, list[dict[str, Any]]]:
-        start = time.perf_counter()
-        results = list(self._pool.map(_limit_encode, halves))
-        return time.perf_counter() - start, results
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+    seconds = time.perf_counter() - start
+    out.put({"pid": os.getpid(), "tokens": tokens, "docs": len(work[part]), "seconds": seconds})
 
 
 def run_limit(
-    pool: LimitPool, warm: list[list[DocRef]], work: list[list[DocRef]], work_bytes: int
+    data: Any, warm: list[list[DocRef]], work: list[list[DocRef]], work_bytes: int
 ) -> dict[str, Any]:
-    pool.encode(warm)  # as much text as the loader encodes before its first batch (shuffle fill)
-    seconds, results = pool.encode(work)
+    """``WORKERS`` spawned processes, each warmed on as much text as the loader encodes before
+    its first batch (the shuffle fill), then timed together from a barrier on its ``work`` part;
+    the rate is all processes' tokens over the slowest one's time."""
+    head = (data.tokenizer_json, data.docs_jsonl, data.code_parquet, warm, work)
+    results = run_parts(_limit_worker, head, WORKERS, 0)
+    seconds = max(r["seconds"] for r in results)
     tokens = sum(r["tokens"] for r in results)
     return {
         "tokens": tokens,
@@ -211,31 +178,38 @@ def selected_engine(data: Any, options: dict[str, Any]) -> str:
 
 
 def make_spec(data: Any, tokenize: dict[str, Any] | None = None, *, per_element: bool = False) -> Any:
-    """The issue's demo text pipeline over ``data`` (a ``DemoData``); ``tokenize`` holds extra
-    ``Tokenize`` keyword arguments (see ``tokenize_options``); ``per_element`` hides
-    ``Tokenize``'s batched path (``process_batch``), for a before/after comparison."""
-    import apache_beam as beam
-
-    import zephon_flow as zf
-    from bench._per_element import PerElementTokenize
-    from zephon_flow import operators as ops
-
-    extra = dict(tokenize or {})
-    tokenizer = PerElementTokenize if per_element else ops.Tokenize
-
-    def text_mix(p: beam.Pipeline) -> beam.PCollection:
-        docs = p | "docs" >> ops.ReadJsonl(data.docs_jsonl, field="text", split_bytes=JSONL_SPLIT_BYTES)
-        code = p | "code" >> ops.ReadParquet(data.code_parquet, column="content")
-        mixed = (docs, code) | "mix" >> ops.Mix(weights=list(MIX_WEIGHTS))
-        toks = mixed | "tok" >> beam.ParDo(tokenizer(data.tokenizer_json, append_eos=True, **extra))
-        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=SEQ_LEN))
-        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=SHUFFLE_BUFFER))
-
-    return zf.LoaderSpec(text_mix, lanes=LANES, seed=SEED, global_batch_size=GLOBAL_BATCH)
+    """The demo pipeline over ``data`` (a ``DemoData``), mixed ``MIX_WEIGHTS``; ``tokenize`` holds
+    extra ``Tokenize`` keyword arguments (see ``tokenize_options``)."""
+    return pipeline_spec(
+        data.docs_jsonl,
+        data.code_parquet,
+        data.tokenizer_json,
+        weights=MIX_WEIGHTS,
+        seed=SEED,
+        tokenize=tokenize,
+        per_element=per_element,
+    )
 
 
-def run_loader(spec: Any, backend: str, steps: int, warmup: int, capture: Sequence[int]) -> dict[str, Any]:
-    """``1 + warmup + steps`` batches; tokens/s over the last ``steps``.
+def demo_workload(data: Any) -> TextWorkload:
+    """The demo pipeline's geometry as the harness's workload (``make_spec`` builds its pipeline)."""
+    return TextWorkload(
+        tokenizer=data.tokenizer_json,
+        sources={"docs": data.docs_jsonl, "code": data.code_parquet},
+        weights={"docs": MIX_WEIGHTS[0], "code": MIX_WEIGHTS[1]},
+        seq_len=SEQ_LEN,
+        global_batch=GLOBAL_BATCH,
+        lanes=LANES,
+        shuffle_per_lane=SHUFFLE_BUFFER,
+        seed=SEED,
+    )
+
+
+def run_loader(
+    c: ZephonEmbedded, w: TextWorkload, steps: int, warmup: int, capture: Sequence[int]
+) -> dict[str, Any]:
+    """``1 + warmup + steps`` batches timed by the harness (``run_throughput``); tokens/s over
+    the last ``steps``.
 
     The first batch ends start-up (timed as ``ttfb_s``). The ``warmup`` batches after it are
     not timed either: when the first batch is out, every lane has already run its read-ahead
@@ -252,73 +226,45 @@ def run_loader(spec: Any, backend: str, steps: int, warmup: int, capture: Sequen
     states: dict[int, dict[str, Any]] = {}
     digests: dict[int, str] = {}
 
-    def observe(step: int, batch: Any, loader: Any) -> None:
+    def observe(step: int, batch: Batch) -> None:
         if step in want:
             digests[step] = zf.batch_digest(batch)
         if step + 1 in want:
-            states[step + 1] = loader.state_dict()
+            assert c.session is not None
+            states[step + 1] = c.session.state()
 
-    start = time.perf_counter()
-    loader = zf.Loader(spec, backend=backend, workers=WORKERS)
-    built = time.perf_counter()
-    try:
-        batches = iter(loader)
-        step, batch = next(batches)
-        first = time.perf_counter()
-        observe(step, batch, loader)
-        for _ in range(warmup):
-            step, batch = next(batches)
-            observe(step, batch, loader)
-        timed, cpu_start = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            step, batch = next(batches)
-            observe(step, batch, loader)
-        end, cpu_end = time.perf_counter(), time.process_time()
-    finally:
-        closing = time.perf_counter()
-        loader.close()
-        closed = time.perf_counter()
-    tokens = steps * GLOBAL_BATCH * SEQ_LEN
-    seconds = end - timed
+    task = {"steps": steps, "warmup": warmup, "workers": WORKERS}
+    result = run_throughput(c, w, task, observe)
+    cpu_s = result["main_cpu_cores"] * result["seconds"]
     return {
-        "backend": backend,
-        "steps_timed": steps,
-        "warmup_steps": warmup,
-        "tokens": tokens,
-        "init_s": built - start,
-        "ttfb_s": first - start,
-        "warmup_s": timed - first,
-        "seconds": seconds,
-        "tokens_per_s": tokens / seconds if steps else 0.0,
-        "steps_per_s": steps / seconds if steps else 0.0,
+        "backend": c.backend,
+        "init_s": c.init_s,
+        **result,
+        "steps_per_s": steps / result["seconds"],
         # CPU time of this (the trainer's) process, all threads, over the timed steps.
-        "main_cpu_s": cpu_end - cpu_start,
-        "main_cpu_us_per_token": 1e6 * (cpu_end - cpu_start) / tokens if steps else 0.0,
-        "close_s": closed - closing,
-        "last_step": step,
+        "main_cpu_s": cpu_s,
+        "main_cpu_us_per_token": 1e6 * cpu_s / result["tokens"],
+        "last_step": warmup + steps,
         "_states": states,
         "_digests": digests,
     }
 
 
-def run_resume(spec: Any, backend: str, blob: bytes, expect_digest: str, step: int) -> dict[str, Any]:
+def run_resume(
+    c: ZephonEmbedded, w: TextWorkload, blob: bytes, expect_digest: str, step: int
+) -> dict[str, Any]:
     """Time from ``Loader(spec, state=checkpoint bytes)`` to its first batch, checked against the
     uninterrupted run's batch at that step."""
     import zephon_flow as zf
 
-    start = time.perf_counter()
-    loader = zf.Loader(spec, state=blob, backend=backend, workers=WORKERS)
-    built = time.perf_counter()
-    try:
-        got_step, batch = next(iter(loader))
-        first = time.perf_counter()
-    finally:
-        loader.close()
+    batch, times = first_batch(c, w, workers=WORKERS, state=blob)
+    assert c.session is not None
+    got_step = c.session.step
     return {
-        "backend": backend,
+        "backend": c.backend,
         "step": step,
-        "init_s": built - start,
-        "ttfb_s": first - start,
+        "init_s": c.init_s,
+        "ttfb_s": times["ttfb_s"],
         "first_step": got_step,
         "matches_uninterrupted": got_step == step and zf.batch_digest(batch) == expect_digest,
     }
@@ -344,7 +290,8 @@ def measure_state(state: dict[str, Any]) -> dict[str, Any]:
 # -- the run --------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict[str, Any]:
+def versions() -> dict[str, str]:
+    """The versions of what the measured work runs on."""
     import apache_beam
     import numpy
     import pyarrow
@@ -352,69 +299,13 @@ def machine_info() -> dict[str, Any]:
 
     import zephon_flow
 
-    try:
-        affinity: int | None = len(os.sched_getaffinity(0))
-    except AttributeError:
-        affinity = None
-    info: dict[str, Any] = {
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "processor": _cpu_model(),
-        "python": sys.version.split()[0],
-        "python_implementation": platform.python_implementation(),
-        "versions": {
-            "zephon_flow": zephon_flow.__version__,
-            "tokenizers": tokenizers.__version__,
-            "apache_beam": apache_beam.__version__,
-            "numpy": numpy.__version__,
-            "pyarrow": pyarrow.__version__,
-        },
-        "git": _git_revision(),
+    return {
+        "zephon_flow": zephon_flow.__version__,
+        "tokenizers": tokenizers.__version__,
+        "apache_beam": apache_beam.__version__,
+        "numpy": numpy.__version__,
+        "pyarrow": pyarrow.__version__,
     }
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _git_revision() -> dict[str, Any] | None:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return {"commit": head, "dirty": bool(dirty)}
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -480,268 +371,177 @@ def _say(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+@dataclass(frozen=True)
+class LimitWork:
+    """The limit's documents: mixed like the pipeline, as many tokens as the timed loader steps
+    (``work``) and as the loader packs before its first batch (``warm``), cut in ``WORKERS``
+    parts of equal token count."""
+
+    warm: list[list[DocRef]]
+    work: list[list[DocRef]]
+    tokens: int
+    bytes: int
+    target: int  # tokens of the loader's timed steps
+
+
+def limit_work(data: Any, steps: int) -> LimitWork:
     from tokenizers import Tokenizer
 
+    _say("counting tokens per document (setup, not timed)")
+    texts = load_texts(data.docs_jsonl, data.code_parquet)
+    tokenizer = Tokenizer.from_file(data.tokenizer_json)
+    counts = [[len(e.ids) for e in tokenizer.encode_batch(t, add_special_tokens=False)] for t in texts]
+    doc_bytes = [[len(t.encode("utf-8")) for t in source] for source in texts]
+    target = steps * GLOBAL_BATCH * SEQ_LEN
+    fill = LANES * SHUFFLE_BUFFER * SEQ_LEN  # tokens the loader packs before its first batch
+    work = plan_documents(counts, target, seed=SEED)
+    warm = plan_documents(counts, fill, seed=SEED + 1)
+    return LimitWork(
+        warm=split_by_tokens(warm, counts, WORKERS),
+        work=split_by_tokens(work, counts, WORKERS),
+        tokens=sum(counts[s][r] for s, r in work),
+        bytes=sum(doc_bytes[s][r] for s, r in work),
+        target=target,
+    )
+
+
+@dataclass
+class Runs:
+    """What the repeats gather: every run, the checkpoints' sizes, the determinism checks, and
+    the first loader run's digests and checkpoints (what resumes are compared with)."""
+
+    raw: dict[str, list[Any]] = field(default_factory=lambda: {n: [] for n in (*CONTENDERS, "resume")})
+    states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    checks: dict[str, bool] = field(
+        default_factory=lambda: {
+            "resume_matches_uninterrupted": True,
+            "states_identical_across_backends": True,
+            "batches_identical_across_backends": True,
+            "limit_used_every_worker": True,
+        }
+    )
+    reference: dict[str, Any] = field(default_factory=dict)
+
+
+def run_contenders(
+    args: argparse.Namespace, rep: int, runs: Runs, data: Any, limit: LimitWork, loaders: dict[str, Any]
+) -> None:
+    """One repeat of the throughput contenders, their order rotated by the repeat."""
+    capture = (args.early_step, args.late_step)
+    workload = demo_workload(data)
+    for name in stats.rotated(CONTENDERS, rep):
+        _say(f"repeat {rep + 1}/{args.repeats}: {name}")
+        if name == "limit":
+            result = run_limit(data, limit.warm, limit.work, limit.bytes)
+            runs.checks["limit_used_every_worker"] &= result["distinct_workers"] == WORKERS
+        else:
+            result = run_loader(loaders[name], workload, args.steps, args.warmup_steps, capture)
+            found_states, found_digests = result.pop("_states"), result.pop("_digests")
+            blobs = {s: measure_state(found_states[s]) for s in capture}
+            if not runs.reference:
+                runs.reference = {"digests": found_digests, "states": blobs}
+                runs.states = {
+                    "early": {k: v for k, v in blobs[args.early_step].items() if k != "_blob"},
+                    "late": {k: v for k, v in blobs[args.late_step].items() if k != "_blob"},
+                }
+            else:
+                runs.checks["batches_identical_across_backends"] &= found_digests == runs.reference["digests"]
+                runs.checks["states_identical_across_backends"] &= all(
+                    blobs[s]["_blob"] == runs.reference["states"][s]["_blob"] for s in capture
+                )
+        runs.raw[name].append({"repeat": rep, **result})
+
+
+def run_resumes(args: argparse.Namespace, rep: int, runs: Runs, data: Any, loaders: dict[str, Any]) -> None:
+    """One repeat of the resumes: early and late alternated, each backend in turn."""
+    capture = (args.early_step, args.late_step)
+    steps_order = capture if rep % 2 == 0 else capture[::-1]
+    resume: dict[str, dict[str, Any]] = {"processes": {}, "inline": {}}
+    for step in steps_order:
+        which = "early" if step == args.early_step else "late"
+        for backend in ("processes", "inline"):
+            _say(f"repeat {rep + 1}/{args.repeats}: resume {backend} at step {step}")
+            blob = runs.reference["states"][step]["_blob"]
+            loader = loaders[f"zephon_{backend}"]
+            got = run_resume(loader, demo_workload(data), blob, runs.reference["digests"][step], step)
+            runs.checks["resume_matches_uninterrupted"] &= got["matches_uninterrupted"]
+            resume[backend][which] = got
+    runs.raw["resume"].append({"repeat": rep, **resume})
+
+
+def run_config(args: argparse.Namespace, data: Any, limit: LimitWork) -> dict[str, Any]:
+    return {
+        "steps": args.steps,
+        "warmup_steps": args.warmup_steps,
+        "repeats": args.repeats,
+        "early_step": args.early_step,
+        "late_step": args.late_step,
+        "quick": args.quick,
+        "data_root": data.root,
+        "seq_len": SEQ_LEN,
+        "global_batch_size": GLOBAL_BATCH,
+        "lanes": LANES,
+        "shuffle_buffer": SHUFFLE_BUFFER,
+        "mix_weights": list(MIX_WEIGHTS),
+        "jsonl_split_bytes": JSONL_SPLIT_BYTES,
+        "seed": SEED,
+        "workers": WORKERS,
+        "loader_tokens_timed": limit.target,
+        "limit_tokens": limit.tokens,
+        "limit_bytes": limit.bytes,
+        "bytes_per_token": limit.bytes / limit.tokens,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     from zephon_flow.demo_data import build_demo_data, default_demo_root
 
     root = args.data_root or default_demo_root()
     data = build_demo_data(
         root, max_code_files=args.max_code_files, vocab_size=args.vocab_size, progress=True
     )
-    machine = machine_info()
-    load_before = _loadavg()
-
-    # The limit's documents: mixed like the pipeline, as many tokens as the timed loader steps.
-    _say("counting tokens per document (setup, not timed)")
-    texts = load_texts(data.docs_jsonl, data.code_parquet)
-    tokenizer = Tokenizer.from_file(data.tokenizer_json)
-    counts = [[len(e.ids) for e in tokenizer.encode_batch(t, add_special_tokens=False)] for t in texts]
-    doc_bytes = [[len(t.encode("utf-8")) for t in source] for source in texts]
-    target = args.steps * GLOBAL_BATCH * SEQ_LEN
-    fill = LANES * SHUFFLE_BUFFER * SEQ_LEN  # tokens the loader packs before its first batch
-    work = plan_documents(counts, target, seed=SEED)
-    warm = plan_documents(counts, fill, seed=SEED + 1)
-    work_halves = split_by_tokens(work, counts, WORKERS)
-    warm_halves = split_by_tokens(warm, counts, WORKERS)
-    work_bytes = sum(doc_bytes[s][r] for s, r in work)
-    work_tokens = sum(counts[s][r] for s, r in work)
+    machine = {**stats.machine(), "versions": versions()}
+    limit = limit_work(data, args.steps)
 
     tokenize, engine_note = tokenize_options(args.engine)
     engine_used = selected_engine(data, tokenize)
     spec = make_spec(data, tokenize, per_element=args.per_element_tokenize)
     _ = spec.fingerprint  # computed once per spec; kept out of every timing
+    loaders = {n: ZephonEmbedded({"backend": n.removeprefix("zephon_")}, spec) for n in CONTENDERS[1:]}
     # The first processes Loader of a Python process also starts the backend's process
     # machinery (a forkserver that imports Beam): timed once here, kept out of the repeats.
     # (Skipped by --quick, whose single repeat then includes that start.)
     cold: dict[str, Any] | None = None
     if not args.quick:
         _say("cold start: the first processes Loader of this process, to its first batch")
-        first_run = run_loader(spec, "processes", 0, 0, ())
-        cold = {k: first_run[k] for k in ("init_s", "ttfb_s", "close_s")}
-    capture = (args.early_step, args.late_step)
+        first = loaders["zephon_processes"]
+        _, times = first_batch(first, demo_workload(data), workers=WORKERS, state=None)
+        cold = {"init_s": first.init_s, **times}
 
-    raw: dict[str, list[Any]] = {name: [] for name in (*CONTENDERS, "resume")}
-    states: dict[str, dict[str, Any]] = {}
-    checks = {
-        "resume_matches_uninterrupted": True,
-        "states_identical_across_backends": True,
-        "batches_identical_across_backends": True,
-        "limit_used_every_worker": True,
-    }
-    reference: dict[str, Any] = {}
+    runs = Runs()
+    for rep in range(args.repeats):
+        run_contenders(args, rep, runs, data, limit, loaders)
+        run_resumes(args, rep, runs, data, loaders)
 
-    _say(f"starting {WORKERS} tokenizer processes for the limit")
-    pool = LimitPool(data, WORKERS)
-    try:
-        for rep in range(args.repeats):
-            order = CONTENDERS[rep % len(CONTENDERS) :] + CONTENDERS[: rep % len(CONTENDERS)]
-            for name in order:
-                _say(f"repeat {rep + 1}/{args.repeats}: {name}")
-                if name == "limit":
-                    result = run_limit(pool, warm_halves, work_halves, work_bytes)
-                    checks["limit_used_every_worker"] &= result["distinct_workers"] == WORKERS
-                else:
-                    backend = name.removeprefix("zephon_")
-                    result = run_loader(spec, backend, args.steps, args.warmup_steps, capture)
-                    found_states, found_digests = result.pop("_states"), result.pop("_digests")
-                    blobs = {s: measure_state(found_states[s]) for s in capture}
-                    if not reference:
-                        reference = {"digests": found_digests, "states": blobs}
-                        states = {
-                            "early": {k: v for k, v in blobs[args.early_step].items() if k != "_blob"},
-                            "late": {k: v for k, v in blobs[args.late_step].items() if k != "_blob"},
-                        }
-                    else:
-                        checks["batches_identical_across_backends"] &= found_digests == reference["digests"]
-                        checks["states_identical_across_backends"] &= all(
-                            blobs[s]["_blob"] == reference["states"][s]["_blob"] for s in capture
-                        )
-                raw[name].append({"repeat": rep, **result})
-            # Resume: early and late alternated, each backend in turn.
-            steps_order = capture if rep % 2 == 0 else capture[::-1]
-            resume: dict[str, dict[str, Any]] = {"processes": {}, "inline": {}}
-            for step in steps_order:
-                which = "early" if step == args.early_step else "late"
-                for backend in ("processes", "inline"):
-                    _say(f"repeat {rep + 1}/{args.repeats}: resume {backend} at step {step}")
-                    blob = reference["states"][step]["_blob"]
-                    got = run_resume(spec, backend, blob, reference["digests"][step], step)
-                    checks["resume_matches_uninterrupted"] &= got["matches_uninterrupted"]
-                    resume[backend][which] = got
-            raw["resume"].append({"repeat": rep, **resume})
-    finally:
-        pool.close()
-
-    results = summarise(args, data, machine, raw, states, checks, work_tokens, work_bytes, target)
+    results = report.summarise_throughput(
+        config=run_config(args, data, limit),
+        machine=machine,
+        raw=runs.raw,
+        states=runs.states,
+        checks=runs.checks,
+    )
     results["cold_start_processes"] = cold
     results["config"]["tokenize_engine"] = {"requested": engine_note, "selected": engine_used}
     results["config"]["tokenize_batched"] = not args.per_element_tokenize
-    results["machine"]["loadavg_before"] = load_before
-    results["machine"]["loadavg_after"] = _loadavg()
+    results["machine"]["loadavg_before"] = machine["loadavg"]
+    results["machine"]["loadavg_after"] = stats.loadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(markdown(results))
+    print(report.markdown_throughput(results))
     print(f"\nresults: {out}")
     return results
-
-
-def summarise(
-    args: argparse.Namespace,
-    data: Any,
-    machine: dict[str, Any],
-    raw: dict[str, list[Any]],
-    states: dict[str, dict[str, Any]],
-    checks: dict[str, bool],
-    work_tokens: int,
-    work_bytes: int,
-    target: int,
-) -> dict[str, Any]:
-    def med(name: str, key: str) -> float:
-        return _median([r[key] for r in raw[name]])
-
-    def med_resume(backend: str, which: str) -> float:
-        return _median([r[backend][which]["ttfb_s"] for r in raw["resume"]])
-
-    bytes_per_token = work_bytes / work_tokens
-    limit_tps = med("limit", "tokens_per_s")
-    proc_tps = med("zephon_processes", "tokens_per_s")
-    inline_tps = med("zephon_inline", "tokens_per_s")
-    paired = [
-        p["tokens_per_s"] / lim["tokens_per_s"]
-        for p, lim in zip(raw["zephon_processes"], raw["limit"], strict=True)
-    ]
-    medians = {
-        "limit_tokens_per_s": limit_tps,
-        "limit_mb_per_s": med("limit", "mb_per_s"),
-        "zephon_processes_tokens_per_s": proc_tps,
-        "zephon_processes_mb_per_s_est": proc_tps * bytes_per_token / 1e6,
-        "zephon_processes_ttfb_fresh_s": med("zephon_processes", "ttfb_s"),
-        "zephon_processes_init_s": med("zephon_processes", "init_s"),
-        "zephon_processes_main_cpu_cores": _median(
-            [r["main_cpu_s"] / r["seconds"] for r in raw["zephon_processes"]]
-        ),
-        "zephon_processes_main_cpu_us_per_token": med("zephon_processes", "main_cpu_us_per_token"),
-        "zephon_inline_tokens_per_s": inline_tps,
-        "zephon_inline_mb_per_s_est": inline_tps * bytes_per_token / 1e6,
-        "zephon_inline_ttfb_fresh_s": med("zephon_inline", "ttfb_s"),
-        "zephon_inline_init_s": med("zephon_inline", "init_s"),
-        "resume_processes_ttfb_early_s": med_resume("processes", "early"),
-        "resume_processes_ttfb_late_s": med_resume("processes", "late"),
-        "resume_inline_ttfb_early_s": med_resume("inline", "early"),
-        "resume_inline_ttfb_late_s": med_resume("inline", "late"),
-        "state_bytes_early": states["early"]["bytes"],
-        "state_bytes_late": states["late"]["bytes"],
-    }
-    ratios = {
-        "processes_over_limit": proc_tps / limit_tps,
-        "processes_over_limit_paired_median": _median(paired),
-        "inline_over_limit": inline_tps / limit_tps,
-        "processes_over_inline": proc_tps / inline_tps,
-        "resume_processes_ttfb_late_over_early": medians["resume_processes_ttfb_late_s"]
-        / medians["resume_processes_ttfb_early_s"],
-        "resume_inline_ttfb_late_over_early": medians["resume_inline_ttfb_late_s"]
-        / medians["resume_inline_ttfb_early_s"],
-        "state_bytes_late_over_early": states["late"]["bytes"] / states["early"]["bytes"],
-    }
-    goals = {
-        "processes_over_limit_min": GOAL_THROUGHPUT_RATIO,
-        "resume_late_over_early_max": GOAL_RESUME_RATIO,
-        "met": {
-            "throughput": ratios["processes_over_limit"] >= GOAL_THROUGHPUT_RATIO,
-            "resume_time_processes": ratios["resume_processes_ttfb_late_over_early"] <= GOAL_RESUME_RATIO,
-            "resume_time_inline": ratios["resume_inline_ttfb_late_over_early"] <= GOAL_RESUME_RATIO,
-            "state_size": ratios["state_bytes_late_over_early"] <= GOAL_RESUME_RATIO,
-        },
-    }
-    return {
-        "benchmark": "zephon-flow throughput and resume cost",
-        "config": {
-            "steps": args.steps,
-            "warmup_steps": args.warmup_steps,
-            "repeats": args.repeats,
-            "early_step": args.early_step,
-            "late_step": args.late_step,
-            "quick": args.quick,
-            "data_root": data.root,
-            "seq_len": SEQ_LEN,
-            "global_batch_size": GLOBAL_BATCH,
-            "lanes": LANES,
-            "shuffle_buffer": SHUFFLE_BUFFER,
-            "mix_weights": list(MIX_WEIGHTS),
-            "jsonl_split_bytes": JSONL_SPLIT_BYTES,
-            "seed": SEED,
-            "workers": WORKERS,
-            "loader_tokens_timed": target,
-            "limit_tokens": work_tokens,
-            "limit_bytes": work_bytes,
-            "bytes_per_token": bytes_per_token,
-        },
-        "machine": machine,
-        "medians": medians,
-        "ratios": ratios,
-        "goals": goals,
-        "checks": checks,
-        "state": states,
-        "raw": raw,
-    }
-
-
-def markdown(results: dict[str, Any]) -> str:
-    m, r, c = results["medians"], results["ratios"], results["config"]
-    engine = c.get("tokenize_engine", {}).get("selected", "hf")
-    rows: list[tuple[str, str, str]] = [
-        (
-            "limit: tokenizer alone, 2 processes",
-            f"{m['limit_tokens_per_s']:,.0f} tok/s",
-            f"{m['limit_mb_per_s']:.2f} MB/s",
-        ),
-        (
-            f"zephon-flow, processes x2 (Tokenize: {engine})",
-            f"{m['zephon_processes_tokens_per_s']:,.0f} tok/s",
-            f"~{m['zephon_processes_mb_per_s_est']:.2f} MB/s; first batch {m['zephon_processes_ttfb_fresh_s']:.2f} s; "
-            f"main process uses {m['zephon_processes_main_cpu_cores']:.2f} cores",
-        ),
-        (
-            f"zephon-flow, inline (Tokenize: {engine})",
-            f"{m['zephon_inline_tokens_per_s']:,.0f} tok/s",
-            f"~{m['zephon_inline_mb_per_s_est']:.2f} MB/s; first batch {m['zephon_inline_ttfb_fresh_s']:.2f} s",
-        ),
-        (
-            "ratio processes / limit",
-            f"{r['processes_over_limit']:.2f}",
-            f"paired median {r['processes_over_limit_paired_median']:.2f}; goal >= {GOAL_THROUGHPUT_RATIO}",
-        ),
-        (
-            f"resume processes: step {c['early_step']} / {c['late_step']}",
-            f"{m['resume_processes_ttfb_early_s']:.2f} s / {m['resume_processes_ttfb_late_s']:.2f} s",
-            f"late/early {r['resume_processes_ttfb_late_over_early']:.2f}",
-        ),
-        (
-            f"resume inline: step {c['early_step']} / {c['late_step']}",
-            f"{m['resume_inline_ttfb_early_s']:.2f} s / {m['resume_inline_ttfb_late_s']:.2f} s",
-            f"late/early {r['resume_inline_ttfb_late_over_early']:.2f}",
-        ),
-        (
-            f"checkpoint bytes: step {c['early_step']} / {c['late_step']}",
-            f"{m['state_bytes_early']:,} / {m['state_bytes_late']:,}",
-            f"late/early {r['state_bytes_late_over_early']:.2f}",
-        ),
-    ]
-    lines = [
-        f"### zephon-flow throughput ({c['steps']} timed steps after {c['warmup_steps']} warm-up, "
-        f"{c['global_batch_size']} x {c['seq_len']} tokens each; "
-        f"median of {c['repeats']}, {results['machine']['cpu_count']} CPUs)",
-        "",
-        "| measurement | value | notes |",
-        "| --- | --- | --- |",
-        *(f"| {a} | {b} | {n} |" for a, b, n in rows),
-        "",
-        "checks: " + ", ".join(f"{k}={v}" for k, v in results["checks"].items()),
-    ]
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

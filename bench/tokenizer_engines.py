@@ -32,7 +32,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -42,32 +41,24 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-import apache_beam as beam
-import pyarrow.parquet as pq
-
 import zephon_flow as zf
+from bench import demo
+from bench.demo import GLOBAL_BATCH, LANES, SEQ_LEN, SHUFFLE_BUFFER
+from bench.stats import median
 from zephon_flow import operators as ops
 from zephon_flow.batches import batch_digest
 from zephon_flow.demo_data import build_demo_data
 from zephon_flow.operators.tokenize import STREAM_CHECK_DOCS
 
 ENGINES = ("hf", "tiktoken")
-SEQ_LEN = 512
-GLOBAL_BATCH = 32
-LANES = 8
-SHUFFLE_BUFFER = 64
 WORKERS = 2
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "tokenizer_engines.json")
 
 
 def load_texts(docs_jsonl: str, code_parquet: str) -> list[str]:
     """Every prose document and code file of the corpus, prose first, empties dropped."""
-    texts: list[str] = []
-    with open(docs_jsonl, encoding="utf-8") as f:
-        texts.extend(t for line in f if line.strip() and (t := json.loads(line)["text"]))
-    column = pq.read_table(code_parquet, columns=["content"])["content"].to_pylist()
-    texts.extend(t for t in column if t)
-    return texts
+    prose, code = demo.load_texts(docs_jsonl, code_parquet)
+    return prose + code
 
 
 def _ready(path: str, engine: str, warm: list[str]) -> ops.Tokenize:
@@ -166,15 +157,10 @@ def _bytes(texts: list[str]) -> int:
 
 
 def pipeline_spec(docs_jsonl: str, code_parquet: str, tokenizer: str, engine: str) -> zf.LoaderSpec:
-    def build(p: beam.Pipeline) -> beam.PCollection:
-        docs = p | "docs" >> ops.ReadJsonl(docs_jsonl, field="text", split_bytes=64 * 1024)
-        code = p | "code" >> ops.ReadParquet(code_parquet, column="content")
-        mixed = (docs, code) | "mix" >> ops.Mix(weights=[0.3, 0.7])
-        toks = mixed | "tok" >> beam.ParDo(ops.Tokenize(tokenizer, append_eos=True, engine=engine))
-        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=SEQ_LEN))
-        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=SHUFFLE_BUFFER))
-
-    return zf.LoaderSpec(build, lanes=LANES, seed=1234, global_batch_size=GLOBAL_BATCH)
+    spec: zf.LoaderSpec = demo.pipeline_spec(
+        docs_jsonl, code_parquet, tokenizer, weights=(0.3, 0.7), seed=1234, tokenize={"engine": engine}
+    )
+    return spec
 
 
 def pipeline(spec: zf.LoaderSpec, *, warmup_steps: int, steps: int) -> dict[str, Any]:
@@ -249,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         medians[kind] = {}
         for engine, runs in by_engine.items():
             rates = [_rates(run) for run in runs]
-            medians[kind][engine] = {k: statistics.median(r[k] for r in rates) for k in rates[0]}
+            medians[kind][engine] = {k: median(r[k] for r in rates) for k in rates[0]}
     ratios = {
         f"{kind}_{metric}": medians[kind]["tiktoken"][metric] / medians[kind]["hf"][metric]
         for kind in medians

@@ -21,20 +21,17 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import tarfile
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import cpu_seconds
+from bench.contenders.harness import emit_outcome, rate, time_batches
 from bench.workload import encode, load_tokenizer
 
-RESULT_TAG = "BENCH-RESULT "
 IMAGE_EXTS = ("jpg", "png")
 _ALPHA_MODES = ("RGBA", "LA", "La", "RGBa", "PA")
 _WIDE_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
@@ -113,7 +110,8 @@ def decode_resize(data: bytes, size: int) -> np.ndarray:
     """``DecodeImage(draft_size=size)`` then ``ResizeImage(size)`` in plain Pillow: the same pixels."""
     from PIL import Image, ImageOps
 
-    with Image.open(io.BytesIO(data)) as im:
+    with Image.open(io.BytesIO(data)) as opened:
+        im: Image.Image = opened
         if im.format == "JPEG":
             im.draft(im.mode, (size, size))
         im.load()
@@ -201,13 +199,6 @@ def counts(batch: dict[str, Any], w: VlmWorkload) -> tuple[int, int]:
 # -- timing, the same for every loader -----------------------------------------------------------
 
 
-def _rate(marks: list[tuple[float, int, int]], lo: int, hi: int, k: int) -> float | None:
-    """Item ``k`` (1 images, 2 caption tokens) of batches ``lo+1..hi`` per second between them."""
-    if hi <= lo or marks[hi][0] <= marks[lo][0]:
-        return None
-    return sum(m[k] for m in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
-
-
 def measure(
     batches: Iterator[dict[str, Any]], w: VlmWorkload, *, start: float, steps: int, warmup: int
 ) -> dict[str, Any]:
@@ -218,45 +209,36 @@ def measure(
     loader's read-ahead has drained). End-to-end rates run from ``start`` (before the loader
     was built) to the last batch. ``padding_fraction`` is pad tokens over all tokens.
     """
-    marks: list[tuple[float, int, int]] = []
-    pad = total = 0
-    shapes: dict[str, list[int]] = {}
-    cpu: dict[str, float] = {}
-    for i in range(1 + warmup + steps):
-        if i == 1 + warmup:
-            cpu = cpu_seconds()
-        batch = next(batches)
-        images, tokens = counts(batch, w)
-        marks.append((time.perf_counter(), images, tokens))
-        seg = np.asarray(batch["segment_ids"])
-        pad, total = pad + int((seg < 0).sum()), total + seg.size
-        if i == 0:
-            shapes = {k: list(np.asarray(v).shape) for k, v in sorted(batch.items())}
-    end = cpu_seconds()
+    timed = time_batches(batches, partial(_counts, w), steps=steps, warmup=warmup)
+    marks = timed.marks  # (delivery instant, images, caption tokens, pad tokens, tokens) per batch
     lo, hi = warmup, warmup + steps
     mid = lo + steps // 2
-    window = marks[hi][0] - marks[lo][0]
-    halves = (_rate(marks, lo, mid, 1), _rate(marks, mid, hi, 1))
+    halves = (rate(marks, lo, mid, 1), rate(marks, mid, hi, 1))
     elapsed = marks[-1][0] - start
     return {
         "ttfb_s": marks[0][0] - start,
         "steps": steps,
         "warmup": warmup,
-        "seconds": window,
+        "seconds": marks[hi][0] - marks[lo][0],
         "images": sum(m[1] for m in marks[lo + 1 :]),
         "caption_tokens": sum(m[2] for m in marks[lo + 1 :]),
-        "images_per_s": _rate(marks, lo, hi, 1),
-        "caption_tokens_per_s": _rate(marks, lo, hi, 2),
+        "images_per_s": rate(marks, lo, hi, 1),
+        "caption_tokens_per_s": rate(marks, lo, hi, 2),
         "end_to_end_images_per_s": sum(m[1] for m in marks) / elapsed,
         "end_to_end_caption_tokens_per_s": sum(m[2] for m in marks) / elapsed,
         "first_half_images_per_s": halves[0],
         "second_half_images_per_s": halves[1],
         "half_rate_ratio": halves[0] / halves[1] if halves[0] and halves[1] else None,
-        "padding_fraction": pad / max(1, total),
-        "first_batch_shapes": shapes,
-        "main_cpu_cores": (end["main"] - cpu["main"]) / window if window > 0 else None,
-        "children_cpu_cores": (end["children"] - cpu["children"]) / window if window > 0 else None,
+        "padding_fraction": sum(m[3] for m in marks) / max(1, sum(m[4] for m in marks)),
+        "first_batch_shapes": {k: list(np.asarray(v).shape) for k, v in sorted(timed.first.items())},
+        **timed.cores(lo, hi),
     }
+
+
+def _counts(w: VlmWorkload, batch: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(images, caption tokens, pad tokens, tokens) of a batch."""
+    seg = np.asarray(batch["segment_ids"])
+    return (*counts(batch, w), int((seg < 0).sum()), int(seg.size))
 
 
 def contender_main(name: str, run: Callable[[VlmWorkload, dict[str, Any]], dict[str, Any]]) -> int:
@@ -267,11 +249,4 @@ def contender_main(name: str, run: Callable[[VlmWorkload, dict[str, Any]], dict[
     parser.add_argument("--task", required=True)
     args = parser.parse_args()
     task = json.loads(args.task)
-    result: dict[str, Any] = {"contender": name}
-    try:
-        result.update(run(load_workload(args.workload), task), ok=True)
-    except Exception as exc:
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    sys.stdout.flush()
-    print(RESULT_TAG + json.dumps(result), flush=True)
-    return 0 if result["ok"] else 1
+    return emit_outcome({"contender": name}, lambda: run(load_workload(args.workload), task))

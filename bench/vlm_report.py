@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import statistics
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-# The text report's rules (bench/report.py), applied to images/s and caption tokens/s.
-NOISE = 0.10  # a rate above the limit by more than this is not a measurement of steady throughput
-UNSTEADY = 1.25  # first half of the timed window faster than the second by more: a buffer was draining
+from bench.stats import fmt, paired_over_limit, rate_flags, ratio
+from bench.stats import table as stats_table
+
 PEER = "torch_dataloader"
 ZEPHON = "zephon_processes"
 RATES = ("images_per_s", "caption_tokens_per_s", "end_to_end_images_per_s", "end_to_end_caption_tokens_per_s")
@@ -22,71 +20,38 @@ LABELS = {
 }
 
 
-def _median(values: list[float]) -> float | None:
-    return float(statistics.median(values)) if values else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def _flags(name: str, row: dict[str, Any], limit: dict[str, Any]) -> list[str]:
-    """Why this row's rates are not valid steady-state throughput (empty when they look valid)."""
-    flags = []
-    for key in RATES:
-        base = limit.get(key.removeprefix("end_to_end_"))
-        rate = row.get(key)
-        if name != "limit" and base and rate and rate > base * (1 + NOISE):
-            flags.append(f"{key} {rate / base:.2f}x the limit (> {1 + NOISE:.2f}x): read-ahead or a bug")
-    ratio = row.get("half_rate_ratio")
-    if ratio and ratio > UNSTEADY:
-        flags.append(
-            f"timed window not steady: its first half {ratio:.2f}x faster than its second (buffer draining)"
-        )
-    return flags
+    """Why this row's rates are not valid steady-state throughput (empty when they look valid):
+    the text report's rules (``bench.stats.rate_flags``), applied to images/s and caption tokens/s,
+    each end-to-end rate held to the limit's rate of the same kind."""
+    if name == "limit":
+        return rate_flags(row, {})
+    return rate_flags(row, {key: limit.get(key.removeprefix("end_to_end_")) for key in RATES})
 
 
 def summarise(
     raw: list[dict[str, Any]], *, workload: dict[str, Any], config: dict[str, Any], checks: dict[str, Any]
 ) -> dict[str, Any]:
-    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for run in raw:
-        by_name[run["name"]].append(run)
-    table: dict[str, dict[str, Any]] = {}
-    for name, items in by_name.items():
-        good = [r for r in items if r["ok"]]
-        row: dict[str, Any] = {
-            "runs": len(items),
-            "failed": [r.get("error", "")[:300] for r in items if not r["ok"]],
-            "peak_rss_mb": _median([r["peak_rss_bytes"] / 1e6 for r in good]),
-        }
-        for key in (
-            *RATES,
-            "ttfb_s",
-            "padding_fraction",
-            "half_rate_ratio",
-            "main_cpu_cores",
-            "children_cpu_cores",
-        ):
-            row[key] = _median([r[key] for r in good if r.get(key) is not None])
-        shapes = [r["first_batch_shapes"] for r in good if "first_batch_shapes" in r]
+    keys = ("ttfb_s", "padding_fraction", "half_rate_ratio", "main_cpu_cores", "children_cpu_cores")
+    table = stats_table(raw, (*RATES, *keys))
+    for name, row in table.items():
+        shapes = [
+            r["first_batch_shapes"]
+            for r in raw
+            if r["name"] == name and r["ok"] and "first_batch_shapes" in r
+        ]
         row["first_batch_shapes"] = shapes[0] if shapes else None
-        table[name] = row
     limit = table.get("limit", {})
     peer = table.get(PEER, {})
-    rounds: dict[int, dict[str, float]] = defaultdict(dict)
-    for run in raw:
-        if run["ok"]:
-            rounds[run["round"]][run["name"]] = run["images_per_s"]
+    paired = paired_over_limit(raw, "images_per_s")
     for name, row in table.items():
-        row["over_limit"] = _ratio(row["images_per_s"], limit.get("images_per_s"))
-        row["tokens_over_limit"] = _ratio(row["caption_tokens_per_s"], limit.get("caption_tokens_per_s"))
-        row["over_peer"] = _ratio(row["images_per_s"], peer.get("images_per_s"))
-        row["end_to_end_over_peer"] = _ratio(
+        row["over_limit"] = ratio(row["images_per_s"], limit.get("images_per_s"))
+        row["tokens_over_limit"] = ratio(row["caption_tokens_per_s"], limit.get("caption_tokens_per_s"))
+        row["over_peer"] = ratio(row["images_per_s"], peer.get("images_per_s"))
+        row["end_to_end_over_peer"] = ratio(
             row["end_to_end_images_per_s"], peer.get("end_to_end_images_per_s")
         )
-        paired = [r[name] / r["limit"] for r in rounds.values() if name in r and r.get("limit")]
-        row["over_limit_paired_median"] = _median(paired)
+        row["over_limit_paired_median"] = paired[name]
         row["flags"] = _flags(name, row, limit)
     # zephon-flow's batches have the peer's fields and shapes (plus its ``documents`` provenance)
     same_shapes = None
@@ -101,10 +66,6 @@ def summarise(
         "table": table,
         "raw": raw,
     }
-
-
-def _fmt(x: Any, spec: str = ",.0f") -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 def markdown_lines(res: dict[str, Any] | None) -> list[str]:
@@ -138,13 +99,13 @@ def markdown_lines(res: dict[str, Any] | None) -> list[str]:
     table = res["table"]
     for name, row in sorted(table.items(), key=lambda kv: -(kv[1]["images_per_s"] or 0)):
         lines.append(
-            f"| {LABELS.get(name, name)} | {_fmt(row['images_per_s'], ',.1f')} "
-            f"| {_fmt(row['caption_tokens_per_s'])} | {_fmt(row['over_limit'], '.2f')} "
-            f"| {_fmt(row['over_limit_paired_median'], '.2f')} | {_fmt(row['over_peer'], '.2f')} "
-            f"| {_fmt(row['end_to_end_images_per_s'], ',.1f')} | {_fmt(row['end_to_end_caption_tokens_per_s'])} "
-            f"| {_fmt(row['ttfb_s'], '.2f')} | {_fmt(row['peak_rss_mb'])} | {_fmt(row['padding_fraction'], '.3f')} "
-            f"| {_fmt(row['half_rate_ratio'], '.2f')} "
-            f"| {_fmt(row['main_cpu_cores'], '.2f')} / {_fmt(row['children_cpu_cores'], '.2f')} "
+            f"| {LABELS.get(name, name)} | {fmt(row['images_per_s'], ',.1f')} "
+            f"| {fmt(row['caption_tokens_per_s'])} | {fmt(row['over_limit'], '.2f')} "
+            f"| {fmt(row['over_limit_paired_median'], '.2f')} | {fmt(row['over_peer'], '.2f')} "
+            f"| {fmt(row['end_to_end_images_per_s'], ',.1f')} | {fmt(row['end_to_end_caption_tokens_per_s'])} "
+            f"| {fmt(row['ttfb_s'], '.2f')} | {fmt(row['peak_rss_mb'])} | {fmt(row['padding_fraction'], '.3f')} "
+            f"| {fmt(row['half_rate_ratio'], '.2f')} "
+            f"| {fmt(row['main_cpu_cores'], '.2f')} / {fmt(row['children_cpu_cores'], '.2f')} "
             f"| {'**FLAGGED**' if row['flags'] else 'ok'} |"
         )
     flagged = [(n, f) for n, row in table.items() for f in row["flags"]]

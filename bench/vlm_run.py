@@ -21,15 +21,10 @@ from typing import Any
 import numpy as np
 
 from bench import vlm_report
-from bench.procs import run_contender
-from bench.vlm import (
-    VlmWorkload,
-    decode_resize,
-    encode,
-    iter_samples,
-    load_tokenizer,
-    load_workload,
-)
+from bench.procs import run_task
+from bench.stats import rotated
+from bench.vlm import VlmWorkload, decode_resize, iter_samples, load_workload
+from bench.workload import encode, load_tokenizer
 
 #: name -> (module, what it adds to the task)
 CONTENDERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -106,18 +101,7 @@ def run_one(name: str, workload_path: str, task: dict[str, Any], timeout: float)
     """One contender process; its JSON result plus wall time and the peak RSS of its tree."""
     module, extra = CONTENDERS[name]
     cmd = [sys.executable, "-m", module, "--workload", workload_path, "--task", json.dumps({**task, **extra})]
-    done = run_contender(cmd, timeout)
-    result: dict[str, Any] = done.result or {
-        "contender": name,
-        "ok": False,
-        "error": done.stderr.strip()[-1500:],
-    }
-    if done.timed_out:
-        result.update(timed_out=True, timeout_s=timeout)
-    result.update(name=name, wall_s=done.wall_s, peak_rss_bytes=done.peak_rss_bytes)
-    status = "ok" if result["ok"] else f"FAILED {result.get('error', '')[:300]}"
-    print(f"bench.run: vlm {name}: {status}", file=sys.stderr, flush=True)
-    return result
+    return run_task(name, cmd, timeout, label=f"vlm {name}", contender=name)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -136,8 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     task = {"steps": args.vlm_steps, "warmup": args.vlm_warmup, "workers": args.workers}
     raw: list[dict[str, Any]] = []
     for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        for name in rotated(names, r):
             raw.append({"round": r, **run_one(name, str(path), task, args.timeout)})
     config = {
         "steps": args.vlm_steps,

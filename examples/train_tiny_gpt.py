@@ -60,7 +60,8 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
         att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class TinyGPT(nn.Module):
@@ -153,7 +154,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     if args.resume:
         ckpt = Path(args.resume) / (Path(args.resume) / LATEST).read_text().strip()
         model_sd, optim_sd = get_state_dict(model, optim)
-        state = {"model": model_sd, "optim": optim_sd, "data": ds}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd, "data": ds}
         dcp.load(state, checkpoint_id=str(ckpt))
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         start = ds.next_step
@@ -170,7 +171,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
         dist.all_reduce(total)  # the global token count: the loss is the same whatever the world size
         loss = loss_sum * world / total.clamp(min=1)  # DDP averages gradients over the ranks
         optim.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optim.step()
         logged = loss.detach() / world
         dist.all_reduce(logged)
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.world_size == 1:  # no need for a second process
         train(0, 1, args)
         return 0
-    mp.spawn(train, args=(args.world_size, args), nprocs=args.world_size, join=True)
+    mp.spawn(train, args=(args.world_size, args), nprocs=args.world_size, join=True)  # type: ignore[no-untyped-call]
     return 0
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import Batch, main
+from bench.contenders.harness import Batch, Peer, main
 from bench.workload import TextWorkload, encode, load_tokenizer, shards
 
 
@@ -106,12 +106,8 @@ class _Session:
             close()
 
 
-class GrainLoader:
+class GrainLoader(Peer):
     name = "grain"
-    resumable = True
-
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None

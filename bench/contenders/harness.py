@@ -9,16 +9,22 @@ standard library and numpy (the peers' venv has no zephon-flow).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from bench.procs import RESULT_TAG
+from bench.stats import median
 from bench.workload import TextWorkload, concat, digest, load_workload, real_tokens
 
 Batch = dict[str, Any]
+#: Called with each batch's index (0: the first batch) and the batch, as it is delivered.
+Observer = Callable[[int, Batch], None]
 
 
 class Session(Protocol):
@@ -33,6 +39,53 @@ class Session(Protocol):
     def close(self) -> None: ...
 
 
+class Peer:
+    """A peer loader's contender: resumable, its ``--option`` values kept (none used today)."""
+
+    name = "peer"
+    resumable = True
+
+    def __init__(self, options: dict[str, str]) -> None:
+        self.options = options
+
+
+class TorchSession:
+    """A session over a torch-style loader (``DataLoader``, ``StatefulDataLoader``, torchdata's
+    ``nodes.Loader``): one iterator over it, ``convert`` applied to each batch, checkpoints as
+    ``torch.save`` of its ``state_dict()`` (and restored from ``state`` by ``load_state_dict``),
+    its worker processes shut down on close."""
+
+    def __init__(
+        self, loader: Any, convert: Callable[[Any], Batch] | None = None, *, state: bytes | None = None
+    ) -> None:
+        if state is not None:
+            import torch
+
+            loader.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+        self._loader = loader
+        self._convert = convert
+        self._it: Any = None
+
+    def batches(self) -> Iterator[Batch]:
+        if self._it is None:
+            self._it = iter(self._loader)
+        for batch in self._it:
+            yield batch if self._convert is None else self._convert(batch)
+
+    def checkpoint(self) -> bytes:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self._loader.state_dict(), buf)
+        return buf.getvalue()
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+
 class Contender(Protocol):
     name: str
     resumable: bool
@@ -42,14 +95,75 @@ class Contender(Protocol):
     ) -> Session: ...
 
 
-def _rate(marks: list[tuple[float, int]], lo: int, hi: int) -> float | None:
-    """Tokens delivered in batches ``lo+1..hi`` over the time between batch ``lo`` and ``hi``."""
+def rate(marks: Sequence[tuple[float, ...]], lo: int, hi: int, k: int = 1) -> float | None:
+    """Per batch ``(delivery instant, count, ...)``: count ``k`` summed over batches ``lo+1..hi``,
+    per second between the deliveries of batch ``lo`` and batch ``hi`` (None for an empty span)."""
     if hi <= lo or marks[hi][0] <= marks[lo][0]:
         return None
-    return sum(n for _, n in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
+    return sum(m[k] for m in marks[lo + 1 : hi + 1]) / (marks[hi][0] - marks[lo][0])
 
 
-def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Timed:
+    """Batches taken one by one: per batch its delivery instant and counts, the first batch, and
+    the CPU seconds (``cpu_seconds``' keys) spent over the timed window and since ``born``."""
+
+    marks: list[tuple[float, ...]]
+    first: Batch
+    window_cpu: dict[str, float]
+    life_cpu: dict[str, float]
+
+    def cores(self, lo: int, hi: int) -> dict[str, float | None]:
+        """CPU cores busy between the deliveries of batch ``lo`` and ``hi``: this (consumer)
+        process, and its child processes (None without psutil)."""
+        window = self.marks[hi][0] - self.marks[lo][0]
+        children = self.window_cpu.get("children")
+        return {
+            "main_cpu_cores": self.window_cpu.get("main", 0.0) / window if window > 0 else None,
+            "children_cpu_cores": children / window if children is not None and window > 0 else None,
+        }
+
+
+def time_batches(
+    batches: Iterator[Batch],
+    count: Callable[[Batch], tuple[int, ...]],
+    *,
+    steps: int,
+    warmup: int,
+    born: dict[str, float] | None = None,
+    observe: Observer | None = None,
+) -> Timed:
+    """The first batch, ``warmup`` untimed ones, then ``steps`` timed ones (the window: from the
+    delivery of batch ``warmup`` to that of batch ``warmup + steps``), each marked with its
+    delivery instant and ``count(batch)``. ``observe``, if given, sees every batch as it is
+    delivered (its time is counted)."""
+    marks: list[tuple[float, ...]] = []
+    first: Batch = {}
+    cpu: dict[str, float] = {}
+    for i in range(1 + warmup + steps):
+        if i == 1 + warmup:
+            cpu = cpu_seconds()
+        batch = next(batches)
+        marks.append((time.perf_counter(), *count(batch)))
+        if observe is not None:
+            observe(i, batch)
+        if i == 0:
+            first = batch
+    end = cpu_seconds()
+    window = {k: v - cpu.get(k, 0.0) for k, v in end.items()}
+    life = {k: v - born.get(k, 0.0) for k, v in end.items()} if born is not None else {}
+    return Timed(marks, first, window, life)
+
+
+def _tokens(batch: Batch) -> tuple[int, int]:
+    """(real tokens, pad tokens) of a text batch."""
+    real = real_tokens(batch)
+    return real, int(batch["segment_ids"].size) - real
+
+
+def run_throughput(
+    c: Contender, w: TextWorkload, task: dict[str, Any], observe: Observer | None = None
+) -> dict[str, Any]:
     """Time to the first batch, then ``warmup`` untimed steps, then ``steps`` timed steps.
 
     Every batch's delivery instant and real-token count is recorded. ``tokens_per_s`` is the rate
@@ -58,45 +172,30 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
     it, so the window is also split in halves: in a steady state their rates agree
     (``half_rate_ratio`` near 1), while a draining buffer makes the first half faster. The
     end-to-end rate (construction to last batch) can never be inflated by read-ahead.
+    ``observe``, if given, sees every batch as it is delivered (its time is counted).
     """
     steps, warmup, workers = int(task["steps"]), int(task["warmup"]), int(task["workers"])
     start = time.perf_counter()
     born = cpu_seconds()
     session = c.open(w, rank=0, world_size=1, workers=workers, state=None)
-    marks: list[tuple[float, int]] = []  # (delivery instant, real tokens) per batch, first = index 0
-    pad = 0
-    cpu: dict[str, float] = {}
-    life: dict[str, float] = {}
     try:
-        it = session.batches()
-        first = next(it)
-        marks.append((time.perf_counter(), real_tokens(first)))
-        for i in range(warmup + steps):
-            if i == warmup:
-                cpu = cpu_seconds()
-            batch = next(it)
-            real = real_tokens(batch)
-            marks.append((time.perf_counter(), real))
-            if i >= warmup:
-                pad += int(batch["segment_ids"].size) - real
-        end_cpu = cpu_seconds()
-        cpu = {k: v - cpu.get(k, 0.0) for k, v in end_cpu.items()}
-        # whole life, start-up included: CPU per delivered token, where every core-second went
-        life = {k: v - born.get(k, 0.0) for k, v in end_cpu.items()}
+        timed = time_batches(
+            session.batches(), _tokens, steps=steps, warmup=warmup, born=born, observe=observe
+        )
     finally:
         session.close()
-    ttfb = marks[0][0] - start
+    marks = timed.marks  # (delivery instant, real tokens, pad tokens) per batch, first = index 0
     lo, hi = warmup, warmup + steps
-    window = marks[hi][0] - marks[lo][0]
     mid = (lo + hi) // 2
-    tokens = sum(n for _, n in marks[lo + 1 :])
+    tokens = sum(m[1] for m in marks[lo + 1 :])
+    pad = sum(m[2] for m in marks[lo + 1 :])
     seconds = marks[hi][0] - marks[lo][0]
-    first_half, second_half = _rate(marks, lo, mid), _rate(marks, mid, hi)
+    first_half, second_half = rate(marks, lo, mid), rate(marks, mid, hi)
     return {
-        "ttfb_s": ttfb,
+        "ttfb_s": marks[0][0] - start,
         "warmup_s": marks[lo][0] - marks[0][0],
         "seconds": seconds,
-        "end_to_end_tokens_per_s": sum(n for _, n in marks) / (marks[-1][0] - start),
+        "end_to_end_tokens_per_s": sum(m[1] for m in marks) / (marks[-1][0] - start),
         "first_half_tokens_per_s": first_half,
         "second_half_tokens_per_s": second_half,
         "half_rate_ratio": first_half / second_half if first_half and second_half else None,
@@ -105,14 +204,13 @@ def run_throughput(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "padding_fraction": pad / max(1, tokens + pad),
-        "first_batch_shape": list(first["input_ids"].shape),
-        "batch_times_s": [round(t - start, 4) for t, _ in marks],
-        # CPU cores busy during the timed window: this (consumer) process, and its child processes
-        "main_cpu_cores": cpu.get("main", 0.0) / window if window > 0 else None,
-        "children_cpu_cores": cpu["children"] / window if "children" in cpu and window > 0 else None,
-        "life_main_cpu_s": life.get("main"),
-        "life_children_cpu_s": life.get("children"),
-        "life_tokens": sum(n for _, n in marks),
+        "first_batch_shape": list(timed.first["input_ids"].shape),
+        "batch_times_s": [round(m[0] - start, 4) for m in marks],
+        **timed.cores(lo, hi),
+        # whole life, start-up included: CPU per delivered token, where every core-second went
+        "life_main_cpu_s": timed.life_cpu.get("main"),
+        "life_children_cpu_s": timed.life_cpu.get("children"),
+        "life_tokens": sum(m[1] for m in marks),
     }
 
 
@@ -139,17 +237,27 @@ def _take(session: Session, n: int) -> list[Batch]:
     return [next(it) for _ in range(n)]
 
 
-def _emit(result: dict[str, Any]) -> None:
+def emit(result: dict[str, Any]) -> None:
     """One result line; the orchestrator keeps the last one, so a task that prints partial results
     as it goes and is then killed at its timeout still reports what it measured."""
     sys.stdout.flush()
-    print("BENCH-RESULT " + json.dumps(result), flush=True)
+    print(RESULT_TAG + json.dumps(result), flush=True)
 
 
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return float(statistics.median(values))
+def first_batch(
+    c: Contender, w: TextWorkload, *, workers: int, state: bytes | None
+) -> tuple[Batch, dict[str, float]]:
+    """Opens a loader (fresh, or resumed from ``state``), takes its first batch and closes it:
+    the batch, with the seconds from ``open`` to it (``ttfb_s``) and to close (``close_s``)."""
+    start = time.perf_counter()
+    session = c.open(w, rank=0, world_size=1, workers=workers, state=state)
+    try:
+        batch = next(session.batches())
+        got = time.perf_counter()
+    finally:
+        closing = time.perf_counter()
+        session.close()
+    return batch, {"ttfb_s": got - start, "close_s": time.perf_counter() - closing}
 
 
 def run_resume(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str, Any]:
@@ -204,26 +312,21 @@ def run_resume(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str,
     for point in points_at:
         taken = [samples[point + i] for i in range(consecutive)]
         for sample in taken[:resumes]:
-            t = time.perf_counter()
-            resumed = c.open(w, rank=0, world_size=1, workers=workers, state=blobs.pop(sample["step"]))
-            try:
-                first = next(resumed.batches())
-                sample["ttfb_s"] = time.perf_counter() - t
-            finally:
-                resumed.close()
+            first, times = first_batch(c, w, workers=workers, state=blobs.pop(sample["step"]))
+            sample["ttfb_s"] = times["ttfb_s"]
             sample["matches_uninterrupted"] = digest(first) == sample["digest"]
         resumed_ = [x for x in taken if "ttfb_s" in x]
         result["points"].append(
             {
                 "step": point,
                 "reached_s": reached[point],
-                "checkpoint_bytes": _median([x["checkpoint_bytes"] for x in taken]),
-                "ttfb_s": _median([x["ttfb_s"] for x in resumed_]),
+                "checkpoint_bytes": median([x["checkpoint_bytes"] for x in taken]),
+                "ttfb_s": median([x["ttfb_s"] for x in resumed_]),
                 "matches_uninterrupted": all(x["matches_uninterrupted"] for x in resumed_),
                 "samples": [{k: v for k, v in x.items() if k != "digest"} for x in taken],
             }
         )
-        _emit({"contender": c.name, "kind": "resume", "ok": True, "partial": True, **result})
+        emit({"contender": c.name, "kind": "resume", "ok": True, "partial": True, **result})
     return result
 
 
@@ -274,6 +377,17 @@ def run_elastic(c: Contender, w: TextWorkload, task: dict[str, Any]) -> dict[str
 TASKS = {"throughput": run_throughput, "resume": run_resume, "elastic": run_elastic}
 
 
+def emit_outcome(result: dict[str, Any], work: Callable[[], dict[str, Any]]) -> int:
+    """Adds what ``work()`` measured to ``result`` (``ok`` true), or the exception it raised
+    (``ok`` false, the error and its traceback); prints the result line; the exit status."""
+    try:
+        result.update(work(), ok=True)
+    except Exception as exc:
+        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    emit(result)
+    return 0 if result["ok"] else 1
+
+
 def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = None) -> int:
     """Entry point of a contender module: ``make(options)`` builds the contender."""
     parser = argparse.ArgumentParser(description="a bench contender")
@@ -284,14 +398,10 @@ def main(make: Callable[[dict[str, str]], Contender], argv: list[str] | None = N
     contender = make(dict(o.split("=", 1) for o in args.option))
     workload = load_workload(args.workload)
     task = json.loads(args.task)
-    result: dict[str, Any] = {"contender": contender.name, "kind": task["kind"]}
-    try:
+
+    def work() -> dict[str, Any]:
         if task["kind"] != "throughput" and not contender.resumable:
-            result["unsupported"] = f"{contender.name} has no checkpoint"
-        else:
-            result.update(TASKS[task["kind"]](contender, workload, task))
-        result["ok"] = True
-    except Exception as exc:
-        result.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    _emit(result)
-    return 0 if result["ok"] else 1
+            return {"unsupported": f"{contender.name} has no checkpoint"}
+        return TASKS[task["kind"]](contender, workload, task)
+
+    return emit_outcome({"contender": contender.name, "kind": task["kind"]}, work)

@@ -12,14 +12,12 @@ ranks, batched by torchdata's ``StatefulDataLoader`` (which saves the datasets' 
 
 from __future__ import annotations
 
-import io
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import Batch, main
+from bench.contenders.harness import Peer, TorchSession, main
 from bench.workload import TextWorkload, load_tokenizer, shards
 
 MAP_BATCH = 256  # documents per map batch (tokenize, then pack)
@@ -91,50 +89,19 @@ def build_dataset(w: TextWorkload, rank: int, world_size: int, workers: int) -> 
     return ds
 
 
-class _Session:
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-        self._it: Any = None
-
-    def batches(self) -> Iterator[Batch]:
-        if self._it is None:
-            self._it = iter(self._loader)
-        yield from self._it
-
-    def checkpoint(self) -> bytes:
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(self._loader.state_dict(), buf)
-        return buf.getvalue()
-
-    def close(self) -> None:
-        it, self._it = self._it, None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-
-
-class HfDatasets:
+class HfDatasets(Peer):
     name = "hf_datasets"
-    resumable = True
-
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
-    ) -> _Session:
-        import torch
+    ) -> TorchSession:
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         ds = build_dataset(workload, rank, world_size, workers)
         loader = StatefulDataLoader(
             ds, batch_size=workload.global_batch // world_size, num_workers=workers, collate_fn=_collate
         )
-        if state is not None:
-            loader.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
-        return _Session(loader)
+        return TorchSession(loader, state=state)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.contenders.harness import emit
 from bench.workload import encode, iter_mixed, load_tokenizer, load_workload
 
 CHARS_PER_TOKEN = 3.5  # to size the in-memory share; the measured rate does not depend on it
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         result.update(ok=True, unsupported="the limit has no loader state")
     else:
         result.update(measure(args.workload, int(task["steps"]), int(task["workers"])), ok=True)
-    print("BENCH-RESULT " + json.dumps(result), flush=True)
+    emit(result)
     return 0
 
 

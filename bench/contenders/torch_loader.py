@@ -11,12 +11,11 @@ and on resume skips that many again (torchdata's documented fallback). Runs in e
 
 from __future__ import annotations
 
-import io
 import sys
 from collections.abc import Iterator
 from typing import Any
 
-from bench.contenders.harness import Batch, main
+from bench.contenders.harness import Batch, TorchSession, main
 from bench.workload import TextWorkload, plain_sequences
 
 
@@ -32,29 +31,8 @@ def _dataset(w: TextWorkload, rank: int, world_size: int) -> Any:
     return TextPipeline()
 
 
-class _Session:
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-        self._it: Any = None
-
-    def batches(self) -> Iterator[Batch]:
-        if self._it is None:
-            self._it = iter(self._loader)
-        for batch in self._it:
-            yield {k: v.numpy() for k, v in batch.items()}
-
-    def checkpoint(self) -> bytes:
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(self._loader.state_dict(), buf)
-        return buf.getvalue()
-
-    def close(self) -> None:
-        it, self._it = self._it, None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+def _to_numpy(batch: dict[str, Any]) -> Batch:
+    return {k: v.numpy() for k, v in batch.items()}
 
 
 class TorchLoader:
@@ -65,7 +43,7 @@ class TorchLoader:
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
-    ) -> _Session:
+    ) -> TorchSession:
         import torch
 
         kwargs: dict[str, Any] = {
@@ -79,14 +57,10 @@ class TorchLoader:
         if self.kind == "stateful":
             from torchdata.stateful_dataloader import StatefulDataLoader
 
-            loader: Any = StatefulDataLoader(dataset, **kwargs)
-            if state is not None:
-                loader.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
-        else:
-            if state is not None:
-                raise NotImplementedError("torch DataLoader has no state")
-            loader = torch.utils.data.DataLoader(dataset, **kwargs)
-        return _Session(loader)
+            return TorchSession(StatefulDataLoader(dataset, **kwargs), _to_numpy, state=state)
+        if state is not None:
+            raise NotImplementedError("torch DataLoader has no state")
+        return TorchSession(torch.utils.data.DataLoader(dataset, **kwargs), _to_numpy)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ it already gave.
 
 from __future__ import annotations
 
-import io
 import random
 import sys
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.contenders.harness import Batch, main
+from bench.contenders.harness import Peer, TorchSession, main
 from bench.workload import Packer, TextWorkload, encode, iter_mixed, load_tokenizer
 
 
@@ -105,35 +104,12 @@ def _pack_shuffle_node(source: Any, seq_len: int, buffer: int, seed: int) -> Any
     return PackShuffle()
 
 
-class _Session:
-    def __init__(self, loader: Any) -> None:
-        self._loader = loader
-
-    def batches(self) -> Iterator[Batch]:
-        yield from self._loader
-
-    def checkpoint(self) -> bytes:
-        import torch
-
-        buf = io.BytesIO()
-        torch.save(self._loader.state_dict(), buf)
-        return buf.getvalue()
-
-    def close(self) -> None:
-        pass
-
-
-class TorchdataNodes:
+class TorchdataNodes(Peer):
     name = "torchdata_nodes"
-    resumable = True
-
-    def __init__(self, options: dict[str, str]) -> None:
-        self.options = options
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
-    ) -> _Session:
-        import torch
+    ) -> TorchSession:
         from torchdata import nodes
 
         docs = nodes.IterableWrapper(_Documents(workload, rank, world_size))
@@ -143,9 +119,7 @@ class TorchdataNodes:
         seqs = _pack_shuffle_node(ids, workload.seq_len, workload.shuffle_total, workload.seed)
         batches = nodes.Mapper(nodes.Batcher(seqs, batch_size=workload.global_batch // world_size), _collate)
         loader = nodes.Loader(nodes.Prefetcher(batches, prefetch_factor=2))
-        if state is not None:
-            loader.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
-        return _Session(loader)
+        return TorchSession(loader, state=state)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import time
 from typing import Any
 
 from bench.contenders.limit import run_parts
-from bench.vlm import VlmWorkload, contender_main, decode_resize, encode, iter_samples, load_tokenizer
+from bench.vlm import VlmWorkload, contender_main, decode_resize, iter_samples
+from bench.workload import encode, load_tokenizer
 
 WARM_SAMPLES = 8
 

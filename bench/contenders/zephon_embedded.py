@@ -8,6 +8,7 @@ inline`` (default ``processes``; ``workers`` comes from the task).
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,33 +35,49 @@ def make_spec(w: TextWorkload, engine: str) -> Any:
     return zf.LoaderSpec(text, lanes=w.lanes, seed=w.seed, global_batch_size=w.global_batch)
 
 
-class _Session:
+class LoaderSession:
+    """An open ``zf.Loader``: its batches (``step`` is the last one's), its state, its bytes."""
+
     def __init__(self, loader: Any) -> None:
         self._loader = loader
+        self.step = -1
 
     def batches(self) -> Iterator[Batch]:
-        for _step, batch in self._loader:
+        for step, batch in self._loader:
+            self.step = step
             yield batch
+
+    def state(self) -> dict[str, Any]:
+        """``state_dict()``: the loader's state after the last batch taken."""
+        return dict(self._loader.state_dict())
 
     def checkpoint(self) -> bytes:
         import zephon_flow as zf
 
-        return bytes(zf.encode_state(self._loader.state_dict()))
+        return bytes(zf.encode_state(self.state()))
 
     def close(self) -> None:
         self._loader.close()
 
 
 class ZephonEmbedded:
+    """zephon-flow as a contender; ``spec`` fixes the pipeline (default: ``make_spec`` of each
+    workload opened). ``init_s`` and ``session`` are those of the last ``open``."""
+
     resumable = True
 
-    def __init__(self, options: dict[str, str]) -> None:
+    def __init__(self, options: dict[str, str], spec: Any = None) -> None:
         self.engine = options.get("engine", "hf")
         self.backend = options.get("backend", "processes")
         self.name = f"zephon_{self.backend}_{self.engine}"
+        self._fixed = spec
         self._specs: dict[str, Any] = {}
+        self.init_s = 0.0
+        self.session: LoaderSession | None = None
 
     def _spec(self, w: TextWorkload) -> Any:
+        if self._fixed is not None:
+            return self._fixed
         key = w.to_json()
         if key not in self._specs:
             self._specs[key] = make_spec(w, self.engine)
@@ -68,18 +85,17 @@ class ZephonEmbedded:
 
     def open(
         self, workload: TextWorkload, *, rank: int, world_size: int, workers: int, state: bytes | None
-    ) -> _Session:
+    ) -> LoaderSession:
         import zephon_flow as zf
 
+        spec = self._spec(workload)
+        start = time.perf_counter()
         loader = zf.Loader(
-            self._spec(workload),
-            rank=rank,
-            world_size=world_size,
-            backend=self.backend,
-            workers=workers,
-            state=state,
+            spec, rank=rank, world_size=world_size, backend=self.backend, workers=workers, state=state
         )
-        return _Session(loader)
+        self.init_s = time.perf_counter() - start
+        self.session = LoaderSession(loader)
+        return self.session
 
 
 if __name__ == "__main__":

@@ -1,0 +1,286 @@
+"""Unit tests of one source as one lane reads it: ``SourceReader`` (dealt shares, stride-shared
+splits, cursors, read skips) and ``SourceStream`` (chunks on a backend, results back in order)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import apache_beam as beam
+import pytest
+from lane_parts import Lines, write_lines
+
+from zephon_flow.errors import CorruptStateError, DataError, StageError
+from zephon_flow.operators.dealing import Dealing, Share
+from zephon_flow.operators.splits import START, Record
+from zephon_flow.runners.backends.base import ChunkResult
+from zephon_flow.runners.backends.inline import InlineBackend
+from zephon_flow.runners.backends.threads import ThreadBackend
+from zephon_flow.runners.dofns import StatelessInvoker
+from zephon_flow.runners.plan import SourcePlan
+from zephon_flow.runners.segment import Chunk, FrontSegment, Skipped
+from zephon_flow.runners.streams import ReadSkip, SourceReader, SourceStream, Taken
+
+FRESH = [0, 0, START, 0]
+
+
+def _source(tmp_path: Path, values: Sequence[object], *, per_split: int, **kwargs: object) -> Lines:
+    source = Lines(write_lines(tmp_path / "values.txt", values), per_split=per_split, **kwargs)
+    source.bind_label("numbers")
+    return source
+
+
+def _read_all(reader: SourceReader) -> list[str | ReadSkip]:
+    out: list[str | ReadSkip] = []
+    while (got := reader.next()) is not None:
+        out.append(got if isinstance(got, ReadSkip) else got.payload)
+    return out
+
+
+def _reader(source: Lines, lane: int, lanes: int, cursor: list[int] = FRESH) -> SourceReader:
+    return SourceReader(source, "numbers", lane=lane, lanes=lanes, seed=7, cursor=list(cursor))
+
+
+# -- SourceReader -------------------------------------------------------------------------------
+
+
+def _dealt(source: Lines, lanes: int, lane: int, epoch: int) -> list[str]:
+    """The lines lane ``lane`` owns in pass ``epoch``, in its order, from the dealing itself."""
+    splits = source.splits(lanes)
+    dealing = Dealing([s.cost for s in splits], lanes=lanes, seed=7, source="numbers")
+    lines = Path(splits[0].path).read_text(encoding="utf-8").splitlines()
+    return [
+        lines[line]
+        for share in dealing.shares(lane, epoch)
+        for i, line in enumerate(range(splits[share.split].start, splits[share.split].stop))
+        if share.keeps(i)
+    ]
+
+
+def test_each_lane_reads_its_dealt_shares_and_the_pass_holds_every_record_once(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(40), per_split=5, epochs=1)
+    seen: list[int] = []
+    for lane in range(3):
+        got = _read_all(_reader(source, lane, 3))
+        assert got == _dealt(source, 3, lane, 0) and got, lane
+        seen += [int(v) for v in got]  # type: ignore[arg-type]
+    assert sorted(seen) == list(range(40))
+
+
+def test_a_split_shared_by_k_lanes_gives_lane_j_the_records_i_mod_k_equal_j(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(10), per_split=10, epochs=1)  # one split, three lanes
+    dealing = Dealing([s.cost for s in source.splits(3)], lanes=3, seed=7, source="numbers")
+    assert [dealing.shares(j, 0) for j in range(3)] == [(Share(0, 3, j),) for j in range(3)]
+    assert [_read_all(_reader(source, j, 3)) for j in range(3)] == [
+        ["0", "3", "6", "9"],
+        ["1", "4", "7"],
+        ["2", "5", "8"],
+    ]
+
+
+def test_a_lane_starts_the_next_pass_only_after_its_own_share(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(12), per_split=1, epochs=2)
+    for lane in range(2):
+        reader = _reader(source, lane, 2)
+        assert _read_all(reader) == _dealt(source, 2, lane, 0) + _dealt(source, 2, lane, 1)
+        assert reader.exhausted and reader.next() is None
+    assert _dealt(source, 2, 0, 0) != _dealt(source, 2, 0, 1)  # each pass is dealt anew
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_a_reader_from_any_cursor_continues_as_the_uninterrupted_one(tmp_path: Path, lanes: int) -> None:
+    # 7 lines in splits of 4 and 3: with 3 lanes one of them is shared by stride (count matters)
+    source = _source(tmp_path, range(7), per_split=4, epochs=2)
+    for lane in range(lanes):
+        reader = _reader(source, lane, lanes)
+        whole = _read_all(reader)
+        for k in range(len(whole) + 1):
+            head = _reader(source, lane, lanes)
+            for _ in range(k):
+                head.next()
+            assert _read_all(_reader(source, lane, lanes, head.cursor)) == whole[k:], (lane, k)
+
+
+def test_a_read_error_of_a_skipping_source_drops_the_rest_of_its_split(tmp_path: Path) -> None:
+    values: list[object] = [0, 1, 2, "unreadable", 4, 5]
+    source = _source(tmp_path, values, per_split=6, epochs=2, on_error="skip")
+    reader = _reader(source, 0, 1)
+    got = _read_all(reader)
+    message = f"Lines('numbers'): {tmp_path / 'values.txt'} line 3: cannot be read"
+    # lines 4 and 5 are lost with the rest of the split, in each pass
+    assert got == ["0", "1", "2", ReadSkip(message), "0", "1", "2", ReadSkip(message)]
+    assert reader.cursor == [2, 0, START, 0]
+
+
+def test_a_read_error_of_a_raising_source_names_the_file_and_line(tmp_path: Path) -> None:
+    source = _source(tmp_path, [0, "unreadable"], per_split=2)
+    reader = _reader(source, 0, 1)
+    assert reader.next() is not None
+    with pytest.raises(DataError, match=r"values\.txt line 1: cannot be read"):
+        reader.next()
+
+
+def test_a_cursor_of_the_wrong_shape_is_refused_by_lane_and_source(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(3), per_split=3)
+    with pytest.raises(CorruptStateError) as info:
+        _reader(source, 2, 4, [0, 0, START])
+    assert str(info.value) == (
+        "lane 2, source 'numbers': the cursor [0, 0, -1] is not [pass, share, position, count]"
+    )
+
+
+# -- SourceStream -------------------------------------------------------------------------------
+
+
+class Recording:
+    """The inline backend, noting the size of every chunk submitted."""
+
+    def __init__(self, segment: FrontSegment) -> None:
+        self._inner = InlineBackend(segment)
+        self.sizes: list[int] = []
+
+    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
+        self.sizes.append(len(chunk))
+        return self._inner.submit(chunk)
+
+    def close(self) -> None:
+        pass
+
+
+class Late:
+    """Runs each chunk at once but completes its future from a timer thread, the odd-numbered
+    submissions late: results arrive out of order. Notes the order of completion."""
+
+    def __init__(self, segment: FrontSegment) -> None:
+        self._segment = segment
+        self._submitted = 0
+        self.completed: list[int] = []
+        self._timers: list[threading.Timer] = []
+
+    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
+        future: Future[ChunkResult] = Future()
+        result, seq = self._segment.run_chunk(chunk), self._submitted
+        self._submitted += 1
+
+        def complete() -> None:
+            self.completed.append(seq)
+            future.set_result(result)
+
+        timer = threading.Timer(0.3 if seq % 2 else 0.0, complete)
+        self._timers.append(timer)
+        timer.start()
+        return future
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.join()
+
+
+class Fails(beam.DoFn):  # type: ignore[misc]
+    def process(self, n: int) -> list[int]:
+        if n == 5:
+            raise ValueError(f"five is not allowed here ({n})")
+        return [n]
+
+
+def _stream(
+    source: Lines, backend: object, chain: tuple[StatelessInvoker, ...] = (), **kw: int
+) -> SourceStream:
+    plan = SourcePlan("numbers", source, chain)
+    options = {"chunk_records": 4, "depth": 3, **kw}
+    return SourceStream(
+        0,
+        plan,
+        backend,  # type: ignore[arg-type]
+        lane=0,
+        lanes=1,
+        seed=7,
+        cursor=list(FRESH),
+        chunk_records=options["chunk_records"],
+        depth=options["depth"],
+    )
+
+
+def _segment(source: Lines, chain: Sequence[StatelessInvoker] = ()) -> FrontSegment:
+    return FrontSegment([source], [list(chain)], [])
+
+
+def _take_all(stream: SourceStream) -> list[Taken]:
+    out = []
+    while (taken := stream.take()) is not None:
+        out.append(taken)
+    return out
+
+
+def test_a_stream_hands_out_each_record_in_order_with_its_cursor_and_id(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(23), per_split=10, epochs=1)
+    backend = Recording(_segment(source))
+    got = _take_all(_stream(source, backend))
+    reader = _reader(source, 0, 1)
+    expected = []
+    while (record := reader.next()) is not None:
+        assert isinstance(record, Record)
+        expected.append(([int(record.payload)], reader.cursor, (0, reader.split_index, record.offset)))
+    assert [(t.result, t.after, t.doc) for t in got] == expected
+    assert sorted(v for t in got for v in t.result) == list(range(23))  # type: ignore[union-attr]
+    # slow start: chunks of 1, 2, 4 records, then chunk_records (4) each
+    assert backend.sizes == [1, 2, 4, 4, 4, 4, 4]
+
+
+def test_results_completing_out_of_order_are_taken_in_order(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(30), per_split=30, epochs=1)
+    backend = Late(_segment(source))
+    got = _take_all(_stream(source, backend, chunk_records=2, depth=4))
+    backend.close()
+    assert [t.result for t in got] == [[n] for n in range(30)]
+    assert backend.completed != sorted(backend.completed)  # some arrived before an earlier one
+    assert sorted(backend.completed) == list(range(len(backend.completed)))
+
+
+def test_a_record_that_fails_to_decode_in_a_skipping_source_comes_back_skipped(tmp_path: Path) -> None:
+    source = _source(tmp_path, [0, 1, "bad", 3], per_split=4, epochs=1, on_error="skip")
+    got = _take_all(_stream(source, InlineBackend(_segment(source))))
+    assert [t.result for t in got] == [
+        [0],
+        [1],
+        Skipped(f"Lines('numbers'): {tmp_path / 'values.txt'} line 2: not a number"),
+        [3],
+    ]
+    assert got[2].after == [0, 0, 3, 3] and got[2].doc == (0, 0, 2)
+
+
+def test_a_read_skip_travels_in_order_without_backend_work(tmp_path: Path) -> None:
+    source = _source(tmp_path, [0, "unreadable", 2, 3], per_split=2, epochs=1, on_error="skip")
+    got = _take_all(_stream(source, InlineBackend(_segment(source)), chunk_records=1))
+    results = [t.result for t in got]
+    assert sorted(r[0] for r in results if isinstance(r, list)) == [0, 2, 3]
+    (skip,) = [(t.result, t.doc) for t in got if isinstance(t.result, Skipped)]
+    assert skip == (
+        Skipped(f"Lines('numbers'): {tmp_path / 'values.txt'} line 1: cannot be read"),
+        (0, -1, -1),
+    )
+
+
+@pytest.mark.parametrize("backend", ["inline", "threads"])
+def test_a_chunk_failure_comes_back_with_the_worker_traceback(tmp_path: Path, backend: str) -> None:
+    source = _source(tmp_path, range(10), per_split=10, epochs=1)
+    chain = (StatelessInvoker("strict", Fails()),)
+    segment = _segment(source, chain)
+    runs: InlineBackend | ThreadBackend = (
+        InlineBackend(segment) if backend == "inline" else ThreadBackend(segment, 2)
+    )
+    stream = _stream(source, runs, chain, chunk_records=8)
+    try:
+        assert [stream.take() is not None for _ in range(3)] == [True] * 3  # chunks of 1 and 2 records
+        with pytest.raises(StageError) as info:
+            _take_all(stream)
+    finally:
+        runs.close()
+    text = str(info.value)
+    assert text.startswith(
+        "DoFn 'strict' raised ValueError: five is not allowed here (5) "
+        f"(on the record at {tmp_path / 'values.txt'} line 5, via Lines('numbers'))"
+    )
+    assert "-- traceback on the worker --" in text and "in process" in text
