@@ -136,7 +136,7 @@ def write_corpus(root: Path, *, files: int, mb: float, frames: bool) -> int:
                         frame = []
             if writer is not None:
                 writer.flush(zstandard.FLUSH_FRAME)
-                writer.close()
+                writer.close()  # type: ignore[no-untyped-call]
             elif frame:
                 fh.write(cctx.compress(b"".join(frame)))
     manifest.write_text(json.dumps({"want": want, "documents": doc}))

@@ -103,6 +103,8 @@ def make_spec(data: Path, images: int) -> tuple[zf.LoaderSpec, int, int]:
     tokenizer = write_tokenizer(data / "tokenizer.json", captions)
     tok = Tokenizer.from_file(tokenizer)
     image_id = tok.token_to_id(IMAGE)
+    if image_id is None:
+        raise SystemExit(f"the tokenizer has no {IMAGE!r} token")
 
     def build(p: beam.Pipeline) -> beam.PCollection:
         samples = p | "shards" >> ops.ReadWebDataset(shards, samples_per_split=32)
@@ -178,7 +180,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         model_state, optim_state = get_state_dict(model, optim)
         state = {"model": model_state, "optim": optim_state, "data": ds}
         dcp.load(state, checkpoint_id=args.resume)
-        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optim, model_state_dict=model_state, optim_state_dict=optim_state)
         print(f"resumed from {args.resume} at step {ds.next_step}")
     logged = []
     with open(out / "log.jsonl", "a", encoding="utf-8") as log:
@@ -187,7 +189,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 break
             loss = loss_of(model, batch)
             optim.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optim.step()
             digest = zf.batch_digest({k: v.numpy() for k, v in batch.items()})
             logged.append({"step": step, "loss": loss.item(), "digest": digest})
