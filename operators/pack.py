@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import apache_beam as beam
@@ -15,6 +16,7 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
+from zephon_flow import derived
 from zephon_flow.errors import DataError, SpecError
 from zephon_flow.operators import _best_fit
 from zephon_flow.runners.dofns import ProvenanceParam
@@ -25,6 +27,80 @@ _NO_DOCS = np.zeros((0, 3), dtype=np.int64)
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100
+
+
+class PackedSegments:
+    """Pack's derived fields: ``position_ids``, ``segment_ids`` and ``labels`` follow from where
+    each piece of a document starts in its sequence and where padding begins.
+
+    A checkpoint stores, per sequence, the offsets of its piece starts and its unpadded length;
+    ``rebuild`` recomputes the three fields from them (and ``labels`` from ``input_ids``). The
+    rule: piece ``k`` holds ``segment_ids == k`` and ``position_ids`` counting from 0; padding
+    (at the end) has segment -1 and position 0; ``labels`` is ``input_ids`` with every position
+    0 set to ``IGNORE``. ``PackMultimodal`` follows the same rule.
+    """
+
+    name = "pack.segments/1"
+
+    def reduce(self, columns: Mapping[str, derived.Column]) -> derived.Reduced | None:
+        ids, pos, seg = (columns.get(k) for k in ("input_ids", "position_ids", "segment_ids"))
+        if not (isinstance(ids, np.ndarray) and isinstance(pos, np.ndarray) and isinstance(seg, np.ndarray)):
+            return None
+        fields = [pos, seg]
+        labels = columns.get("labels")
+        if labels is not None:
+            if not isinstance(labels, np.ndarray):
+                return None
+            fields.append(labels)
+        if ids.ndim != 2 or ids.dtype.kind not in "iu" or any(
+            f.shape != ids.shape or f.dtype != np.int32 for f in fields
+        ):
+            return None
+        starts = (pos == 0) & (seg >= 0)
+        rows, cols = np.nonzero(starts)
+        stored: dict[str, derived.Column] = {
+            "piece_starts": derived.Ragged(
+                cols.astype(np.int32), np.bincount(rows, minlength=ids.shape[0]).astype(np.int32)
+            ),
+            "valid": (seg >= 0).sum(axis=1, dtype=np.int32),
+        }
+        names = ("position_ids", "segment_ids", *(("labels",) if labels is not None else ()))
+        rebuilt = self.rebuild(columns, stored, names)
+        if not all(np.array_equal(rebuilt[k], columns[k]) for k in names):
+            return None
+        return derived.Reduced(stored, names)
+
+    def rebuild(
+        self,
+        columns: Mapping[str, derived.Column],
+        stored: Mapping[str, derived.Column],
+        names: tuple[str, ...],
+    ) -> dict[str, derived.Column]:
+        ids, starts, valid = columns["input_ids"], stored["piece_starts"], stored["valid"]
+        assert isinstance(ids, np.ndarray) and isinstance(starts, derived.Ragged)
+        assert isinstance(valid, np.ndarray)
+        rows, width = ids.shape
+        if starts.lengths.shape != (rows,) or valid.shape != (rows,):
+            raise ValueError(f"{self.name}: stored facts do not cover the {rows} rows")
+        col = np.arange(width, dtype=np.int32)
+        mask = np.zeros((rows, width), dtype=bool)
+        mask[np.repeat(np.arange(rows), starts.lengths), starts.values] = True
+        pad = col >= valid[:, None]
+        seg = np.cumsum(mask, axis=1, dtype=np.int32)
+        seg -= 1
+        seg[pad] = -1
+        pos = col - np.maximum.accumulate(np.where(mask, col, 0), axis=1)
+        pos[pad] = 0
+        out: dict[str, derived.Column] = {"position_ids": pos, "segment_ids": seg}
+        if "labels" in names:
+            out["labels"] = np.where(pos == 0, np.int32(IGNORE), ids).astype(np.int32)
+        unknown = set(names) - set(out)
+        if unknown:
+            raise ValueError(f"{self.name}: cannot rebuild field(s) {sorted(unknown)}")
+        return out
+
+
+PACKED_SEGMENTS = derived.register(PackedSegments())
 
 
 class Pack(beam.DoFn):  # type: ignore[misc]

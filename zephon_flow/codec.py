@@ -1,4 +1,7 @@
-"""The one checkpoint codec: plain data to self-describing, checksummed, pickle-free bytes.
+"""The plain-data codec of checkpoint formats 1 and 2: one self-describing, checksummed blob.
+
+Format 3 (``state_file``, ``compact``) writes checkpoints now; this codec still reads formats 1
+and 2, writes format 2 for tests of older checkpoints, and digests states for comparison.
 
 Layout: ``MAGIC | u32 version | u64 header length | header (UTF-8 JSON) | payload | sha256``.
 The JSON header is the value tree; numpy arrays and bytes are stored in the payload and
@@ -18,9 +21,14 @@ import numpy as np
 from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
 
 MAGIC = b"ZEPHONCK"
-#: Version 2: lane cursors record the straddling record's source, exhausted sources and skip
-#: counts, and the checkpoint records the mixture history.
-FORMAT_VERSION = 2
+#: The newest checkpoint format, the one ``state_file`` writes. Version 3: compact frames
+#: (narrowed integers, element lists as columns without derived fields, zstd), written and
+#: read lane by lane, optionally incremental on a base.
+FORMAT_VERSION = 3
+#: The format of this codec's single blob. Version 2: lane cursors record the straddling
+#: record's source, exhausted sources and skip counts, and the checkpoint records the mixture
+#: history.
+BLOB_VERSION = 2
 _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 
@@ -108,12 +116,12 @@ def encode(value: Any) -> bytes:
     payload: list[bytes] = []
     header = json.dumps(_encode_tree(value, payload, [0], "state"), separators=(",", ":"), allow_nan=False)
     head = header.encode("utf-8")
-    body = _HEAD.pack(MAGIC, FORMAT_VERSION, len(head)) + head + b"".join(payload)
+    body = _HEAD.pack(MAGIC, BLOB_VERSION, len(head)) + head + b"".join(payload)
     return body + hashlib.sha256(body).digest()
 
 
 def decode(data: bytes, *, source: str = "checkpoint") -> Any:
-    """Decodes checkpoint bytes; refuses other formats, newer versions and damaged bytes."""
+    """Decodes format 1 or 2 bytes; refuses other formats, newer versions and damaged bytes."""
     if len(data) < _HEAD.size + _DIGEST or not data.startswith(MAGIC):
         raise CorruptStateError(f"{source} is not a zephon-flow checkpoint (missing magic header)")
     _magic, version, header_len = _HEAD.unpack_from(data)
@@ -124,6 +132,8 @@ def decode(data: bytes, *, source: str = "checkpoint") -> Any:
         )
     if version < 1:
         raise CorruptStateError(f"{source} declares invalid format version {version}")
+    if version > BLOB_VERSION:
+        raise CorruptStateError(f"{source} is in checkpoint format {version}: read it with zf.decode_state")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
         raise CorruptStateError(f"{source}: checksum mismatch, the bytes are corrupt or truncated")
@@ -131,8 +141,11 @@ def decode(data: bytes, *, source: str = "checkpoint") -> Any:
     try:
         tree = json.loads(body[start : start + header_len].decode("utf-8"))
         return _decode_tree(tree, memoryview(body)[start + header_len :])
-    except (ValueError, TypeError, KeyError) as exc:  # checksum passed yet structure is bad
-        raise CorruptStateError(f"{source}: malformed checkpoint structure ({exc})") from exc
+    except RecursionError as exc:
+        raise CorruptStateError(f"{source}: malformed checkpoint structure (nested too deeply)") from exc
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # the checksum passed (or was resealed) yet the structure is bad
+        raise CorruptStateError(f"{source}: malformed checkpoint structure ({exc!r})") from exc
 
 
 def canonical_digest(value: Any) -> str:

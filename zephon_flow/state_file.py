@@ -1,0 +1,250 @@
+"""Checkpoint format 3 on disk: written and read lane by lane, compressed, optionally incremental.
+
+Layout::
+
+    MAGIC | u32 version (3)
+    frame 0: the header (kind, step, lanes, fingerprint, mix history, lane ids, base)
+    frame i: lane ``lane_ids[i-1]``'s state, one per lane
+    sha256 of every byte before it
+
+A frame is ``u64 compressed length | u64 raw length | zstd(compact.Frame)``. Writing holds one
+lane's encoding at a time; reading decodes one lane at a time, and checks the digest at the end
+before anything is returned. An incremental checkpoint names its base (a path relative to its
+own directory, and the base's sha256): its lists of like elements store the rows found in the
+base's same lane and place as references; loading loads the base first (following its own
+base, if any) and refuses a base that is missing or was altered, naming it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import zstandard
+
+from zephon_flow import codec, compact
+from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
+
+VERSION = 3
+_VERSION_HEAD = struct.Struct("<8sI")
+_FRAME_HEAD = struct.Struct("<QQ")
+_DIGEST = 32
+_LEVEL = 3
+#: A frame may not claim to decompress to more than this many times its compressed size.
+_MAX_RATIO = 20_000
+#: A chain of incremental checkpoints longer than this is refused (and cycles with it).
+MAX_CHAIN = 64
+
+
+@dataclass(frozen=True)
+class Base:
+    """The checkpoint an incremental one refers to: its path and its sha256."""
+
+    path: str
+    digest: str
+
+
+@dataclass
+class WriteStats:
+    """What a write did: bytes written, raw state bytes encoded, rows stored by reference."""
+
+    written: int = 0
+    raw_bytes: int = 0
+    rows_total: int = 0
+    rows_from_base: int = 0
+    digest: str = ""
+
+
+class _HashingWriter:
+    def __init__(self, out: IO[bytes]) -> None:
+        self.out, self.hash, self.count = out, hashlib.sha256(), 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.hash.update(data)
+        self.out.write(data)
+        self.count += len(data)
+
+
+def _write_frame(out: _HashingWriter, frame: compact.Frame, value: Any) -> None:
+    compressor = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
+    parts: list[bytes] = []
+    raw = 0
+    for chunk in frame.chunks(value):
+        raw += len(chunk)
+        parts.append(compressor.compress(chunk))
+    parts.append(compressor.flush())
+    out.write(_FRAME_HEAD.pack(sum(len(p) for p in parts), raw))
+    for p in parts:
+        out.write(p)
+
+
+def write(
+    header: dict[str, Any],
+    lanes: Iterator[tuple[int, dict[str, Any]]],
+    out: IO[bytes],
+    *,
+    base: tuple[Base, dict[int, compact.RowIndex]] | None = None,
+) -> WriteStats:
+    """Writes a checkpoint: ``header`` (without lane states, with ``lane_ids``), then each lane's
+    plain state, in ``lane_ids`` order, encoded and compressed one at a time.
+
+    ``base`` (the base's name and digest, and its row digests per lane) makes it incremental.
+    """
+    stream = _HashingWriter(out)
+    stream.write(_VERSION_HEAD.pack(codec.MAGIC, VERSION))
+    head = dict(header)
+    head["base"] = None if base is None else {"path": base[0].path, "digest": base[0].digest}
+    stats = WriteStats()
+    _write_frame(stream, compact.Frame(), head)
+    for lane, plain in lanes:
+        frame = compact.Frame(base=None if base is None else base[1].get(lane))
+        _write_frame(stream, frame, plain)
+        stats.raw_bytes += frame.raw_bytes
+        stats.rows_total += frame.rows_total
+        stats.rows_from_base += frame.rows_from_base
+    digest = stream.hash.digest()
+    out.write(digest)
+    stats.written = stream.count + len(digest)
+    stats.digest = digest.hex()
+    return stats
+
+
+# -- reading --------------------------------------------------------------------------------
+@dataclass
+class _Reader:
+    stream: IO[bytes]
+    source: str
+    hash: Any = field(default_factory=hashlib.sha256)
+
+    def take(self, n: int, what: str) -> bytes:
+        data = self.stream.read(n)
+        if len(data) != n:
+            raise CorruptStateError(f"{self.source}: truncated in {what} (wanted {n} bytes, found {len(data)})")
+        self.hash.update(data)
+        return data
+
+    def frame(self, what: str) -> bytes:
+        size, raw = _FRAME_HEAD.unpack(self.take(_FRAME_HEAD.size, f"the length of {what}"))
+        if raw > _MAX_RATIO * size + (1 << 20):
+            raise CorruptStateError(f"{self.source}: {what} claims {raw} bytes from {size} compressed")
+        data = self.take(size, what)
+        try:
+            out = zstandard.ZstdDecompressor().decompressobj().decompress(data)
+        except zstandard.ZstdError as exc:
+            raise CorruptStateError(f"{self.source}: {what} does not decompress ({exc})") from exc
+        if len(out) != raw:
+            raise CorruptStateError(f"{self.source}: {what} decompresses to {len(out)} bytes, expected {raw}")
+        return out
+
+    def finish(self) -> str:
+        digest = self.hash.digest()
+        found = self.stream.read(_DIGEST + 1)
+        if found != digest:
+            raise CorruptStateError(f"{self.source}: checksum mismatch, the bytes are corrupt or truncated")
+        return digest.hex()
+
+
+def _decoded(source: str, what: str, raw: bytes, base: Any = None) -> Any:
+    try:
+        return compact.decode_frame(raw, base)
+    except compact.FrameError as exc:
+        raise CorruptStateError(f"{source}: malformed checkpoint structure in {what} ({exc})") from exc
+
+
+def read_version(stream: IO[bytes], source: str) -> tuple[int, bytes]:
+    """The format version in a checkpoint's first bytes (and those bytes)."""
+    head = stream.read(_VERSION_HEAD.size)
+    if len(head) < _VERSION_HEAD.size or not head.startswith(codec.MAGIC):
+        raise CorruptStateError(f"{source} is not a zephon-flow checkpoint (missing magic header)")
+    _magic, version = _VERSION_HEAD.unpack(head)
+    if version > VERSION:
+        raise FormatVersionError(
+            f"{source} uses checkpoint format version {version}, newer than the version "
+            f"{VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
+        )
+    if version < 1:
+        raise CorruptStateError(f"{source} declares invalid format version {version}")
+    return version, head
+
+
+@dataclass
+class Opened:
+    """A format-3 checkpoint being read: its header, then ``lanes()`` one at a time."""
+
+    reader: _Reader
+    header: dict[str, Any]
+
+    def lanes(self, base: dict[int, Any] | None = None) -> Iterator[Any]:
+        """Each lane's plain state in header order; ``base``: the base's lane trees by id."""
+        for lane in self.header["lane_ids"]:
+            what = f"the state of lane {lane}"
+            raw = self.reader.frame(what)
+            yield _decoded(self.reader.source, what, raw, None if base is None else base.get(lane))
+
+    def finish(self) -> str:
+        return self.reader.finish()
+
+
+def open_v3(stream: IO[bytes], source: str, head: bytes) -> Opened:
+    """Reads a format-3 header (after ``read_version`` consumed ``head``)."""
+    reader = _Reader(stream, source)
+    reader.hash.update(head)
+    header = _decoded(source, "the header", reader.frame("the header"))
+    if not isinstance(header, dict):
+        raise CorruptStateError(f"{source}: the header should be a mapping, found {type(header).__name__}")
+    for key in ("lane_ids", "base"):
+        if key not in header:
+            raise CorruptStateError(f"{source}: the header is missing {key!r}: the checkpoint is corrupt")
+    ids = header["lane_ids"]
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != len(ids):
+        raise CorruptStateError(f"{source}: the header's lane ids {str(ids)[:80]} are not distinct lane numbers")
+    base = header["base"]
+    if base is not None and not (
+        isinstance(base, dict)
+        and set(base) == {"path", "digest"}
+        and all(isinstance(v, str) and v for v in base.values())
+    ):
+        raise CorruptStateError(f"{source}: the header's base {str(base)[:80]} is not {{path, digest}}")
+    return Opened(reader, header)
+
+
+def base_of(header: dict[str, Any], source_path: str) -> Base | None:
+    """The base an incremental checkpoint names, resolved against the checkpoint's directory."""
+    base = header["base"]
+    if base is None:
+        return None
+    where = os.path.dirname(os.path.abspath(source_path))
+    return Base(os.path.normpath(os.path.join(where, base["path"])), base["digest"])
+
+
+def refuse_incremental_bytes(header: dict[str, Any], source: str) -> None:
+    if header["base"] is not None:
+        raise StateError(
+            f"{source} is an incremental checkpoint on base {header['base']['path']!r}; load it "
+            f"from its file with zf.load_state(path), which finds the base next to it"
+        )
+
+
+def row_index(path: str) -> tuple[dict[str, Any], dict[int, compact.RowIndex], str]:
+    """A checkpoint file's header, its row digests per lane and its sha256 (for a child)."""
+    with open(path, "rb") as f:
+        version, head = read_version(f, path)
+        if version < VERSION:
+            raise StateError(
+                f"{path} uses checkpoint format version {version}; an incremental checkpoint needs a "
+                f"base in format {VERSION}: save a full checkpoint first (zf.save_state without base)"
+            )
+        opened = open_v3(f, path, head)
+        index: dict[int, compact.RowIndex] = {}
+        for lane in opened.header["lane_ids"]:
+            raw = opened.reader.frame(f"the state of lane {lane}")
+            try:
+                index[lane] = compact.frame_digests(raw)
+            except compact.FrameError as exc:
+                raise CorruptStateError(f"{path}: malformed checkpoint structure in lane {lane} ({exc})") from exc
+        digest = opened.finish()
+    return opened.header, index, digest
