@@ -372,13 +372,16 @@ def _read(stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ..
         plain = codec.decode(data, source=source)
         LoaderState.from_plain(plain)  # validate structure now, with the source's name
         return dict(plain), data[-32:].hex()
-    opened = state_file.open_v3(stream, source, head)
+    stream.seek(0)
+    digest = state_file.verify(stream, source)
+    state_file.read_version(stream, source)
+    opened = state_file.open_v3(stream, source)
     header = opened.header
     base_lanes: dict[int, Any] | None = None
     if header["base"] is not None:
         base_lanes = _load_base(header, source, path, chain)
     lane_states = list(opened.lanes(base_lanes))
-    digest = opened.finish()
+    opened.finish()
     plain = {k: v for k, v in header.items() if k not in ("lane_ids", "base")}
     plain["lane_states"] = lane_states
     try:

@@ -8,8 +8,8 @@ Layout::
     sha256 of every byte before it
 
 A frame is ``u64 compressed length | u64 raw length | zstd(compact.Frame)``. Writing holds one
-lane's encoding at a time; reading decodes one lane at a time, and checks the digest at the end
-before anything is returned. An incremental checkpoint names its base (a path relative to its
+lane's encoding at a time; reading first checks the digest (one pass over the bytes, in
+blocks), then decodes one lane at a time. An incremental checkpoint names its base (a path relative to its
 own directory, and the base's sha256): its lists of like elements store the rows found in the
 base's same lane and place as references; loading loads the base first (following its own
 base, if any) and refuses a base that is missing or was altered, naming it.
@@ -21,7 +21,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO, Any
 
 import zstandard
@@ -114,17 +114,40 @@ def write(
 
 
 # -- reading --------------------------------------------------------------------------------
+def verify(stream: IO[bytes], source: str) -> str:
+    """Checks the sha256 at the end of a (seekable) checkpoint stream before anything is decoded,
+    reading it in blocks; returns it (hex) and leaves the stream where it was."""
+    start = stream.tell()
+    end = stream.seek(0, os.SEEK_END)
+    if end - start < _DIGEST:
+        raise CorruptStateError(f"{source}: checksum mismatch, the bytes are corrupt or truncated")
+    stream.seek(0)
+    digest = hashlib.sha256()
+    left = end - _DIGEST
+    while left:
+        block = stream.read(min(left, 1 << 22))
+        if not block:
+            break
+        digest.update(block)
+        left -= len(block)
+    if left or stream.read(_DIGEST) != digest.digest():
+        raise CorruptStateError(f"{source}: checksum mismatch, the bytes are corrupt or truncated")
+    stream.seek(start)
+    return digest.hexdigest()
+
+
 @dataclass
 class _Reader:
     stream: IO[bytes]
     source: str
-    hash: Any = field(default_factory=hashlib.sha256)
+    end: int  # where the digest starts
 
     def take(self, n: int, what: str) -> bytes:
+        if n > self.end - self.stream.tell():
+            raise CorruptStateError(f"{self.source}: {what} ({n} bytes) runs past the end of the checkpoint")
         data = self.stream.read(n)
         if len(data) != n:
             raise CorruptStateError(f"{self.source}: truncated in {what} (wanted {n} bytes, found {len(data)})")
-        self.hash.update(data)
         return data
 
     def frame(self, what: str) -> bytes:
@@ -140,12 +163,9 @@ class _Reader:
             raise CorruptStateError(f"{self.source}: {what} decompresses to {len(out)} bytes, expected {raw}")
         return out
 
-    def finish(self) -> str:
-        digest = self.hash.digest()
-        found = self.stream.read(_DIGEST + 1)
-        if found != digest:
-            raise CorruptStateError(f"{self.source}: checksum mismatch, the bytes are corrupt or truncated")
-        return digest.hex()
+    def finish(self) -> None:
+        if self.stream.tell() != self.end:
+            raise CorruptStateError(f"{self.source}: {self.end - self.stream.tell()} bytes follow the last lane")
 
 
 def _decoded(source: str, what: str, raw: bytes, base: Any = None) -> Any:
@@ -185,14 +205,15 @@ class Opened:
             raw = self.reader.frame(what)
             yield _decoded(self.reader.source, what, raw, None if base is None else base.get(lane))
 
-    def finish(self) -> str:
-        return self.reader.finish()
+    def finish(self) -> None:
+        self.reader.finish()
 
 
-def open_v3(stream: IO[bytes], source: str, head: bytes) -> Opened:
-    """Reads a format-3 header (after ``read_version`` consumed ``head``)."""
-    reader = _Reader(stream, source)
-    reader.hash.update(head)
+def open_v3(stream: IO[bytes], source: str) -> Opened:
+    """Reads a format-3 header (after ``read_version``), once ``verify`` passed."""
+    here = stream.tell()
+    reader = _Reader(stream, source, stream.seek(0, os.SEEK_END) - _DIGEST)
+    stream.seek(here)
     header = _decoded(source, "the header", reader.frame("the header"))
     if not isinstance(header, dict):
         raise CorruptStateError(f"{source}: the header should be a mapping, found {type(header).__name__}")
@@ -232,13 +253,14 @@ def refuse_incremental_bytes(header: dict[str, Any], source: str) -> None:
 def row_index(path: str) -> tuple[dict[str, Any], dict[int, compact.RowIndex], str]:
     """A checkpoint file's header, its row digests per lane and its sha256 (for a child)."""
     with open(path, "rb") as f:
-        version, head = read_version(f, path)
+        digest = verify(f, path)
+        version, _head = read_version(f, path)
         if version < VERSION:
             raise StateError(
                 f"{path} uses checkpoint format version {version}; an incremental checkpoint needs a "
                 f"base in format {VERSION}: save a full checkpoint first (zf.save_state without base)"
             )
-        opened = open_v3(f, path, head)
+        opened = open_v3(f, path)
         index: dict[int, compact.RowIndex] = {}
         for lane in opened.header["lane_ids"]:
             raw = opened.reader.frame(f"the state of lane {lane}")
@@ -246,5 +268,5 @@ def row_index(path: str) -> tuple[dict[str, Any], dict[int, compact.RowIndex], s
                 index[lane] = compact.frame_digests(raw)
             except compact.FrameError as exc:
                 raise CorruptStateError(f"{path}: malformed checkpoint structure in lane {lane} ({exc})") from exc
-        digest = opened.finish()
+        opened.finish()
     return opened.header, index, digest
