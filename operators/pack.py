@@ -56,19 +56,20 @@ class PackedSegments:
             f.shape != ids.shape or f.dtype != np.int32 for f in fields
         ):
             return None
-        starts = (pos == 0) & (seg >= 0)
+        if labels is not None and not np.array_equal(labels, np.where(pos == 0, np.int32(IGNORE), ids)):
+            return None
+        valid = seg >= 0
+        starts = (pos == 0) & valid
+        if not _follows_starts(pos, seg, valid, starts):
+            return None
         rows, cols = np.nonzero(starts)
         stored: dict[str, derived.Column] = {
             "piece_starts": derived.Ragged(
                 cols.astype(np.int32), np.bincount(rows, minlength=ids.shape[0]).astype(np.int32)
             ),
-            "valid": (seg >= 0).sum(axis=1, dtype=np.int32),
+            "valid": valid.sum(axis=1, dtype=np.int32),
         }
-        names = ("position_ids", "segment_ids", *(("labels",) if labels is not None else ()))
-        rebuilt = self.rebuild(columns, stored, names)
-        if not all(np.array_equal(rebuilt[k], columns[k]) for k in names):
-            return None
-        return derived.Reduced(stored, names)
+        return derived.Reduced(stored, ("position_ids", "segment_ids", *(("labels",) if labels is not None else ())))
 
     def rebuild(
         self,
@@ -77,19 +78,24 @@ class PackedSegments:
         names: tuple[str, ...],
     ) -> dict[str, derived.Column]:
         ids, starts, valid = columns["input_ids"], stored["piece_starts"], stored["valid"]
-        assert isinstance(ids, np.ndarray) and isinstance(starts, derived.Ragged)
-        assert isinstance(valid, np.ndarray)
+        if not (isinstance(ids, np.ndarray) and isinstance(starts, derived.Ragged) and isinstance(valid, np.ndarray)):
+            raise ValueError(f"{self.name}: input_ids, piece_starts or valid have the wrong form")
         rows, width = ids.shape
-        if starts.lengths.shape != (rows,) or valid.shape != (rows,):
-            raise ValueError(f"{self.name}: stored facts do not cover the {rows} rows")
-        col = np.arange(width, dtype=np.int32)
-        mask = np.zeros((rows, width), dtype=bool)
-        mask[np.repeat(np.arange(rows), starts.lengths), starts.values] = True
-        pad = col >= valid[:, None]
-        seg = np.cumsum(mask, axis=1, dtype=np.int32)
-        seg -= 1
+        if starts.lengths.shape != (rows,) or valid.shape != (rows,) or (starts.values >= width).any():
+            raise ValueError(f"{self.name}: stored facts do not fit the {rows} rows of {width}")
+        size = rows * width
+        index = np.arange(size, dtype=np.int32 if size < 2**31 else np.int64)
+        mask = np.zeros(size, dtype=bool)
+        mask[np.repeat(index[:rows] * width, starts.lengths) + starts.values] = True
+        pad = np.arange(width) >= valid[:, None]
+        # Every valid row begins with a piece start (reduce checks it), so running counts and
+        # maxima over the flattened rows restart at each row.
+        count = np.cumsum(mask, dtype=np.int32).reshape(rows, width)
+        before = np.concatenate([[0], count[:-1, -1]]).astype(np.int32)
+        seg = count - before[:, None] - np.int32(1)
         seg[pad] = -1
-        pos = col - np.maximum.accumulate(np.where(mask, col, 0), axis=1)
+        last = np.maximum.accumulate(np.where(mask, index, 0))
+        pos = (index - last).astype(np.int32, copy=False).reshape(rows, width)
         pos[pad] = 0
         out: dict[str, derived.Column] = {"position_ids": pos, "segment_ids": seg}
         if "labels" in names:
@@ -98,6 +104,21 @@ class PackedSegments:
         if unknown:
             raise ValueError(f"{self.name}: cannot rebuild field(s) {sorted(unknown)}")
         return out
+
+
+def _follows_starts(pos: np.ndarray, seg: np.ndarray, valid: np.ndarray, starts: np.ndarray) -> bool:
+    """Whether each row is pieces then padding: padding (segment -1, position 0) only after the
+    last valid token; the first valid token starts piece 0; every later token either starts the
+    next piece (position 0, segment + 1) or continues its piece (position + 1, same segment)."""
+    if np.any(~valid & ((seg != -1) | (pos != 0))) or np.any(valid[:, 1:] & ~valid[:, :-1]):
+        return False
+    if np.any(valid[:, 0] & (seg[:, 0] != 0)):  # position 0 there is starts[:, 0]
+        return False
+    if np.any(valid[:, 0] & ~starts[:, 0]):
+        return False
+    step_seg = (seg[:, 1:] - seg[:, :-1]) == starts[:, 1:]
+    step_pos = starts[:, 1:] | ((pos[:, 1:] - pos[:, :-1]) == 1)
+    return not np.any(valid[:, 1:] & ~(step_seg & step_pos))
 
 
 PACKED_SEGMENTS = derived.register(PackedSegments())

@@ -33,7 +33,7 @@ VERSION = 3
 _VERSION_HEAD = struct.Struct("<8sI")
 _FRAME_HEAD = struct.Struct("<QQ")
 _DIGEST = 32
-_LEVEL = 3
+_LEVEL = 1
 #: A frame may not claim to decompress to more than this many times its compressed size.
 _MAX_RATIO = 20_000
 #: A chain of incremental checkpoints longer than this is refused (and cycles with it).
