@@ -24,6 +24,7 @@ from zephon_flow.runners.dofns import ProvenanceParam
 _EMPTY = np.zeros(0, dtype=np.int32)
 _NO_DOC = np.full(3, -1, dtype=np.int64)
 _NO_DOCS = np.zeros((0, 3), dtype=np.int64)
+_CHECK_ROWS = 256
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100
@@ -60,8 +61,10 @@ class PackedSegments:
             return None
         valid = seg >= 0
         starts = (pos == 0) & valid
-        if not _follows_starts(pos, seg, valid, starts):
-            return None
+        for r in range(0, ids.shape[0], _CHECK_ROWS):  # in blocks: small temporaries
+            rows = slice(r, r + _CHECK_ROWS)
+            if not _follows_starts(pos[rows], seg[rows], valid[rows], starts[rows]):
+                return None
         rows, cols = np.nonzero(starts)
         stored: dict[str, derived.Column] = {
             "piece_starts": derived.Ragged(

@@ -204,6 +204,7 @@ class Frame:
             self.rows_from_base += len(items) - keep.size
         self.rows_total += len(items)
         self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
+        del columns, found  # the derived fields' stacked copies are no longer needed
         body = {
             "n": len(items),
             "keys": keys,

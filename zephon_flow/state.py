@@ -17,6 +17,7 @@ from zephon_flow.errors import (
     FormatVersionError,
     LaneCountMismatchError,
     StateConflictError,
+    StateError,
 )
 
 STATE_KIND = "zephon-flow/loader-state"
