@@ -53,8 +53,10 @@ class PackedSegments:
             if not isinstance(labels, np.ndarray):
                 return None
             fields.append(labels)
-        if ids.ndim != 2 or ids.dtype.kind not in "iu" or any(
-            f.shape != ids.shape or f.dtype != np.int32 for f in fields
+        if (
+            ids.ndim != 2
+            or ids.dtype.kind not in "iu"
+            or any(f.shape != ids.shape or f.dtype != np.int32 for f in fields)
         ):
             return None
         if labels is not None and not np.array_equal(labels, np.where(pos == 0, np.int32(IGNORE), ids)):
@@ -62,8 +64,8 @@ class PackedSegments:
         valid = seg >= 0
         starts = (pos == 0) & valid
         for r in range(0, ids.shape[0], _CHECK_ROWS):  # in blocks: small temporaries
-            rows = slice(r, r + _CHECK_ROWS)
-            if not _follows_starts(pos[rows], seg[rows], valid[rows], starts[rows]):
+            block = slice(r, r + _CHECK_ROWS)
+            if not _follows_starts(pos[block], seg[block], valid[block], starts[block]):
                 return None
         rows, cols = np.nonzero(starts)
         stored: dict[str, derived.Column] = {
@@ -72,7 +74,9 @@ class PackedSegments:
             ),
             "valid": valid.sum(axis=1, dtype=np.int32),
         }
-        return derived.Reduced(stored, ("position_ids", "segment_ids", *(("labels",) if labels is not None else ())))
+        return derived.Reduced(
+            stored, ("position_ids", "segment_ids", *(("labels",) if labels is not None else ()))
+        )
 
     def rebuild(
         self,
@@ -81,7 +85,11 @@ class PackedSegments:
         names: tuple[str, ...],
     ) -> dict[str, derived.Column]:
         ids, starts, valid = columns["input_ids"], stored["piece_starts"], stored["valid"]
-        if not (isinstance(ids, np.ndarray) and isinstance(starts, derived.Ragged) and isinstance(valid, np.ndarray)):
+        if not (
+            isinstance(ids, np.ndarray)
+            and isinstance(starts, derived.Ragged)
+            and isinstance(valid, np.ndarray)
+        ):
             raise ValueError(f"{self.name}: input_ids, piece_starts or valid have the wrong form")
         rows, width = ids.shape
         if starts.lengths.shape != (rows,) or valid.shape != (rows,) or (starts.values >= width).any():

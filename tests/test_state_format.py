@@ -86,7 +86,9 @@ def test_compact_restores_give_the_uninterrupted_digests_at_every_step(corpus: C
     buffers = [c for lane in lanes for c in column_nodes(lane)]
     assert buffers, "no element list was stored as columns"
     # Pack's position_ids, segment_ids and labels are rebuilt, not stored
-    assert all(c["derived"] == ["pack.segments/1", ["position_ids", "segment_ids", "labels"]] for c in buffers)
+    assert all(
+        c["derived"] == ["pack.segments/1", ["position_ids", "segment_ids", "labels"]] for c in buffers
+    )
     assert all(set(c["cols"]) == {"input_ids", "documents", "~piece_starts", "~valid"} for c in buffers)
     # token ids are stored in the smallest type holding them (a 300-token vocabulary: uint16)
     assert {c["cols"]["input_ids"]["a"]["~a"][1] for c in buffers} == {"<u2"}
@@ -108,7 +110,11 @@ def test_compact_restores_across_topology_changes(corpus: Corpus) -> None:
 
 def test_derived_fields_that_do_not_follow_the_rule_are_stored_as_they_are() -> None:
     pos = np.arange(8, dtype=np.int32)
-    good = {"input_ids": np.arange(8, dtype=np.int32), "position_ids": pos, "segment_ids": np.zeros(8, np.int32)}
+    good = {
+        "input_ids": np.arange(8, dtype=np.int32),
+        "position_ids": pos,
+        "segment_ids": np.zeros(8, np.int32),
+    }
     odd = dict(good, position_ids=pos[::-1].copy())  # not Pack's rule: must be kept as is
     for items in ([good, good], [good, odd]):
         frame = compact.Frame()
@@ -181,7 +187,9 @@ def test_an_incremental_chain_loads_the_same_state_and_resumes(chain: dict[str, 
 def test_a_missing_base_is_refused_by_name(chain: dict[str, Any], tmp_path: Path) -> None:
     root = copy_chain(chain, tmp_path)
     (root / "full.zf").unlink()
-    with pytest.raises(StateError, match=rf"{root}/child.zf is incremental on base {root}/full.zf, which is missing"):
+    with pytest.raises(
+        StateError, match=rf"{root}/child.zf is incremental on base {root}/full.zf, which is missing"
+    ):
         zf.load_state(root / "grandchild.zf")
 
 
@@ -230,7 +238,9 @@ def synthetic_state(lanes: int, rows: int, seq_len: int) -> LoaderState:
     for lane in range(lanes):
         buffer = []
         for _ in range(rows):
-            lens = np.diff(np.concatenate([[0], np.sort(rng.choice(seq_len - 1, 2, replace=False) + 1), [seq_len]]))
+            lens = np.diff(
+                np.concatenate([[0], np.sort(rng.choice(seq_len - 1, 2, replace=False) + 1), [seq_len]])
+            )
             buffer.append(
                 {
                     "input_ids": rng.integers(0, 50257, seq_len).astype(np.int32),

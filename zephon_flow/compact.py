@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,15 +106,14 @@ def _column_nbytes(col: derived.Column) -> int:
 def _row_digests(schema: str, columns: dict[str, derived.Column], rows: int) -> np.ndarray:
     """A 16-byte blake2b digest per row over every stored column (in key order) and the schema."""
     seed = hashlib.blake2b(schema.encode("utf-8"), digest_size=_ROW_DIGEST)
-    parts: list[Callable[[int], np.ndarray]] = []
+    parts: list[_RowSlicer] = []
     for key in sorted(columns):
         col = columns[key]
         if isinstance(col, derived.Ragged):
-            off = _offsets(col.lengths)
-            parts.append(lambda i, f=_byte_rows(col.values), o=off: f[o[i] : o[i + 1]])
-            parts.append(lambda i, n=np.ascontiguousarray(col.lengths, dtype="<i8"): n[i : i + 1])
+            parts.append(_RowSlicer(_byte_rows(col.values), _offsets(col.lengths)))
+            parts.append(_RowSlicer(_byte_rows(np.asarray(col.lengths, dtype="<i8")), None))
         else:
-            parts.append(lambda i, s=_byte_rows(col): s[i])
+            parts.append(_RowSlicer(_byte_rows(col), None))
     out = np.empty((rows, _ROW_DIGEST), dtype=np.uint8)
     for i in range(rows):
         h = seed.copy()
@@ -122,6 +121,19 @@ def _row_digests(schema: str, columns: dict[str, derived.Column], rows: int) -> 
             h.update(part(i).data)
         out[i] = np.frombuffer(h.digest(), dtype=np.uint8)
     return out
+
+
+@dataclass(frozen=True)
+class _RowSlicer:
+    """Row ``i`` of a stacked column (``offsets`` None) or of a ragged one's values."""
+
+    values: np.ndarray
+    offsets: np.ndarray | None
+
+    def __call__(self, i: int) -> np.ndarray:
+        if self.offsets is None:
+            return self.values[i, ...]
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
 def _column_schema(col: derived.Column) -> list[Any]:
@@ -136,7 +148,8 @@ def _take(col: derived.Column, rows: np.ndarray) -> derived.Column:
         idx = [np.arange(off[i], off[i + 1]) for i in rows]
         flat = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
         return derived.Ragged(col.values[flat], col.lengths[rows])
-    return col[rows]
+    taken: np.ndarray = col[rows]
+    return taken
 
 
 @dataclass
@@ -168,7 +181,7 @@ class Frame:
         data = np.ascontiguousarray(value, dtype=stored)
         flat = data.reshape(-1).view(np.uint8)
         node = [value.dtype.str, stored.str, list(value.shape), self.size, flat.size, scalar]
-        self.payload.append(memoryview(flat))
+        self.payload.append(memoryview(flat.data))
         self.size += flat.size
         return {"~a": node}
 
@@ -304,7 +317,12 @@ class _Decoder:
     def column(self, node: Any) -> derived.Column:
         if isinstance(node, dict) and len(node) == 1 and "a" in node:
             return self._ndarray(node["a"])
-        if isinstance(node, dict) and len(node) == 1 and isinstance(node.get("r"), list) and len(node["r"]) == 2:
+        if (
+            isinstance(node, dict)
+            and len(node) == 1
+            and isinstance(node.get("r"), list)
+            and len(node["r"]) == 2
+        ):
             values, lengths = (self._ndarray(n) for n in node["r"])
             if lengths.ndim != 1 or lengths.dtype.kind not in "iu" or (lengths < 0).any():
                 raise FrameError("ragged column lengths are not a list of non-negative integers")
@@ -323,10 +341,16 @@ class _Decoder:
 
     def columns(self, body: Any, path: Path) -> list[Any]:
         if not isinstance(body, dict) or set(body) != {"n", "keys", "cols", "derived", "rows", "base"}:
-            raise FrameError(f"column list node has keys {sorted(body) if isinstance(body, dict) else body!r}")
+            raise FrameError(
+                f"column list node has keys {sorted(body) if isinstance(body, dict) else body!r}"
+            )
         n = _int(body["n"], "row count")
         keys = body["keys"]
-        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys) or not isinstance(body["cols"], dict):
+        if (
+            not isinstance(keys, list)
+            or not all(isinstance(k, str) for k in keys)
+            or not isinstance(body["cols"], dict)
+        ):
             raise FrameError("column list keys or columns are malformed")
         cols = {k: self.column(v) for k, v in body["cols"].items()}
         refs = None if body["base"] is None else self._ndarray(body["base"])
@@ -357,7 +381,12 @@ class _Decoder:
         return out
 
     def _rebuild(self, spec: Any, cols: dict[str, derived.Column]) -> dict[str, derived.Column]:
-        if not isinstance(spec, list) or len(spec) != 2 or not isinstance(spec[0], str) or not isinstance(spec[1], list):
+        if (
+            not isinstance(spec, list)
+            or len(spec) != 2
+            or not isinstance(spec[0], str)
+            or not isinstance(spec[1], list)
+        ):
             raise FrameError(f"derived-fields node {spec!r} is not [name, fields]")
         fields = derived.lookup(spec[0])
         if fields is None:
@@ -418,25 +447,23 @@ def _hashable(key: Any) -> Any:
 
 
 def _rows(keys: list[str], cols: dict[str, derived.Column], n: int) -> list[dict[str, Any]]:
-    getters: list[Callable[[int], Any]] = []
+    getters: list[_RowSlicer] = []
     for key in keys:
         col = cols[key]
         if isinstance(col, derived.Ragged):
-            off = _offsets(col.lengths)
-            getters.append(lambda i, v=col.values, o=off: v[o[i] : o[i + 1]])
+            getters.append(_RowSlicer(col.values, _offsets(col.lengths)))
         else:
             if col.ndim == 0 or col.shape[0] != n:
                 raise FrameError(f"column {key!r} has the wrong number of rows")
-            getters.append(lambda i, c=col: c[i, ...])
+            getters.append(_RowSlicer(col, None))
     return [dict(zip(keys, (g(i) for g in getters), strict=True)) for i in range(n)]
 
 
 def _at(tree: Any, path: Path) -> list[Any]:
     node = tree
     for step in path:
-        if isinstance(step, str) and isinstance(node, dict) and step in node:
-            node = node[step]
-        elif isinstance(step, int) and isinstance(node, list) and step < len(node):
+        found = isinstance(step, str) and isinstance(node, dict) and step in node
+        if found or (isinstance(step, int) and isinstance(node, list) and step < len(node)):
             node = node[step]
         else:
             raise FrameError(f"the base has no element list at {'.'.join(map(str, path))}")

@@ -233,7 +233,9 @@ class LoaderState:
         history = []
         for entry in _need(plain, "mix_history", "checkpoint"):
             if not isinstance(entry, list | tuple) or len(entry) != 2 or not isinstance(entry[1], dict):
-                raise CorruptStateError(f"checkpoint mix_history entry {str(entry)[:80]} is not [step, params]")
+                raise CorruptStateError(
+                    f"checkpoint mix_history entry {str(entry)[:80]} is not [step, params]"
+                )
             history.append((_int(entry[0], "checkpoint mix_history step"), dict(entry[1])))
         fingerprint = _mapping(_need(plain, "fingerprint", "checkpoint"), "checkpoint fingerprint")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
@@ -365,7 +367,9 @@ def encode_state(state: Any) -> bytes:
     return out.getvalue()
 
 
-def _read(stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...]) -> tuple[dict[str, Any], str]:
+def _read(
+    stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...]
+) -> tuple[dict[str, Any], str]:
     """The plain state in a checkpoint stream and its sha256; ``path`` locates a base."""
     version, head = state_file.read_version(stream, source)
     if version < codec.FORMAT_VERSION:
@@ -394,7 +398,9 @@ def _read(stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ..
     return plain, digest
 
 
-def _load_base(header: dict[str, Any], source: str, path: str | None, chain: tuple[str, ...]) -> dict[int, Any]:
+def _load_base(
+    header: dict[str, Any], source: str, path: str | None, chain: tuple[str, ...]
+) -> dict[int, Any]:
     if path is None:
         state_file.refuse_incremental_bytes(header, source)
     assert path is not None

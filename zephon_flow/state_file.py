@@ -147,7 +147,9 @@ class _Reader:
             raise CorruptStateError(f"{self.source}: {what} ({n} bytes) runs past the end of the checkpoint")
         data = self.stream.read(n)
         if len(data) != n:
-            raise CorruptStateError(f"{self.source}: truncated in {what} (wanted {n} bytes, found {len(data)})")
+            raise CorruptStateError(
+                f"{self.source}: truncated in {what} (wanted {n} bytes, found {len(data)})"
+            )
         return data
 
     def frame(self, what: str) -> bytes:
@@ -165,7 +167,9 @@ class _Reader:
 
     def finish(self) -> None:
         if self.stream.tell() != self.end:
-            raise CorruptStateError(f"{self.source}: {self.end - self.stream.tell()} bytes follow the last lane")
+            raise CorruptStateError(
+                f"{self.source}: {self.end - self.stream.tell()} bytes follow the last lane"
+            )
 
 
 def _decoded(source: str, what: str, raw: bytes, base: Any = None) -> Any:
@@ -221,8 +225,14 @@ def open_v3(stream: IO[bytes], source: str) -> Opened:
         if key not in header:
             raise CorruptStateError(f"{source}: the header is missing {key!r}: the checkpoint is corrupt")
     ids = header["lane_ids"]
-    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids) or len(set(ids)) != len(ids):
-        raise CorruptStateError(f"{source}: the header's lane ids {str(ids)[:80]} are not distinct lane numbers")
+    if (
+        not isinstance(ids, list)
+        or not all(type(i) is int and i >= 0 for i in ids)
+        or len(set(ids)) != len(ids)
+    ):
+        raise CorruptStateError(
+            f"{source}: the header's lane ids {str(ids)[:80]} are not distinct lane numbers"
+        )
     base = header["base"]
     if base is not None and not (
         isinstance(base, dict)
@@ -267,6 +277,8 @@ def row_index(path: str) -> tuple[dict[str, Any], dict[int, compact.RowIndex], s
             try:
                 index[lane] = compact.frame_digests(raw)
             except compact.FrameError as exc:
-                raise CorruptStateError(f"{path}: malformed checkpoint structure in lane {lane} ({exc})") from exc
+                raise CorruptStateError(
+                    f"{path}: malformed checkpoint structure in lane {lane} ({exc})"
+                ) from exc
         opened.finish()
     return opened.header, index, digest
