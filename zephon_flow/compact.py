@@ -282,7 +282,9 @@ def _split(raw: bytes) -> tuple[Any, memoryview]:
     try:
         tree = json.loads(head.decode("utf-8"))
     except RecursionError as exc:
-        raise FrameError("header nested too deeply") from exc
+        raise FrameError("structure nested too deeply") from exc
+    except ValueError as exc:  # not UTF-8, not JSON
+        raise FrameError(f"header is not JSON ({exc})") from exc
     return tree, memoryview(raw)[_LEN.size + head_len :]
 
 

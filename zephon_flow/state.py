@@ -231,7 +231,10 @@ class LoaderState:
                 f"lanes={lanes}"
             )
         history = []
-        for entry in _need(plain, "mix_history", "checkpoint"):
+        entries = _need(plain, "mix_history", "checkpoint")
+        if not isinstance(entries, list | tuple):
+            raise CorruptStateError("checkpoint mix_history should be a list of [step, params]")
+        for entry in entries:
             if not isinstance(entry, list | tuple) or len(entry) != 2 or not isinstance(entry[1], dict):
                 raise CorruptStateError(
                     f"checkpoint mix_history entry {str(entry)[:80]} is not [step, params]"
