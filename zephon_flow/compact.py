@@ -35,8 +35,9 @@ _ROW_DIGEST = 16
 _INT_TYPES = [np.dtype(t).newbyteorder("<") for t in ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8")]
 #: A place in a lane's tree: dict keys and list indices from its root.
 Path = tuple[str | int, ...]
-#: Per path of an element list: row digest -> row index (what a base offers its children).
-RowIndex = dict[Path, dict[bytes, int]]
+#: Per path of an element list: the digests of its rows, ``[rows, 16]`` uint8, in row order
+#: (what a base offers its children).
+RowIndex = dict[Path, np.ndarray]
 
 
 def narrowest(array: np.ndarray) -> np.dtype[Any]:
@@ -209,11 +210,13 @@ class Frame:
         digests = _row_digests(schema, stored, len(items))
         refs: np.ndarray | None = None
         keep = np.arange(len(items))
-        known = None if self.base is None else self.base.get(path)
-        if known:
+        offered = None if self.base is None else self.base.get(path)
+        if offered is not None and len(offered):
+            known = {d.tobytes(): i for i, d in reversed(list(enumerate(offered)))}
             refs = np.array([known.get(d.tobytes(), -1) for d in digests], dtype=np.int64)
             keep = np.flatnonzero(refs < 0)
             stored = {k: _take(v, keep) for k, v in stored.items()}
+            digests = digests[keep]  # the others' are the base's
             self.rows_from_base += len(items) - keep.size
         self.rows_total += len(items)
         self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
@@ -489,8 +492,9 @@ def decode_frame(raw: bytes, base: Any = None) -> Any:
         raise FrameError(f"malformed structure ({exc})") from exc
 
 
-def frame_digests(raw: bytes) -> RowIndex:
-    """The row digests of every element list in a frame, by path (for a child checkpoint)."""
+def frame_digests(raw: bytes, base: RowIndex | None) -> RowIndex:
+    """The row digests of every element list in a frame, by path (for a child checkpoint);
+    ``base``: the same lane's digests in the frame's own base, if it is incremental."""
     tree, payload = _split(raw)
     out: RowIndex = {}
     decoder = _Decoder(payload, None)
@@ -501,15 +505,34 @@ def frame_digests(raw: bytes) -> RowIndex:
                 walk(v, (*path, i))
         elif isinstance(node, dict):
             if len(node) == 1 and "~c" in node:
-                body = node["~c"]
-                digests = decoder.array(body["rows"]["~a"])
-                out[path] = {bytes(d): i for i, d in reversed(list(enumerate(digests)))}
+                out[path] = _full_digests(decoder, node["~c"], None if base is None else base.get(path))
             elif not (len(node) == 1 and next(iter(node)).startswith("~")):
                 for k, v in node.items():
                     walk(v, (*path, k))
 
     try:
         walk(tree, ())
-    except (TypeError, KeyError, AttributeError, ValueError, RecursionError) as exc:
+    except (TypeError, KeyError, AttributeError, ValueError, IndexError, RecursionError) as exc:
+        if isinstance(exc, FrameError):
+            raise
         raise FrameError(f"malformed structure ({exc!r})") from exc
+    return out
+
+
+def _full_digests(decoder: _Decoder, body: Any, base: np.ndarray | None) -> np.ndarray:
+    n = _int(body["n"], "row count")
+    stored = decoder._ndarray(body["rows"])
+    if body["base"] is None:
+        refs = np.full(n, -1, dtype=np.int64)
+    else:
+        refs = decoder._ndarray(body["base"]).astype(np.int64)
+    new = refs < 0
+    if refs.shape != (n,) or stored.shape != (int(new.sum()), _ROW_DIGEST):
+        raise FrameError(f"row digests do not cover the {n} rows")
+    out = np.empty((n, _ROW_DIGEST), dtype=np.uint8)
+    out[new] = stored
+    if not new.all():
+        if base is None or int(refs.max()) >= len(base):
+            raise FrameError("rows refer to base rows whose digests the base does not have")
+        out[~new] = base[refs[~new]]
     return out

@@ -409,23 +409,10 @@ def _load_base(
     assert path is not None
     base = state_file.base_of(header, path)
     assert base is not None
-    if base.path in chain or len(chain) >= state_file.MAX_CHAIN:
-        raise CorruptStateError(
-            f"{source}: its chain of bases {' <- '.join(chain)} <- {base.path} loops or is longer "
-            f"than {state_file.MAX_CHAIN}; save a full checkpoint (without base) to start a new chain"
-        )
-    if not os.path.exists(base.path):
-        raise StateError(
-            f"{source} is incremental on base {base.path}, which is missing; restore that file next "
-            f"to it (or load an earlier full checkpoint)"
-        )
+    state_file.check_chain(source, base, chain)
     with open(base.path, "rb") as f:
         base_plain, digest = _read(f, base.path, base.path, (*chain, source))
-    if digest != base.digest:
-        raise CorruptStateError(
-            f"{source} is incremental on base {base.path}, which was altered or replaced since "
-            f"(its sha256 is {digest[:16]}..., the checkpoint recorded {base.digest[:16]}...)"
-        )
+    state_file.check_base(source, base, digest)
     if base_plain["fingerprint"] != header.get("fingerprint") or base_plain["lanes"] != header.get("lanes"):
         raise CorruptStateError(f"{source}: its base {base.path} was written for another pipeline")
     return {ls["lane"]: ls for ls in base_plain["lane_states"]}

@@ -260,8 +260,11 @@ def refuse_incremental_bytes(header: dict[str, Any], source: str) -> None:
         )
 
 
-def row_index(path: str) -> tuple[dict[str, Any], dict[int, compact.RowIndex], str]:
-    """A checkpoint file's header, its row digests per lane and its sha256 (for a child)."""
+def row_index(
+    path: str, chain: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[int, compact.RowIndex], str]:
+    """A checkpoint file's header, its row digests per lane and its sha256 (for a child); the
+    digests of rows it takes from its own base come from that base (checked by its sha256)."""
     with open(path, "rb") as f:
         digest = verify(f, path)
         version, _head = read_version(f, path)
@@ -271,14 +274,43 @@ def row_index(path: str) -> tuple[dict[str, Any], dict[int, compact.RowIndex], s
                 f"base in format {VERSION}: save a full checkpoint first (zf.save_state without base)"
             )
         opened = open_v3(f, path)
+        parent: dict[int, compact.RowIndex] = {}
+        base = base_of(opened.header, path)
+        if base is not None:
+            check_chain(path, base, chain)
+            _header, parent, found = row_index(base.path, (*chain, path))
+            check_base(path, base, found)
         index: dict[int, compact.RowIndex] = {}
         for lane in opened.header["lane_ids"]:
             raw = opened.reader.frame(f"the state of lane {lane}")
             try:
-                index[lane] = compact.frame_digests(raw)
+                index[lane] = compact.frame_digests(raw, parent.get(lane))
             except compact.FrameError as exc:
                 raise CorruptStateError(
                     f"{path}: malformed checkpoint structure in lane {lane} ({exc})"
                 ) from exc
         opened.finish()
     return opened.header, index, digest
+
+
+def check_chain(source: str, base: Base, chain: tuple[str, ...]) -> None:
+    """Refuses a missing base, a loop of bases and an overlong chain, naming the files."""
+    if base.path in chain or base.path == source or len(chain) >= MAX_CHAIN:
+        raise CorruptStateError(
+            f"{source}: its chain of bases {' <- '.join((*chain, source))} <- {base.path} loops or is "
+            f"longer than {MAX_CHAIN}; save a full checkpoint (without base) to start a new chain"
+        )
+    if not os.path.exists(base.path):
+        raise StateError(
+            f"{source} is incremental on base {base.path}, which is missing; restore that file next "
+            f"to it (or load an earlier full checkpoint)"
+        )
+
+
+def check_base(source: str, base: Base, found: str) -> None:
+    """Refuses a base whose sha256 is not the one the child recorded."""
+    if found != base.digest:
+        raise CorruptStateError(
+            f"{source} is incremental on base {base.path}, which was altered or replaced since "
+            f"(its sha256 is {found[:16]}..., the checkpoint recorded {base.digest[:16]}...)"
+        )
