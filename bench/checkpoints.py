@@ -56,6 +56,7 @@ class Config:
     seq_len: int = 2048
     batch: int = 256
     workers: int = 2
+    backend: str = "processes"
     later: tuple[int, ...] = (1, 10, 100)
     vocab: int = 32768
     code_files: int = 300
@@ -138,7 +139,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
     states: dict[int, dict[str, Any]] = {}
     digests: list[str] = []
     start = time.perf_counter()
-    with zf.Loader(spec, backend="processes", workers=cfg.workers, prefetch=1) as loader:
+    with zf.Loader(spec, backend=cfg.backend, workers=cfg.workers, prefetch=1) as loader:
         for step, batch in loader:
             digests.append(zf.batch_digest(batch))
             if step + 1 in wanted:
@@ -149,7 +150,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
     raw = raw_bytes(states[fill])
 
     def resumes(state: Any, step: int) -> bool:
-        with zf.Loader(spec, state=state, backend="processes", workers=cfg.workers, prefetch=1) as ld:
+        with zf.Loader(spec, state=state, backend=cfg.backend, workers=cfg.workers, prefetch=1) as ld:
             got = [zf.batch_digest(b) for _, (_, b) in zip(range(2), ld, strict=False)]
         return got == digests[step : step + 2]
 
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     defaults = Config()
     for name in ("lanes", "buffer", "seq_len", "batch", "workers", "vocab", "code_files"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--backend", default=defaults.backend)
     parser.add_argument("--data", default=os.path.expanduser("~/.cache/zephon-flow/bench-checkpoints"))
     parser.add_argument("--out", default="bench/results/checkpoints.json")
     args = parser.parse_args(argv)
@@ -228,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=args.seq_len,
         batch=args.batch,
         workers=args.workers,
+        backend=args.backend,
         vocab=args.vocab,
         code_files=args.code_files,
     )

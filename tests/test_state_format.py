@@ -6,6 +6,7 @@ import io
 import json
 import os
 import struct
+import tarfile
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import zstandard
 from checkpointing import assert_equal_output_after_checkpoint
 from elastic import Segment, reference_digests, run_in_segments
 from helpers import Corpus
+from vlm_helpers import encode, gradient
 
 import zephon_flow as zf
 from zephon_flow import codec, compact, state_file
@@ -269,3 +271,36 @@ def test_saving_holds_about_one_lane_at_a_time(tmp_path: Path) -> None:
     assert peak < 2 * lane_raw, f"saving took {peak / lane_raw:.2f} lanes' raw state"
     back = zf.load_state(tmp_path / "ck.zf")
     assert lane_digests(back) == lane_digests(state)
+
+
+def test_multimodal_sequences_are_stored_compactly_and_restore_exactly(
+    corpus: Corpus, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    shard = tmp_path_factory.mktemp("images") / "shard.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i in range(10):
+            for name, data in (
+                (f"{i:05d}.jpg", encode(gradient(20 + 5 * i, 30, seed=i), "JPEG", quality=85)),
+                (f"{i:05d}.txt", f"image {i} {'word ' * (i % 4)}".encode()),
+            ):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        samples = p | "images" >> ops.ReadWebDataset(str(shard), samples_per_split=3)
+        decoded = samples | "decode" >> beam.ParDo(ops.DecodeImage(field="jpg", draft_size=8))
+        resized = decoded | "resize" >> beam.ParDo(ops.ResizeImage(8))
+        tokens = resized | "caption" >> beam.ParDo(ops.TokenizeField(corpus.tokenizer_json, field="txt"))
+        packed = tokens | "pack" >> beam.ParDo(
+            ops.PackMultimodal(24, image_token_id=1, tokens_per_image=4, max_images=3)
+        )
+        return packed | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=5))
+
+    spec = zf.LoaderSpec(build, lanes=2, seed=0, global_batch_size=2)
+    ref = assert_equal_output_after_checkpoint(spec, 5)
+    buffers = [c for lane in frames(ref.states[-1])[1:] for c in column_nodes(lane)]
+    assert buffers and all(
+        c["derived"] == ["pack.segments/1", ["position_ids", "segment_ids"]] for c in buffers
+    )
+    assert all("images" in c["cols"] for c in buffers)
