@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("lanes", "buffer", "seq_len", "batch", "workers", "vocab", "code_files"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     parser.add_argument("--backend", default=defaults.backend)
+    parser.add_argument("--later", default=",".join(map(str, defaults.later)), help="steps after the base")
     parser.add_argument("--data", default=os.path.expanduser("~/.cache/zephon-flow/bench-checkpoints"))
     parser.add_argument("--out", default="bench/results/checkpoints.json")
     args = parser.parse_args(argv)
@@ -231,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         batch=args.batch,
         workers=args.workers,
         backend=args.backend,
+        later=tuple(int(k) for k in args.later.split(",")),
         vocab=args.vocab,
         code_files=args.code_files,
     )
