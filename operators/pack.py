@@ -96,17 +96,22 @@ class PackedSegments:
             raise ValueError(f"{self.name}: stored facts do not fit the {rows} rows of {width}")
         size = rows * width
         index = np.arange(size, dtype=np.int32 if size < 2**31 else np.int64)
+        first = np.repeat(index[:rows] * width, starts.lengths) + starts.values  # ascending
         mask = np.zeros(size, dtype=bool)
-        mask[np.repeat(index[:rows] * width, starts.lengths) + starts.values] = True
+        mask[first] = True
         pad = np.arange(width) >= valid[:, None]
-        # Every valid row begins with a piece start (reduce checks it), so running counts and
-        # maxima over the flattened rows restart at each row.
-        count = np.cumsum(mask, dtype=np.int32).reshape(rows, width)
-        before = np.concatenate([[0], count[:-1, -1]]).astype(np.int32)
-        seg = count - before[:, None] - np.int32(1)
+        # Every valid row begins with a piece start (reduce checks it), so running counts over
+        # the flattened rows restart at each row, and a token's piece starts at first[count - 1].
+        count = np.cumsum(mask, dtype=index.dtype)
+        seg = count.reshape(rows, width).astype(np.int32)
+        seg -= np.concatenate([[0], seg[:-1, -1]]).astype(np.int32)[:, None] + np.int32(1)
         seg[pad] = -1
-        last = np.maximum.accumulate(np.where(mask, index, 0))
-        pos = (index - last).astype(np.int32, copy=False).reshape(rows, width)
+        if first.size:
+            count -= 1
+            np.maximum(count, 0, out=count)
+            pos = (index - first[count]).astype(np.int32, copy=False).reshape(rows, width)
+        else:
+            pos = np.zeros((rows, width), dtype=np.int32)
         pos[pad] = 0
         out: dict[str, derived.Column] = {"position_ids": pos, "segment_ids": seg}
         if "labels" in names:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import struct
@@ -18,12 +19,15 @@ import zstandard
 from checkpointing import assert_equal_output_after_checkpoint
 from elastic import Segment, reference_digests, run_in_segments
 from helpers import Corpus
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vlm_helpers import encode, gradient
 
 import zephon_flow as zf
 from zephon_flow import codec, compact, state_file
 from zephon_flow import operators as ops
 from zephon_flow.errors import CorruptStateError, StateError
+from zephon_flow.operators.pack import PACKED_SEGMENTS
 from zephon_flow.simulate import global_digests
 from zephon_flow.state import FeedCursor, LaneState, LoaderState, to_loader_state
 
@@ -304,3 +308,40 @@ def test_multimodal_sequences_are_stored_compactly_and_restore_exactly(
         c["derived"] == ["pack.segments/1", ["position_ids", "segment_ids"]] for c in buffers
     )
     assert all("images" in c["cols"] for c in buffers)
+
+
+@st.composite
+def packed_rows(draw: st.DrawFn) -> dict[str, np.ndarray]:
+    """Rows as Pack makes them (pieces then padding), sometimes perturbed off Pack's rule."""
+    width = draw(st.integers(1, 12))
+    rows = draw(st.integers(1, 6))
+    ids, pos, seg = (np.zeros((rows, width), dtype=np.int32) for _ in range(3))
+    for r in range(rows):
+        valid = draw(st.integers(0, width))
+        cuts = sorted(draw(st.sets(st.integers(1, max(valid - 1, 1)), max_size=3))) if valid > 1 else []
+        bounds = [0, *[c for c in cuts if c < valid], valid]
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
+            pos[r, a:b] = np.arange(b - a)
+            seg[r, a:b] = k
+        seg[r, valid:] = -1
+        ids[r] = draw(st.lists(st.integers(0, 70000), min_size=width, max_size=width))
+    labels = np.where(pos == 0, np.int32(-100), ids).astype(np.int32)
+    out = {"input_ids": ids, "position_ids": pos, "segment_ids": seg, "labels": labels}
+    if draw(st.booleans()):  # perturb one entry of one field
+        field = draw(st.sampled_from(["position_ids", "segment_ids", "labels"]))
+        r, c = draw(st.integers(0, rows - 1)), draw(st.integers(0, width - 1))
+        out[field][r, c] += draw(st.sampled_from([-1, 1, 2]))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(columns=packed_rows())
+def test_packed_segments_are_accepted_only_when_rebuilt_bit_for_bit(columns: dict[str, np.ndarray]) -> None:
+    reduced = PACKED_SEGMENTS.reduce(columns)
+    if reduced is None:
+        return
+    rebuilt = PACKED_SEGMENTS.rebuild({"input_ids": columns["input_ids"]}, reduced.stored, reduced.derived)
+    assert set(rebuilt) == set(reduced.derived) == {"position_ids", "segment_ids", "labels"}
+    for name, array in rebuilt.items():
+        assert isinstance(array, np.ndarray) and array.dtype == np.int32
+        np.testing.assert_array_equal(array, columns[name])

@@ -213,10 +213,10 @@ def with_header(v3: bytes, **changes: Any) -> bytes:
 
 
 def with_lane(v3: bytes, index: int, change: Any) -> bytes:
-    frames = split_frames(v3)
-    tree, payload = frame_json(frames[1 + index])
+    frames = split_frames(v3)  # the header, then each lane's state and row index
+    tree, payload = frame_json(frames[1 + 2 * index])
     change(tree)
-    frames[1 + index] = frame_of(tree, payload)
+    frames[1 + 2 * index] = frame_of(tree, payload)
     return join_frames(frames)
 
 

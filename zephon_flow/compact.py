@@ -12,8 +12,9 @@ One frame encodes one plain-data tree (a lane's state, or the checkpoint's heade
   row, and, in an incremental checkpoint, the rows found in the base stored as their index
   there instead of their content.
 
-``Frame`` and ``decode_frame`` are the two directions; ``frame_digests`` lists a frame's row
-digests by path, which is all an incremental checkpoint needs from its base.
+``Frame`` and ``decode_frame`` are the two directions. The row digests (of the rows a frame
+stores; the others are its base's) go to a separate small index (``Frame.index_tree``, read by
+``full_digests``), so a child checkpoint learns its base's rows without decoding them.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ class Frame:
     raw_bytes: int = 0
     rows_total: int = 0
     rows_from_base: int = 0
+    #: Per element list: its path, row count, digests of the rows stored here, refs to the base.
+    index: list[tuple[Path, int, np.ndarray, np.ndarray | None]] = field(default_factory=list)
 
     def encode(self, value: Any) -> bytes:
         """The JSON header (with its length prefix); the payload buffers follow in ``payload``."""
@@ -218,6 +221,7 @@ class Frame:
             stored = {k: _take(v, keep) for k, v in stored.items()}
             digests = digests[keep]  # the others' are the base's
             self.rows_from_base += len(items) - keep.size
+        self.index.append((path, len(items), digests, refs))
         self.rows_total += len(items)
         self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
         del columns, found  # the derived fields' stacked copies are no longer needed
@@ -226,7 +230,6 @@ class Frame:
             "keys": keys,
             "cols": {k: self._column(v, f"{where}.{k}") for k, v in stored.items()},
             "derived": None if reduced is None else [name, list(reduced.derived)],
-            "rows": self._array(digests, False, where),
             "base": None if refs is None else self._array(refs, False, where),
         }
         return {"~c": body}
@@ -345,7 +348,7 @@ class _Decoder:
         return arr
 
     def columns(self, body: Any, path: Path) -> list[Any]:
-        if not isinstance(body, dict) or set(body) != {"n", "keys", "cols", "derived", "rows", "base"}:
+        if not isinstance(body, dict) or set(body) != {"n", "keys", "cols", "derived", "base"}:
             raise FrameError(
                 f"column list node has keys {sorted(body) if isinstance(body, dict) else body!r}"
             )
@@ -492,47 +495,38 @@ def decode_frame(raw: bytes, base: Any = None) -> Any:
         raise FrameError(f"malformed structure ({exc})") from exc
 
 
-def frame_digests(raw: bytes, base: RowIndex | None) -> RowIndex:
-    """The row digests of every element list in a frame, by path (for a child checkpoint);
-    ``base``: the same lane's digests in the frame's own base, if it is incremental."""
-    tree, payload = _split(raw)
+def index_tree(frame: Frame) -> dict[str, Any]:
+    """The plain tree of a frame's row index (encode it with a fresh ``Frame``)."""
+    return {"lists": [[list(path), n, digests, refs] for path, n, digests, refs in frame.index]}
+
+
+def full_digests(tree: Any, base: RowIndex | None) -> RowIndex:
+    """Every row's digest per element list, from a decoded ``index_tree`` and, for the rows
+    taken from the base, the base's own digests (``base``: the same lane's, in the base)."""
+    lists = tree.get("lists") if isinstance(tree, dict) else None
+    if not isinstance(lists, list):
+        raise FrameError("the row index is not a list of element lists")
     out: RowIndex = {}
-    decoder = _Decoder(payload, None)
-
-    def walk(node: Any, path: Path) -> None:
-        if isinstance(node, list):
-            for i, v in enumerate(node):
-                walk(v, (*path, i))
-        elif isinstance(node, dict):
-            if len(node) == 1 and "~c" in node:
-                out[path] = _full_digests(decoder, node["~c"], None if base is None else base.get(path))
-            elif not (len(node) == 1 and next(iter(node)).startswith("~")):
-                for k, v in node.items():
-                    walk(v, (*path, k))
-
-    try:
-        walk(tree, ())
-    except (TypeError, KeyError, AttributeError, ValueError, IndexError, RecursionError) as exc:
-        if isinstance(exc, FrameError):
-            raise
-        raise FrameError(f"malformed structure ({exc!r})") from exc
-    return out
-
-
-def _full_digests(decoder: _Decoder, body: Any, base: np.ndarray | None) -> np.ndarray:
-    n = _int(body["n"], "row count")
-    stored = decoder._ndarray(body["rows"])
-    if body["base"] is None:
-        refs = np.full(n, -1, dtype=np.int64)
-    else:
-        refs = decoder._ndarray(body["base"]).astype(np.int64)
-    new = refs < 0
-    if refs.shape != (n,) or stored.shape != (int(new.sum()), _ROW_DIGEST):
-        raise FrameError(f"row digests do not cover the {n} rows")
-    out = np.empty((n, _ROW_DIGEST), dtype=np.uint8)
-    out[new] = stored
-    if not new.all():
-        if base is None or int(refs.max()) >= len(base):
-            raise FrameError("rows refer to base rows whose digests the base does not have")
-        out[~new] = base[refs[~new]]
+    for entry in lists:
+        if not (isinstance(entry, list) and len(entry) == 4 and isinstance(entry[0], list)):
+            raise FrameError("a row index entry is not [path, rows, digests, refs]")
+        path: Path = tuple(entry[0])
+        n = _int(entry[1], "row count")
+        stored, refs = entry[2], entry[3]
+        if refs is None:
+            refs = np.full(n, -1, dtype=np.int64)
+        if not (isinstance(stored, np.ndarray) and isinstance(refs, np.ndarray) and refs.dtype.kind in "iu"):
+            raise FrameError("a row index entry holds no digest or reference arrays")
+        refs = refs.astype(np.int64)
+        new = refs < 0
+        if refs.shape != (n,) or stored.shape != (int(new.sum()), _ROW_DIGEST):
+            raise FrameError(f"row digests do not cover the {n} rows")
+        full = np.empty((n, _ROW_DIGEST), dtype=np.uint8)
+        full[new] = stored
+        if not new.all():
+            offered = None if base is None else base.get(path)
+            if offered is None or int(refs.max()) >= len(offered):
+                raise FrameError("rows refer to base rows whose digests the base does not have")
+            full[~new] = offered[refs[~new]]
+        out[path] = full
     return out

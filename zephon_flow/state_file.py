@@ -4,7 +4,8 @@ Layout::
 
     MAGIC | u32 version (3)
     frame 0: the header (kind, step, lanes, fingerprint, mix history, lane ids, base)
-    frame i: lane ``lane_ids[i-1]``'s state, one per lane
+    then per lane (in ``lane_ids`` order): its state, and its row index (digests of the rows
+    of its element lists; a child checkpoint reads only these from its base)
     sha256 of every byte before it
 
 A frame is ``u64 compressed length | u64 raw length | zstd(compact.Frame)``. Writing holds one
@@ -103,6 +104,7 @@ def write(
     for lane, plain in lanes:
         frame = compact.Frame(base=None if base is None else base[1].get(lane))
         _write_frame(stream, frame, plain)
+        _write_frame(stream, compact.Frame(), compact.index_tree(frame))
         stats.raw_bytes += frame.raw_bytes
         stats.rows_total += frame.rows_total
         stats.rows_from_base += frame.rows_from_base
@@ -151,6 +153,14 @@ class _Reader:
                 f"{self.source}: truncated in {what} (wanted {n} bytes, found {len(data)})"
             )
         return data
+
+    def skip(self, what: str) -> None:
+        size, _raw = _FRAME_HEAD.unpack(self.take(_FRAME_HEAD.size, f"the length of {what}"))
+        if size > self.end - self.stream.tell():
+            raise CorruptStateError(
+                f"{self.source}: {what} ({size} bytes) runs past the end of the checkpoint"
+            )
+        self.stream.seek(size, os.SEEK_CUR)
 
     def frame(self, what: str) -> bytes:
         size, raw = _FRAME_HEAD.unpack(self.take(_FRAME_HEAD.size, f"the length of {what}"))
@@ -208,6 +218,8 @@ class Opened:
             what = f"the state of lane {lane}"
             raw = self.reader.frame(what)
             yield _decoded(self.reader.source, what, raw, None if base is None else base.get(lane))
+            del raw
+            self.reader.skip(f"the row index of lane {lane}")
 
     def finish(self) -> None:
         self.reader.finish()
@@ -282,10 +294,12 @@ def row_index(
             check_base(path, base, found)
         index: dict[int, compact.RowIndex] = {}
         for lane in opened.header["lane_ids"]:
-            raw = opened.reader.frame(f"the state of lane {lane}")
+            opened.reader.skip(f"the state of lane {lane}")
+            what = f"the row index of lane {lane}"
+            tree = _decoded(path, what, opened.reader.frame(what))
             try:
-                index[lane] = compact.frame_digests(raw, parent.get(lane))
-            except compact.FrameError as exc:
+                index[lane] = compact.full_digests(tree, parent.get(lane))
+            except (compact.FrameError, TypeError, IndexError, ValueError) as exc:
                 raise CorruptStateError(
                     f"{path}: malformed checkpoint structure in lane {lane} ({exc})"
                 ) from exc
