@@ -138,6 +138,18 @@ class _RowSlicer:
         return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
+def _values(col: derived.Column) -> np.ndarray:
+    return col.values if isinstance(col, derived.Ragged) else col
+
+
+def _narrowed(col: derived.Column) -> derived.Column:
+    """The column in the smallest integer types that hold it (ragged lengths too)."""
+    if isinstance(col, derived.Ragged):
+        return derived.Ragged(_narrowed(col.values), _narrowed(col.lengths))  # type: ignore[arg-type]
+    kind = narrowest(col)
+    return col if kind == col.dtype else col.astype(kind)
+
+
 def _column_schema(col: derived.Column) -> list[Any]:
     if isinstance(col, derived.Ragged):
         return ["ragged", col.values.dtype.str, list(col.values.shape[1:])]
@@ -179,20 +191,25 @@ class Frame:
         yield self.encode(value)
         yield from self.payload
 
-    def _array(self, value: np.ndarray, scalar: bool, where: str) -> dict[str, Any]:
+    def _array(
+        self, value: np.ndarray, scalar: bool, where: str, logical: np.dtype[Any] | None = None
+    ) -> dict[str, Any]:
+        """``value`` in the payload, narrowed; ``logical``: its dtype before an earlier narrowing."""
         _plain_array(value, where)
         stored = narrowest(value)
         data = np.ascontiguousarray(value, dtype=stored)
         flat = data.reshape(-1).view(np.uint8)
-        node = [value.dtype.str, stored.str, list(value.shape), self.size, flat.size, scalar]
+        kind = value.dtype if logical is None else logical
+        node = [kind.str, stored.str, list(value.shape), self.size, flat.size, scalar]
         self.payload.append(memoryview(flat.data))
         self.size += flat.size
         return {"~a": node}
 
-    def _column(self, col: derived.Column, where: str) -> Any:
+    def _column(self, col: derived.Column, logical: np.dtype[Any], where: str) -> Any:
         if isinstance(col, derived.Ragged):
-            return {"r": [self._array(col.values, False, where), self._array(col.lengths, False, where)]}
-        return {"a": self._array(col, False, where)}
+            values = self._array(col.values, False, where, logical)
+            return {"r": [values, self._array(col.lengths, False, where, np.dtype(np.int64))]}
+        return {"a": self._array(col, False, where, logical)}
 
     def _columns(self, items: list[Any], path: Path, where: str) -> Any:
         found = _as_columns(items)
@@ -206,10 +223,16 @@ class Frame:
             if reduced is not None:
                 name = fields.name
                 break
-        stored = {k: v for k, v in columns.items() if reduced is None or k not in reduced.derived}
+        logical = {k: v for k, v in columns.items() if reduced is None or k not in reduced.derived}
         if reduced is not None:
-            stored.update({f"~{k}": v for k, v in reduced.stored.items()})
-        schema = json.dumps([name, keys, {k: _column_schema(v) for k, v in sorted(stored.items())}])
+            logical.update({f"~{k}": v for k, v in reduced.stored.items()})
+        # Narrowed before hashing: half the bytes to hash for token ids, and stored as hashed.
+        stored = {k: _narrowed(v) for k, v in logical.items()}
+        dtypes = {k: _values(v).dtype for k, v in logical.items()}
+        del logical
+        schema = json.dumps(
+            [name, keys, {k: [dtypes[k].str, *_column_schema(v)] for k, v in sorted(stored.items())}]
+        )
         digests = _row_digests(schema, stored, len(items))
         refs: np.ndarray | None = None
         keep = np.arange(len(items))
@@ -228,7 +251,7 @@ class Frame:
         body = {
             "n": len(items),
             "keys": keys,
-            "cols": {k: self._column(v, f"{where}.{k}") for k, v in stored.items()},
+            "cols": {k: self._column(v, dtypes[k], f"{where}.{k}") for k, v in stored.items()},
             "derived": None if reduced is None else [name, list(reduced.derived)],
             "base": None if refs is None else self._array(refs, False, where),
         }

@@ -22,6 +22,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -70,17 +71,29 @@ class _HashingWriter:
         self.count += len(data)
 
 
-def _write_frame(out: _HashingWriter, frame: compact.Frame, value: Any) -> None:
+def _encoded(frame: compact.Frame, value: Any) -> list[bytes | memoryview]:
+    """A frame's pieces, uncompressed: its header, then its payload buffers."""
+    return [frame.encode(value), *frame.payload]
+
+
+def _write_frame(out: _HashingWriter, pieces: list[bytes | memoryview]) -> None:
     compressor = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
     parts: list[bytes] = []
     raw = 0
-    for chunk in frame.chunks(value):
+    for chunk in pieces:
         raw += len(chunk)
         parts.append(compressor.compress(chunk))
     parts.append(compressor.flush())
     out.write(_FRAME_HEAD.pack(sum(len(p) for p in parts), raw))
     for p in parts:
         out.write(p)
+
+
+def _write_pair(
+    out: _HashingWriter, state: list[bytes | memoryview], index: list[bytes | memoryview]
+) -> None:
+    _write_frame(out, state)
+    _write_frame(out, index)
 
 
 def write(
@@ -100,14 +113,24 @@ def write(
     head = dict(header)
     head["base"] = None if base is None else {"path": base[0].path, "digest": base[0].digest}
     stats = WriteStats()
-    _write_frame(stream, compact.Frame(), head)
-    for lane, plain in lanes:
-        frame = compact.Frame(base=None if base is None else base[1].get(lane))
-        _write_frame(stream, frame, plain)
-        _write_frame(stream, compact.Frame(), compact.index_tree(frame))
-        stats.raw_bytes += frame.raw_bytes
-        stats.rows_total += frame.rows_total
-        stats.rows_from_base += frame.rows_from_base
+    _write_frame(stream, _encoded(compact.Frame(), head))
+    # Lane k is compressed and written on a second thread (zstd and file writes release the
+    # GIL) while lane k+1 is encoded here: at most one encoded lane waits.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-state-writer") as writer:
+        pending: Future[None] | None = None
+        for lane, plain in lanes:
+            frame = compact.Frame(base=None if base is None else base[1].get(lane))
+            pieces = _encoded(frame, plain)
+            pieces_index = _encoded(compact.Frame(), compact.index_tree(frame))
+            if pending is not None:
+                pending.result()
+            pending = writer.submit(_write_pair, stream, pieces, pieces_index)
+            del pieces, pieces_index
+            stats.raw_bytes += frame.raw_bytes
+            stats.rows_total += frame.rows_total
+            stats.rows_from_base += frame.rows_from_base
+        if pending is not None:
+            pending.result()
     digest = stream.hash.digest()
     out.write(digest)
     stats.written = stream.count + len(digest)
