@@ -55,6 +55,8 @@ class WriteStats:
     """What a write did: bytes written, raw state bytes encoded, rows stored by reference."""
 
     written: int = 0
+    #: The frames' bytes before compression (narrowed, derived fields left out).
+    uncompressed: int = 0
     raw_bytes: int = 0
     rows_total: int = 0
     rows_from_base: int = 0
@@ -76,7 +78,7 @@ def _encoded(frame: compact.Frame, value: Any) -> list[bytes | memoryview]:
     return [frame.encode(value), *frame.payload]
 
 
-def _write_frame(out: _HashingWriter, pieces: list[bytes | memoryview]) -> None:
+def _write_frame(out: _HashingWriter, pieces: list[bytes | memoryview]) -> int:
     compressor = zstandard.ZstdCompressor(level=_LEVEL).compressobj()
     parts: list[bytes] = []
     raw = 0
@@ -87,13 +89,13 @@ def _write_frame(out: _HashingWriter, pieces: list[bytes | memoryview]) -> None:
     out.write(_FRAME_HEAD.pack(sum(len(p) for p in parts), raw))
     for p in parts:
         out.write(p)
+    return raw
 
 
 def _write_pair(
     out: _HashingWriter, state: list[bytes | memoryview], index: list[bytes | memoryview]
-) -> None:
-    _write_frame(out, state)
-    _write_frame(out, index)
+) -> int:
+    return _write_frame(out, state) + _write_frame(out, index)
 
 
 def write(
@@ -113,24 +115,24 @@ def write(
     head = dict(header)
     head["base"] = None if base is None else {"path": base[0].path, "digest": base[0].digest}
     stats = WriteStats()
-    _write_frame(stream, _encoded(compact.Frame(), head))
+    stats.uncompressed += _write_frame(stream, _encoded(compact.Frame(), head))
     # Lane k is compressed and written on a second thread (zstd and file writes release the
     # GIL) while lane k+1 is encoded here: at most one encoded lane waits.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-state-writer") as writer:
-        pending: Future[None] | None = None
+        pending: Future[int] | None = None
         for lane, plain in lanes:
             frame = compact.Frame(base=None if base is None else base[1].get(lane))
             pieces = _encoded(frame, plain)
             pieces_index = _encoded(compact.Frame(), compact.index_tree(frame))
             if pending is not None:
-                pending.result()
+                stats.uncompressed += pending.result()
             pending = writer.submit(_write_pair, stream, pieces, pieces_index)
             del pieces, pieces_index
             stats.raw_bytes += frame.raw_bytes
             stats.rows_total += frame.rows_total
             stats.rows_from_base += frame.rows_from_base
         if pending is not None:
-            pending.result()
+            stats.uncompressed += pending.result()
     digest = stream.hash.digest()
     out.write(digest)
     stats.written = stream.count + len(digest)
