@@ -216,6 +216,8 @@ class Frame:
         if found is None:
             return None
         keys, columns = found
+        del found
+        self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
         reduced: derived.Reduced | None = None
         name: str | None = None
         for fields in derived.registered():
@@ -229,7 +231,7 @@ class Frame:
         # Narrowed before hashing: half the bytes to hash for token ids, and stored as hashed.
         stored = {k: _narrowed(v) for k, v in logical.items()}
         dtypes = {k: _values(v).dtype for k, v in logical.items()}
-        del logical
+        del logical, columns  # the stacked copies (derived fields, int32 ids) are done with
         schema = json.dumps(
             [name, keys, {k: [dtypes[k].str, *_column_schema(v)] for k, v in sorted(stored.items())}]
         )
@@ -246,8 +248,6 @@ class Frame:
             self.rows_from_base += len(items) - keep.size
         self.index.append((path, len(items), digests, refs))
         self.rows_total += len(items)
-        self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
-        del columns, found  # the derived fields' stacked copies are no longer needed
         body = {
             "n": len(items),
             "keys": keys,
