@@ -28,7 +28,7 @@ from typing import IO, Any
 
 import zstandard
 
-from zephon_flow import codec, compact
+from zephon_flow import codec, compact, compact_read
 from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
 
 VERSION = 3
@@ -92,9 +92,7 @@ def _write_frame(out: _HashingWriter, pieces: list[bytes | memoryview]) -> int:
     return raw
 
 
-def _write_pair(
-    out: _HashingWriter, state: list[bytes | memoryview], index: list[bytes | memoryview]
-) -> int:
+def _write_pair(out: _HashingWriter, state: list[bytes | memoryview], index: list[bytes | memoryview]) -> int:
     return _write_frame(out, state) + _write_frame(out, index)
 
 
@@ -209,8 +207,8 @@ class _Reader:
 
 def _decoded(source: str, what: str, raw: bytes, base: Any = None) -> Any:
     try:
-        return compact.decode_frame(raw, base)
-    except compact.FrameError as exc:
+        return compact_read.decode_frame(raw, base)
+    except compact_read.FrameError as exc:
         raise CorruptStateError(f"{source}: malformed checkpoint structure in {what} ({exc})") from exc
 
 
@@ -323,8 +321,8 @@ def row_index(
             what = f"the row index of lane {lane}"
             tree = _decoded(path, what, opened.reader.frame(what))
             try:
-                index[lane] = compact.full_digests(tree, parent.get(lane))
-            except (compact.FrameError, TypeError, IndexError, ValueError) as exc:
+                index[lane] = compact_read.full_digests(tree, parent.get(lane))
+            except (compact_read.FrameError, TypeError, IndexError, ValueError) as exc:
                 raise CorruptStateError(
                     f"{path}: malformed checkpoint structure in lane {lane} ({exc})"
                 ) from exc
