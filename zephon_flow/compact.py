@@ -91,6 +91,7 @@ def _as_columns(items: list[Any]) -> tuple[list[str], dict[str, derived.Column]]
 
 
 def offsets(lengths: np.ndarray) -> np.ndarray:
+    """Where each ragged row starts (and, last, where the values end)."""
     out = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
     return out
