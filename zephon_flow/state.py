@@ -378,7 +378,10 @@ def _read(
     if version < codec.FORMAT_VERSION:
         data = head + stream.read()
         plain = codec.decode(data, source=source)
-        LoaderState.from_plain(plain)  # validate structure now, with the source's name
+        try:
+            LoaderState.from_plain(plain)  # validate structure now, with the source's name
+        except CorruptStateError as exc:
+            raise CorruptStateError(f"{source}: {exc}") from exc
         return dict(plain), data[-32:].hex()
     stream.seek(0)
     digest = state_file.verify(stream, source)
