@@ -24,7 +24,7 @@ from zephon_flow.runners.dofns import ProvenanceParam
 _EMPTY = np.zeros(0, dtype=np.int32)
 _NO_DOC = np.full(3, -1, dtype=np.int64)
 _NO_DOCS = np.zeros((0, 3), dtype=np.int64)
-_CHECK_ROWS = 256
+_CHECK_ROWS = 64
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100

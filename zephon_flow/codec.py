@@ -33,7 +33,7 @@ _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 
 
-def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str) -> Any:
+def _encode_tree(value: Any, payload: list[bytes | memoryview], offset: list[int], where: str) -> Any:
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
@@ -57,10 +57,10 @@ def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str
                 f"state at {where} holds a {value.dtype} array; only plain numeric, bool, "
                 f"string and bytes dtypes are allowed (no object or structured dtypes)"
             )
-        data = np.ascontiguousarray(value).tobytes()
-        ref = {"~a": [value.dtype.str, list(value.shape), offset[0], len(data), scalar]}
-        payload.append(data)
-        offset[0] += len(data)
+        array = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        ref = {"~a": [value.dtype.str, list(value.shape), offset[0], len(array), scalar]}
+        payload.append(array)
+        offset[0] += len(array)
         return ref
     if isinstance(value, list):
         return [_encode_tree(v, payload, offset, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -111,12 +111,17 @@ def _freeze_key(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-def encode(value: Any) -> bytes:
-    """Encodes a plain-data tree into checkpoint bytes."""
-    payload: list[bytes] = []
+def _pieces(value: Any) -> list[bytes | memoryview]:
+    """The blob without its checksum, as pieces (arrays are views, not copies)."""
+    payload: list[bytes | memoryview] = []
     header = json.dumps(_encode_tree(value, payload, [0], "state"), separators=(",", ":"), allow_nan=False)
     head = header.encode("utf-8")
-    body = _HEAD.pack(MAGIC, BLOB_VERSION, len(head)) + head + b"".join(payload)
+    return [_HEAD.pack(MAGIC, BLOB_VERSION, len(head)) + head, *payload]
+
+
+def encode(value: Any) -> bytes:
+    """Encodes a plain-data tree into checkpoint bytes (format 2)."""
+    body = b"".join(_pieces(value))
     return body + hashlib.sha256(body).digest()
 
 
@@ -149,5 +154,9 @@ def decode(data: bytes, *, source: str = "checkpoint") -> Any:
 
 
 def canonical_digest(value: Any) -> str:
-    """A sha256 of the encoded value, used to compare states for equality."""
-    return hashlib.sha256(encode(value)).hexdigest()
+    """A sha256 of the value's format-2 encoding (without its checksum), used to compare states
+    for equality; hashed piece by piece, so the encoding is never built in memory."""
+    digest = hashlib.sha256()
+    for piece in _pieces(value):
+        digest.update(piece)
+    return digest.hexdigest()

@@ -227,13 +227,15 @@ class Frame:
             if reduced is not None:
                 name = fields.name
                 break
-        logical = {k: v for k, v in columns.items() if reduced is None or k not in reduced.derived}
+        kept = [k for k in columns if reduced is None or k not in reduced.derived]
+        logical = {k: columns.pop(k) for k in kept}
+        del columns  # the derived fields' stacked copies are done with
         if reduced is not None:
             logical.update({f"~{k}": v for k, v in reduced.stored.items()})
-        # Narrowed before hashing: half the bytes to hash for token ids, and stored as hashed.
-        stored = {k: _narrowed(v) for k, v in logical.items()}
         dtypes = {k: _values(v).dtype for k, v in logical.items()}
-        del logical, columns  # the stacked copies (derived fields, int32 ids) are done with
+        # Narrowed before hashing (half the bytes to hash for token ids), one column at a time
+        # so each wide copy goes as soon as its narrow one exists.
+        stored = {k: _narrowed(logical.pop(k)) for k in list(logical)}
         schema = json.dumps(
             [name, keys, {k: [dtypes[k].str, *_column_schema(v)] for k, v in sorted(stored.items())}]
         )
