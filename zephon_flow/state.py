@@ -375,7 +375,7 @@ def _read(
 ) -> tuple[dict[str, Any], str]:
     """The plain state in a checkpoint stream and its sha256; ``path`` locates a base."""
     version, head = state_file.read_version(stream, source)
-    if version < codec.FORMAT_VERSION:
+    if version <= codec.BLOB_VERSION:
         data = head + stream.read()
         plain = codec.decode(data, source=source)
         try:

@@ -31,7 +31,10 @@ import zstandard
 from zephon_flow import codec, compact, compact_read
 from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
 
-VERSION = 3
+#: The version this module writes: the newest checkpoint format. Every version after
+#: ``codec.BLOB_VERSION`` has this module's layout (a later change to the plain state bumps
+#: ``codec.FORMAT_VERSION`` and this with it).
+VERSION = codec.FORMAT_VERSION
 _VERSION_HEAD = struct.Struct("<8sI")
 _FRAME_HEAD = struct.Struct("<QQ")
 _DIGEST = 32
@@ -303,10 +306,10 @@ def row_index(
     with open(path, "rb") as f:
         digest = verify(f, path)
         version, _head = read_version(f, path)
-        if version < VERSION:
+        if version <= codec.BLOB_VERSION:
             raise StateError(
                 f"{path} uses checkpoint format version {version}; an incremental checkpoint needs a "
-                f"base in format {VERSION}: save a full checkpoint first (zf.save_state without base)"
+                f"base in format {codec.BLOB_VERSION + 1} or later: save a full checkpoint first (zf.save_state without base)"
             )
         opened = open_v3(f, path)
         parent: dict[int, compact.RowIndex] = {}
