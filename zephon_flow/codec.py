@@ -1,4 +1,7 @@
-"""The one checkpoint codec: plain data to self-describing, checksummed, pickle-free bytes.
+"""The plain-data codec of checkpoint formats 1 and 2: one self-describing, checksummed blob.
+
+Format 3 (``state_file``, ``compact``) writes checkpoints now; this codec still reads formats 1
+and 2, writes format 2 for tests of older checkpoints, and digests states for comparison.
 
 Layout: ``MAGIC | u32 version | u64 header length | header (UTF-8 JSON) | payload | sha256``.
 The JSON header is the value tree; numpy arrays and bytes are stored in the payload and
@@ -18,14 +21,19 @@ import numpy as np
 from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
 
 MAGIC = b"ZEPHONCK"
-#: Version 2: lane cursors record the straddling record's source, exhausted sources and skip
-#: counts, and the checkpoint records the mixture history.
+#: The newest checkpoint format, the one ``state_file`` writes. Version 3: compact frames
+#: (narrowed integers, element lists as columns without derived fields, zstd), written and
+#: read lane by lane, optionally incremental on a base.
 FORMAT_VERSION = 3
+#: The format of this codec's single blob. Version 2: lane cursors record the straddling
+#: record's source, exhausted sources and skip counts, and the checkpoint records the mixture
+#: history.
+BLOB_VERSION = 2
 _HEAD = struct.Struct("<8sIQ")
 _DIGEST = 32
 
 
-def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str) -> Any:
+def _encode_tree(value: Any, payload: list[bytes | memoryview], offset: list[int], where: str) -> Any:
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
@@ -49,10 +57,10 @@ def _encode_tree(value: Any, payload: list[bytes], offset: list[int], where: str
                 f"state at {where} holds a {value.dtype} array; only plain numeric, bool, "
                 f"string and bytes dtypes are allowed (no object or structured dtypes)"
             )
-        data = np.ascontiguousarray(value).tobytes()
-        ref = {"~a": [value.dtype.str, list(value.shape), offset[0], len(data), scalar]}
-        payload.append(data)
-        offset[0] += len(data)
+        array = memoryview(np.ascontiguousarray(value).reshape(-1).view(np.uint8).data)
+        ref = {"~a": [value.dtype.str, list(value.shape), offset[0], len(array), scalar]}
+        payload.append(array)
+        offset[0] += len(array)
         return ref
     if isinstance(value, list):
         return [_encode_tree(v, payload, offset, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -103,17 +111,22 @@ def _freeze_key(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-def encode(value: Any) -> bytes:
-    """Encodes a plain-data tree into checkpoint bytes."""
-    payload: list[bytes] = []
+def _pieces(value: Any) -> list[bytes | memoryview]:
+    """The blob without its checksum, as pieces (arrays are views, not copies)."""
+    payload: list[bytes | memoryview] = []
     header = json.dumps(_encode_tree(value, payload, [0], "state"), separators=(",", ":"), allow_nan=False)
     head = header.encode("utf-8")
-    body = _HEAD.pack(MAGIC, FORMAT_VERSION, len(head)) + head + b"".join(payload)
+    return [_HEAD.pack(MAGIC, BLOB_VERSION, len(head)) + head, *payload]
+
+
+def encode(value: Any) -> bytes:
+    """Encodes a plain-data tree into checkpoint bytes (format 2)."""
+    body = b"".join(_pieces(value))
     return body + hashlib.sha256(body).digest()
 
 
 def decode(data: bytes, *, source: str = "checkpoint") -> Any:
-    """Decodes checkpoint bytes; refuses other formats, newer versions and damaged bytes."""
+    """Decodes format 1 or 2 bytes; refuses other formats, newer versions and damaged bytes."""
     if len(data) < _HEAD.size + _DIGEST or not data.startswith(MAGIC):
         raise CorruptStateError(f"{source} is not a zephon-flow checkpoint (missing magic header)")
     _magic, version, header_len = _HEAD.unpack_from(data)
@@ -124,6 +137,8 @@ def decode(data: bytes, *, source: str = "checkpoint") -> Any:
         )
     if version < 1:
         raise CorruptStateError(f"{source} declares invalid format version {version}")
+    if version > BLOB_VERSION:
+        raise CorruptStateError(f"{source} is in checkpoint format {version}: read it with zf.decode_state")
     body, digest = data[:-_DIGEST], data[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
         raise CorruptStateError(f"{source}: checksum mismatch, the bytes are corrupt or truncated")
@@ -131,10 +146,17 @@ def decode(data: bytes, *, source: str = "checkpoint") -> Any:
     try:
         tree = json.loads(body[start : start + header_len].decode("utf-8"))
         return _decode_tree(tree, memoryview(body)[start + header_len :])
-    except (ValueError, TypeError, KeyError) as exc:  # checksum passed yet structure is bad
-        raise CorruptStateError(f"{source}: malformed checkpoint structure ({exc})") from exc
+    except RecursionError as exc:
+        raise CorruptStateError(f"{source}: malformed checkpoint structure (nested too deeply)") from exc
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # the checksum passed (or was resealed) yet the structure is bad
+        raise CorruptStateError(f"{source}: malformed checkpoint structure ({exc!r})") from exc
 
 
 def canonical_digest(value: Any) -> str:
-    """A sha256 of the encoded value, used to compare states for equality."""
-    return hashlib.sha256(encode(value)).hexdigest()
+    """A sha256 of the value's format-2 encoding (without its checksum), used to compare states
+    for equality; hashed piece by piece, so the encoding is never built in memory."""
+    digest = hashlib.sha256()
+    for piece in _pieces(value):
+        digest.update(piece)
+    return digest.hexdigest()

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
-from zephon_flow import codec
+import numpy as np
+
+from zephon_flow import codec, state_file
 from zephon_flow.batches import SampleLayout
 from zephon_flow.errors import (
     CorruptStateError,
@@ -15,9 +18,16 @@ from zephon_flow.errors import (
     FormatVersionError,
     LaneCountMismatchError,
     StateConflictError,
+    StateError,
 )
 
 STATE_KIND = "zephon-flow/loader-state"
+
+
+#: The oldest format whose plain state this version reads (format 3 changed only the bytes).
+OLDEST_READ = 2
+#: The most entries a source cursor may hold (cursors are short lists of ints).
+MAX_CURSOR_INTS = 16
 
 
 def _need(plain: Any, key: str, where: str) -> Any:
@@ -28,18 +38,33 @@ def _need(plain: Any, key: str, where: str) -> Any:
     return plain[key]
 
 
-def _int_list(plain: Any, where: str) -> list[int]:
-    if not isinstance(plain, list) or not all(isinstance(v, int) for v in plain):
-        raise CorruptStateError(f"{where} should be a list of integers, found {plain!r}")
-    return [int(v) for v in plain]
+def _int(value: Any, where: str, *, minimum: int | None = 0) -> int:
+    """``value`` as an int (a Python or numpy integer, not a bool), at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise CorruptStateError(f"{where} should be an integer, found {str(value)[:60]!r}")
+    if minimum is not None and value < minimum:
+        raise CorruptStateError(f"{where} is {value}, it cannot be below {minimum}")
+    return int(value)
+
+
+def _ints(value: Any, where: str, *, minimum: int | None = 0) -> list[int]:
+    if not isinstance(value, list | tuple):
+        raise CorruptStateError(f"{where} should be a list of integers, found {type(value).__name__}")
+    return [_int(v, f"{where}[{i}]", minimum=minimum) for i, v in enumerate(value)]
+
+
+def _mapping(value: Any, where: str) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise CorruptStateError(f"{where} should be a mapping, found {type(value).__name__}")
+    return value
 
 
 @dataclass
 class FeedCursor:
     """Where a lane's (mixed) source stream resumes: the first record not yet consumed.
 
-    ``sources[i]`` is ``[pass, share, position, count]`` for source ``i`` (see
-    ``runners/streams.py``: ``SourceReader``); ``skip``
+    ``sources[i]`` is a short list of ints for source ``i`` (``[pass, share, position, count]``,
+    see ``runners/streams.py``: ``SourceReader``; the state checks only its form); ``skip``
     counts outputs of the record at the cursor that were already consumed, and ``source`` is
     that record's source when ``skip > 0`` (else -1), so a resume takes it from the same
     source whatever the mixture says at the resume step. ``exhausted`` lists the sources the
@@ -55,7 +80,7 @@ class FeedCursor:
     skipped: list[int] = field(default_factory=list)
 
     def copy(self) -> FeedCursor:
-        """A copy; the per-source cursors are shared: replace them, never
+        """A copy; the per-source ``[item, position]`` pairs are shared: replace them, never
         mutate them in place."""
         return FeedCursor(
             self.mix_position,
@@ -79,13 +104,30 @@ class FeedCursor:
     @classmethod
     def from_plain(cls, plain: Any, where: str) -> FeedCursor:
         sources = _need(plain, "sources", where)
+        if not isinstance(sources, list | tuple):
+            raise CorruptStateError(f"{where}: sources should be a list, found {type(sources).__name__}")
+        cursors = [_ints(c, f"{where}, source {i}", minimum=None) for i, c in enumerate(sources)]
+        for i, c in enumerate(cursors):
+            if not 1 <= len(c) <= MAX_CURSOR_INTS:
+                raise CorruptStateError(f"{where}, source {i}: a cursor of {len(c)} integers is malformed")
+        skipped = _ints(_need(plain, "skipped", where), f"{where}, skipped")
+        exhausted = _ints(_need(plain, "exhausted", where), f"{where}, exhausted")
+        if len(skipped) != len(cursors) or any(i >= len(cursors) for i in exhausted):
+            raise CorruptStateError(
+                f"{where}: {len(cursors)} source cursor(s), {len(skipped)} skip count(s) and "
+                f"exhausted sources {exhausted} do not agree"
+            )
+        skip = _int(_need(plain, "skip", where), f"{where}, skip")
+        source = _int(_need(plain, "source", where), f"{where}, source", minimum=-1)
+        if skip and not 0 <= source < len(cursors):
+            raise CorruptStateError(f"{where}: skip {skip} names source {source}, which has no cursor")
         return cls(
-            mix_position=int(_need(plain, "mix_position", where)),
-            sources=[_int_list(s, f"{where}, source cursor") for s in sources],
-            skip=int(_need(plain, "skip", where)),
-            source=int(_need(plain, "source", where)),
-            exhausted=[int(i) for i in _need(plain, "exhausted", where)],
-            skipped=[int(n) for n in _need(plain, "skipped", where)],
+            mix_position=_int(_need(plain, "mix_position", where), f"{where}, mix_position"),
+            sources=cursors,
+            skip=skip,
+            source=source,
+            exhausted=exhausted,
+            skipped=skipped,
         )
 
 
@@ -116,25 +158,34 @@ class LaneState:
         }
 
     @classmethod
-    def from_plain(cls, plain: Any) -> LaneState:
-        lane = int(_need(plain, "lane", "lane state"))
+    def from_plain(cls, plain: Any, version: int = codec.FORMAT_VERSION) -> LaneState:
+        """The lane state ``to_plain`` gave, as written by checkpoint format ``version``
+        (before version 3 a lane had no ``layout``)."""
+        lane = _int(_need(plain, "lane", "lane state"), "lane state's lane")
         where = f"state of lane {lane}"
-        stages = _need(plain, "stages", where)
+        stages = _mapping(_need(plain, "stages", where), f"{where}, stages")
         for label, st in stages.items():
-            for key in ("values", "timers", "position"):
-                _need(st, key, f"{where}, stage {label!r}")
+            at = f"{where}, stage {label!r}"
+            if not isinstance(label, str):
+                raise CorruptStateError(f"{where}: stage label {label!r} is not a string")
+            _mapping(_need(st, "values", at), f"{at}, values")
+            timers = _mapping(_need(st, "timers", at), f"{at}, timers")
+            for name, deadline in timers.items():
+                _int(deadline, f"{at}, timer {name!r}", minimum=None)
+            _int(_need(st, "position", at), f"{at}, position")
+        pending = _need(plain, "pending", where)
+        ended = _need(plain, "ended", where)
+        if not isinstance(pending, list) or not isinstance(ended, bool):
+            raise CorruptStateError(f"{where}: pending should be a list and ended a bool")
+        layout = _need(plain, "layout", where) if version >= 3 else None
         return cls(
             lane=lane,
             cursor=FeedCursor.from_plain(_need(plain, "cursor", where), f"{where}, cursor"),
             stages=stages,
-            pending=list(_need(plain, "pending", where)),
-            ended=bool(_need(plain, "ended", where)),
-            layout=_layout(_need(plain, "layout", where), where),
+            pending=list(pending),
+            ended=ended,
+            layout=None if layout is None else SampleLayout.from_plain(layout, where=f"{where}, layout"),
         )
-
-
-def _layout(plain: Any, where: str) -> SampleLayout | None:
-    return None if plain is None else SampleLayout.from_plain(plain, where=f"{where}, layout")
 
 
 @dataclass
@@ -164,30 +215,50 @@ class LoaderState:
 
     @classmethod
     def from_plain(cls, plain: Any) -> LoaderState:
-        if _need(plain, "kind", "checkpoint") != STATE_KIND:
-            raise CorruptStateError(f"checkpoint kind is {plain['kind']!r}, expected {STATE_KIND!r}")
-        version = int(_need(plain, "format_version", "checkpoint"))
+        kind = _need(plain, "kind", "checkpoint")
+        if kind != STATE_KIND:
+            raise CorruptStateError(f"checkpoint kind is {str(kind)[:60]!r}, expected {STATE_KIND!r}")
+        version = _int(_need(plain, "format_version", "checkpoint"), "checkpoint format_version")
         if version > codec.FORMAT_VERSION:
             raise FormatVersionError(
                 f"checkpoint format version {version} is newer than the version "
                 f"{codec.FORMAT_VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
             )
-        if version < codec.FORMAT_VERSION:
+        if version < OLDEST_READ:
             raise FormatVersionError(
-                f"checkpoint format version {version} is older than the version "
-                f"{codec.FORMAT_VERSION} this zephon-flow reads; it was written by an earlier "
+                f"checkpoint format version {version} is older than the oldest version "
+                f"{OLDEST_READ} this zephon-flow reads; it was written by an earlier "
                 f"zephon-flow: resume it with that version, or start again"
             )
-        states = [LaneState.from_plain(s) for s in _need(plain, "lane_states", "checkpoint")]
+        step = _int(_need(plain, "step", "checkpoint"), "checkpoint step")
+        lanes = _int(_need(plain, "lanes", "checkpoint"), "checkpoint lanes", minimum=1)
+        raw_states = _need(plain, "lane_states", "checkpoint")
+        if not isinstance(raw_states, list):
+            raise CorruptStateError("checkpoint lane_states should be a list")
+        states = [LaneState.from_plain(s, version) for s in raw_states]
+        ids = [s.lane for s in states]
+        if len(set(ids)) != len(ids) or any(i >= lanes for i in ids):
+            raise CorruptStateError(
+                f"checkpoint lane states are for lanes {ids}: each must appear once and be below "
+                f"lanes={lanes}"
+            )
         history = []
-        for entry in _need(plain, "mix_history", "checkpoint"):
+        entries = _need(plain, "mix_history", "checkpoint")
+        if not isinstance(entries, list | tuple):
+            raise CorruptStateError("checkpoint mix_history should be a list of [step, params]")
+        for entry in entries:
             if not isinstance(entry, list | tuple) or len(entry) != 2 or not isinstance(entry[1], dict):
-                raise CorruptStateError(f"checkpoint mix_history entry {entry!r} is not [step, params]")
-            history.append((int(entry[0]), dict(entry[1])))
+                raise CorruptStateError(
+                    f"checkpoint mix_history entry {str(entry)[:80]} is not [step, params]"
+                )
+            history.append((_int(entry[0], "checkpoint mix_history step"), dict(entry[1])))
+        fingerprint = _mapping(_need(plain, "fingerprint", "checkpoint"), "checkpoint fingerprint")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in fingerprint.items()):
+            raise CorruptStateError("checkpoint fingerprint should map strings to strings")
         return cls(
-            step=int(_need(plain, "step", "checkpoint")),
-            lanes=int(_need(plain, "lanes", "checkpoint")),
-            fingerprint={str(k): str(v) for k, v in _need(plain, "fingerprint", "checkpoint").items()},
+            step=step,
+            lanes=lanes,
+            fingerprint=dict(fingerprint),
             lane_states={s.lane: s for s in states},
             mix_history=history,
         )
@@ -293,30 +364,111 @@ def to_loader_state(state: Any) -> LoaderState:
     if isinstance(state, LoaderState):
         return state
     if isinstance(state, bytes | bytearray | memoryview):
-        state = codec.decode(bytes(state))
+        state = decode_state(bytes(state))
     return LoaderState.from_plain(state)
+
+
+def _header(state: LoaderState) -> dict[str, Any]:
+    plain = {k: v for k, v in state.to_plain().items() if k != "lane_states"}
+    return {**plain, "lane_ids": sorted(state.lane_states)}
+
+
+def write_state(
+    state: Any, out: IO[bytes], *, base: str | os.PathLike[str] | None = None, relative_to: str = "."
+) -> state_file.WriteStats:
+    """Writes ``state`` to ``out`` lane by lane; ``base``: an earlier checkpoint file to write
+    only the changes against (recorded by its path relative to ``relative_to``)."""
+    st = to_loader_state(state)
+    ref = None
+    if base is not None:
+        base_path = os.fspath(base)
+        header, index, digest = state_file.row_index(base_path)
+        base_state = LoaderState.from_plain({**header, "lane_states": []})
+        if base_state.lanes != st.lanes or base_state.fingerprint != st.fingerprint:
+            raise StateError(
+                f"base {base_path} was written for another pipeline or lane count than this state; "
+                f"an incremental checkpoint needs a base of the same pipeline"
+            )
+        name = os.path.relpath(os.path.abspath(base_path), os.path.abspath(relative_to))
+        ref = (state_file.Base(name, digest), index)
+    lanes = ((lane, st.lane_states[lane].to_plain()) for lane in sorted(st.lane_states))
+    return state_file.write(_header(st), lanes, out, base=ref)
 
 
 def encode_state(state: Any) -> bytes:
     """The checkpoint bytes of a state (plain dict as returned by ``Loader.state_dict``)."""
-    return codec.encode(to_loader_state(state).to_plain())
+    out = io.BytesIO()
+    write_state(state, out)
+    return out.getvalue()
+
+
+def _read(
+    stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...]
+) -> tuple[dict[str, Any], str]:
+    """The plain state in a checkpoint stream and its sha256; ``path`` locates a base."""
+    version, head = state_file.read_version(stream, source)
+    if version <= codec.BLOB_VERSION:
+        data = head + stream.read()
+        plain = codec.decode(data, source=source)
+        try:
+            LoaderState.from_plain(plain)  # validate structure now, with the source's name
+        except CorruptStateError as exc:
+            raise CorruptStateError(f"{source}: {exc}") from exc
+        return dict(plain), data[-32:].hex()
+    stream.seek(0)
+    digest = state_file.verify(stream, source)
+    state_file.read_version(stream, source)
+    opened = state_file.open_v3(stream, source)
+    header = opened.header
+    base_lanes: dict[int, Any] | None = None
+    if header["base"] is not None:
+        base_lanes = _load_base(header, source, path, chain)
+    lane_states = list(opened.lanes(base_lanes))
+    opened.finish()
+    plain = {k: v for k, v in header.items() if k not in ("lane_ids", "base")}
+    plain["lane_states"] = lane_states
+    try:
+        st = LoaderState.from_plain(plain)
+    except CorruptStateError as exc:
+        raise CorruptStateError(f"{source}: {exc}") from exc
+    if sorted(st.lane_states) != sorted(header["lane_ids"]):
+        raise CorruptStateError(f"{source}: its lane frames do not match the lane ids in its header")
+    return plain, digest
+
+
+def _load_base(
+    header: dict[str, Any], source: str, path: str | None, chain: tuple[str, ...]
+) -> dict[int, Any]:
+    if path is None:
+        state_file.refuse_incremental_bytes(header, source)
+    assert path is not None
+    base = state_file.base_of(header, path)
+    assert base is not None
+    state_file.check_chain(source, base, chain)
+    with open(base.path, "rb") as f:
+        base_plain, digest = _read(f, base.path, base.path, (*chain, source))
+    state_file.check_base(source, base, digest)
+    if base_plain["fingerprint"] != header.get("fingerprint") or base_plain["lanes"] != header.get("lanes"):
+        raise CorruptStateError(f"{source}: its base {base.path} was written for another pipeline")
+    return {ls["lane"]: ls for ls in base_plain["lane_states"]}
 
 
 def decode_state(data: bytes, *, source: str = "checkpoint") -> dict[str, Any]:
     """The plain state in checkpoint bytes; ``source`` names them in errors."""
-    plain = codec.decode(data, source=source)
-    LoaderState.from_plain(plain)  # validate structure now, with the source's name
-    return dict(plain)
+    return _read(io.BytesIO(data), source, None, ())[0]
 
 
-def save_state(state: Any, path: str | os.PathLike[str]) -> None:
-    """Writes a checkpoint atomically: temporary file, fsync, rename."""
-    data = encode_state(state)
+def save_state(
+    state: Any, path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
+) -> state_file.WriteStats:
+    """Writes a checkpoint atomically, lane by lane: temporary file, fsync, rename, fsync of the
+    directory. With ``base`` (an earlier checkpoint file of the same pipeline) only what changed
+    since is written; loading needs the base, next to where it was. Returns what was written."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".zephon-state-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            stats = write_state(state, f, base=base, relative_to=directory)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -324,9 +476,25 @@ def save_state(state: Any, path: str | os.PathLike[str]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _fsync_directory(directory)
+    return stats
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes the rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a checkpoint file written by ``save_state``; errors name the file."""
-    with open(path, "rb") as f:
-        return decode_state(f.read(), source=str(path))
+    """Reads a checkpoint file written by ``save_state`` lane by lane (following its bases, if
+    incremental); errors name the file."""
+    name = os.fspath(path)
+    with open(name, "rb") as f:
+        return _read(f, name, name, ())[0]

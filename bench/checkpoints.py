@@ -1,0 +1,254 @@
+"""Checkpoint size, save and load time and save memory: format 2 against compact and incremental.
+
+```bash
+.venv/bin/python -m bench.checkpoints                  # the README's pipeline at its settings
+.venv/bin/python -m bench.checkpoints --lanes 4 --buffer 64 --seq-len 256 --batch 16   # quick
+```
+
+The README's pipeline (two sources, ``Mix``, ``Tokenize``, ``Pack(seq_len=2048)``,
+``Shuffle(buffer=4096)``, 16 lanes, global batch 256) runs over the demo corpus (Python's own
+docs and code, a BPE tokenizer of 32,768 ids trained on it), until every shuffle buffer is full,
+then 100 steps more. In the same process, one after the other:
+
+- **format 2**: the encoder before this change (the whole checkpoint encoded in memory as
+  int32 copies of every field, then written), and its load;
+- **compact**: ``zf.save_state`` (format 3: lane by lane, narrowed ids, Pack's derived fields
+  rebuilt on load, zstd), and ``zf.load_state``;
+- **incremental**: ``zf.save_state(state, path, base=compact)`` 1, 10 and 100 steps after the
+  compact one, and their load (which loads the base too).
+
+Peak RSS while saving is sampled every 2 ms from ``/proc/self/statm`` and reported above the RSS
+before the save. "raw" is the state's in-memory bytes (every array at its size), and MB/s are raw
+bytes per second of save. Every restore is checked: the loader resumed from it gives the
+uninterrupted run's next batch digests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import apache_beam as beam
+
+import zephon_flow as zf
+from zephon_flow import codec
+from zephon_flow import operators as ops
+from zephon_flow.demo_data import DemoData, build_demo_data
+from zephon_flow.state import to_loader_state
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+MB = 1e6
+
+
+@dataclass(frozen=True)
+class Config:
+    lanes: int = 16
+    buffer: int = 4096
+    seq_len: int = 2048
+    batch: int = 256
+    workers: int = 2
+    backend: str = "processes"
+    later: tuple[int, ...] = (1, 10, 100)
+    vocab: int = 32768
+    code_files: int = 300
+
+
+def readme_spec(data: DemoData, cfg: Config) -> zf.LoaderSpec:
+    """The README's text pipeline over the demo corpus."""
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        web = p | "web" >> ops.ReadJsonl(data.docs_jsonl, field="text", split_bytes=64 * 1024)
+        code = p | "code" >> ops.ReadParquet(data.code_parquet, column="content")
+        docs = (web, code) | "mix" >> ops.Mix(weights=[0.7, 0.3])
+        toks = docs | "tok" >> beam.ParDo(ops.Tokenize(data.tokenizer_json, append_eos=True))
+        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=cfg.seq_len))
+        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=cfg.buffer))
+
+    return zf.LoaderSpec(build, lanes=cfg.lanes, seed=1234, global_batch_size=cfg.batch)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+@contextmanager
+def peak_rss() -> Iterator[dict[str, int]]:
+    """Samples RSS every 2 ms; ``out["peak_above"]`` is the peak above the RSS at entry."""
+    out = {"before": rss(), "peak_above": 0}
+    stop = threading.Event()
+
+    def sample() -> None:
+        peak = out["before"]
+        while not stop.is_set():
+            peak = max(peak, rss())
+            stop.wait(0.002)
+        out["peak_above"] = max(peak, rss()) - out["before"]
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        thread.join()
+
+
+def save_format_2(state: dict[str, Any], path: str) -> None:  # returns nothing, like it did
+    """How ``zf.save_state`` wrote checkpoints before format 3: one blob built in memory."""
+    data = codec.encode({**to_loader_state(state).to_plain(), "format_version": 2})
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_bytes(state: dict[str, Any]) -> int:
+    """The state's arrays and bytes at their in-memory size (what every format starts from)."""
+
+    def walk(v: Any) -> int:
+        if isinstance(v, dict):
+            return sum(walk(x) for x in v.values())
+        if isinstance(v, list | tuple):
+            return sum(walk(x) for x in v)
+        return int(getattr(v, "nbytes", len(v) if isinstance(v, bytes) else 0))
+
+    return walk(state)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
+    spec = readme_spec(data, cfg)
+    fill = 1  # the first batch needs every lane's buffer full
+    wanted = {fill, *(fill + k for k in cfg.later)}
+    last = max(wanted) + 2
+    states: dict[int, dict[str, Any]] = {}
+    digests: list[str] = []
+    start = time.perf_counter()
+    with zf.Loader(spec, backend=cfg.backend, workers=cfg.workers, prefetch=1) as loader:
+        for step, batch in loader:
+            digests.append(zf.batch_digest(batch))
+            if step + 1 in wanted:
+                states[step + 1] = loader.state_dict()
+            if step + 1 == last:
+                break
+    fill_seconds = time.perf_counter() - start
+    raw = raw_bytes(states[fill])
+
+    def resumes(state: Any, step: int) -> bool:
+        with zf.Loader(spec, state=state, backend=cfg.backend, workers=cfg.workers, prefetch=1) as ld:
+            got = [zf.batch_digest(b) for _, (_, b) in zip(range(2), ld, strict=False)]
+        return got == digests[step : step + 2]
+
+    rows: list[dict[str, Any]] = []
+
+    def measure(name: str, step: int, save: Callable[[str], Any], path: str) -> None:
+        with peak_rss() as mem:
+            stats, save_s = timed(lambda: save(path))
+        loaded, load_s = timed(lambda: zf.load_state(path))
+        ok = resumes(loaded, step)
+        del loaded
+        rows.append(
+            {
+                "format": name,
+                "step": step,
+                "bytes": os.path.getsize(path),
+                "bytes_before_zstd": getattr(stats, "uncompressed", os.path.getsize(path)),
+                "save_s": save_s,
+                "load_s": load_s,
+                "save_peak_rss_above_mb": mem["peak_above"] / MB,
+                "raw_mb_per_s": raw / MB / save_s,
+                "resume_digests_match": ok,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+
+    old, full = os.path.join(workdir, "format2.zf"), os.path.join(workdir, "compact.zf")
+    measure("format 2 (before)", fill, lambda p: save_format_2(states[fill], p), old)
+    os.unlink(old)
+    measure("compact", fill, lambda p: zf.save_state(states[fill], p), full)
+    for k in cfg.later:
+        measure(
+            f"incremental, {k} step(s) after the base",
+            fill + k,
+            lambda p, k=k: zf.save_state(states[fill + k], p, base=full),
+            os.path.join(workdir, f"plus{k}.zf"),
+        )
+    before = rows[0]["bytes"]
+    compact = rows[1]["bytes"]
+    for row in rows:
+        row["size_vs_format_2"] = row["bytes"] / before
+        row["size_vs_compact"] = row["bytes"] / compact
+        row["before_zstd_vs_format_2"] = row["bytes_before_zstd"] / before
+    return {
+        "config": asdict(cfg),
+        "raw_state_mb": raw / MB,
+        "fill_seconds": fill_seconds,
+        "rows": rows,
+        "format_2_over_compact": before / compact,
+    }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [
+        "| checkpoint | bytes | vs format 2 | before zstd | save s | raw MB/s saved | peak RSS above, saving "
+        "| load s | resume digests |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['format']} | {r['bytes'] / MB:,.1f} MB | {r['size_vs_format_2']:.4f} | "
+            f"{r['bytes_before_zstd'] / MB:,.1f} MB | {r['save_s']:.2f} | "
+            f"{r['raw_mb_per_s']:,.0f} | {r['save_peak_rss_above_mb']:,.0f} MB | {r['load_s']:.2f} | "
+            f"{'match' if r['resume_digests_match'] else 'DIFFER'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = Config()
+    for name in ("lanes", "buffer", "seq_len", "batch", "workers", "vocab", "code_files"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    parser.add_argument("--backend", default=defaults.backend)
+    parser.add_argument("--later", default=",".join(map(str, defaults.later)), help="steps after the base")
+    parser.add_argument("--data", default=os.path.expanduser("~/.cache/zephon-flow/bench-checkpoints"))
+    parser.add_argument("--out", default="bench/results/checkpoints.json")
+    args = parser.parse_args(argv)
+    cfg = Config(
+        lanes=args.lanes,
+        buffer=args.buffer,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        workers=args.workers,
+        backend=args.backend,
+        later=tuple(int(k) for k in args.later.split(",")),
+        vocab=args.vocab,
+        code_files=args.code_files,
+    )
+    data = build_demo_data(args.data, max_code_files=cfg.code_files, vocab_size=cfg.vocab, progress=True)
+    with tempfile.TemporaryDirectory(prefix="zephon-ck-bench-") as workdir:
+        result = run(data, cfg, workdir)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"raw state {result['raw_state_mb']:,.0f} MB, buffers filled in {result['fill_seconds']:.0f} s")
+    print(table(result))
+    return 0 if all(r["resume_digests_match"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
