@@ -11,6 +11,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
+from zephon_flow.core.roles import MixOperator
 from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError
 from zephon_flow.rng import draw_unit
 
@@ -51,6 +52,9 @@ class Mix(beam.PTransform):  # type: ignore[misc]
 
     The inputs must come straight from sources, optionally through stateless DoFns.
     """
+
+    #: How the deterministic runner knows this transform (``zephon_flow.core.roles``).
+    zephon_role = "mix"
 
     def __init__(
         self,
@@ -106,6 +110,10 @@ class Mix(beam.PTransform):  # type: ignore[misc]
             interpolation=str(params["interpolation"]),
             exhausted=str(params["exhausted"]),
         )
+
+    def mixture(self) -> Mixture:
+        """The mixture of a run that has used this Mix from step 0."""
+        return Mixture.of(self)
 
     def can_end(self, finite: Sequence[bool]) -> bool:
         """Whether a lane's mixed input can end, given which inputs have finite ``epochs``:
@@ -186,7 +194,7 @@ class Mixture:
 
     @classmethod
     def resume(
-        cls, mix: Mix, stored: Sequence[tuple[int, Mapping[str, Any]]], step: int, *, changed: bool
+        cls, mix: MixOperator, stored: Sequence[tuple[int, Mapping[str, Any]]], step: int, *, changed: bool
     ) -> Mixture:
         """The mixture to continue a checkpoint of ``step`` with: its own history, plus ``mix``
         (the spec's) from ``step`` on when the mixture was changed on this resume."""

@@ -73,12 +73,15 @@ def relative_name(path: str, pattern: str) -> str:
 
 
 class Source(beam.PTransform):  # type: ignore[misc]
-    """Base of zephon-flow's sources. The deterministic runner recognises subclasses by type.
+    """Base of zephon-flow's sources; the deterministic runner knows them by their role.
 
     A subclass implements ``make_splits`` (deterministic order), ``read_split`` (runs in the
     lane's feed thread: raw records, cheap) and ``decode`` (runs on the stateless backend, in
     parallel: parse, validate, extract). Errors name the file, the location and the operator.
     """
+
+    #: How the deterministic runner knows a source (``zephon_flow.core.roles``).
+    zephon_role = "source"
 
     def __init__(
         self,

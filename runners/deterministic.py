@@ -19,14 +19,16 @@ from apache_beam.transforms import core, window
 from apache_beam.transforms.util import Reshuffle
 
 from zephon_flow.code import class_code_digest
+from zephon_flow.core.roles import role_of
 from zephon_flow.errors import SpecError, UnsupportedTransformError
 from zephon_flow.operators.map import beam_function_identity
-from zephon_flow.operators.mix import Mix
-from zephon_flow.operators.splits import Source
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_seed, is_stateful
 from zephon_flow.runners.plan import Plan, SourcePlan
 
-_WHOLE = (Source, Mix, Reshuffle)
+
+def _taken_whole(transform: Any) -> bool:
+    """zephon-flow's sources and mix (by the role they declare) and Reshuffle are not expanded."""
+    return role_of(transform) is not None or isinstance(transform, Reshuffle)
 
 
 @dataclass
@@ -37,7 +39,7 @@ class _Collector(PipelineVisitor):  # type: ignore[misc]
     def enter_composite_transform(self, node: AppliedPTransform) -> None:
         if self._inside is not None or node.transform is None:
             return
-        if isinstance(node.transform, _WHOLE):
+        if _taken_whole(node.transform):
             self.nodes.append(node)
             self._inside = node
         elif isinstance(node.transform, beam.Create):
@@ -71,7 +73,7 @@ def _passthrough(node: AppliedPTransform) -> bool:
 
 def _check_primitive(node: AppliedPTransform) -> None:
     t = node.transform
-    if isinstance(t, _WHOLE) or _passthrough(node):
+    if _taken_whole(t) or _passthrough(node):
         return
     if isinstance(t, core.WindowInto):
         raise _refuse(
@@ -142,72 +144,75 @@ class DeterministicRunner(PipelineRunner):  # type: ignore[misc]
         )
 
     def compile(self, pipeline: Pipeline, output: beam.PCollection) -> Plan:
-        collector = _Collector()
-        pipeline.visit(collector)
-        for node in collector.nodes:
-            _check_primitive(node)
-        producer: dict[Any, AppliedPTransform] = {}
-        consumers: dict[Any, list[AppliedPTransform]] = {}
-        for node in collector.nodes:
-            for out in node.outputs.values():
-                producer[out] = node
-            for inp in node.inputs:
-                consumers.setdefault(inp, []).append(node)
-        for pcoll, users in consumers.items():
-            if len(users) > 1:
-                names = ", ".join(repr(u.full_label) for u in users)
-                raise UnsupportedTransformError(
-                    f"the output of {producer[pcoll].full_label!r} is consumed by several transforms "
-                    f"({names}); a lane runs one chain, branch by writing another LoaderSpec"
-                )
-        if output not in producer:
-            raise SpecError("build(p) must return the PCollection produced by the pipeline's last transform")
+        """The plan of ``pipeline`` up to ``output``, in the phases named in the module's doc."""
+        nodes = _collect(pipeline)
+        graph = _Graph.of(nodes, output)
+        trace = self._trace(graph, output)
+        common, back = self._classify(trace.path)
+        return self._describe(graph, trace, common, back, output)
 
+    def _trace(self, graph: _Graph, output: beam.PCollection) -> _Trace:
+        """Walks back from ``output``: the chain after the mix (or the lone source), the mix,
+        one chain per source; refuses transforms that do not lead to ``output``."""
         path: list[AppliedPTransform] = []
-        node = producer[output]
-        while not isinstance(node.transform, Source | Mix):
+        node = graph.producer[output]
+        while role_of(node.transform) is None:
             path.append(node)
-            node = producer[node.inputs[0]]
+            node = graph.producer[node.inputs[0]]
         path.reverse()
         used = {id(n) for n in path}
-        if isinstance(node.transform, Mix):
-            used.add(id(node))
-            branches = [self._branch(producer, producer[inp], used) for inp in node.inputs]
-            if len(branches) != len(node.transform.weights):
-                raise _refuse(node, f"{len(node.transform.weights)} weights for {len(branches)} inputs")
-            mixer, mix_label = node.transform, node.full_label
+        mix_node = node if role_of(node.transform) == "mix" else None
+        if mix_node is not None:
+            used.add(id(mix_node))
+            branches = [self._branch(graph.producer, graph.producer[inp], used) for inp in mix_node.inputs]
+            if len(branches) != mix_node.transform.n_inputs:
+                raise _refuse(mix_node, f"{mix_node.transform.n_inputs} weights for {len(branches)} inputs")
         else:
-            branches = [self._branch(producer, node, used)]
-            mixer, mix_label = None, None
-        unused = [n.full_label for n in collector.nodes if id(n) not in used]
+            branches = [self._branch(graph.producer, node, used)]
+        unused = [n.full_label for n in graph.nodes if id(n) not in used]
         if unused:
             raise UnsupportedTransformError(
                 f"transform(s) {', '.join(map(repr, unused))} do not lead to the PCollection that "
                 f"build(p) returned; remove them"
             )
+        return _Trace(path, mix_node, tuple(branches), [n for n in graph.nodes if id(n) in used])
 
+    def _classify(
+        self, path: list[AppliedPTransform]
+    ) -> tuple[tuple[StatelessInvoker, ...], tuple[StatelessInvoker | StatefulInvoker, ...]]:
+        """The stateless front (before the first stateful DoFn) and the ordered back."""
         chain = [n for n in path if not _passthrough(n)]
         first_stateful = next((i for i, n in enumerate(chain) if is_stateful(n.transform.fn)), len(chain))
         common = tuple(StatelessInvoker(n.full_label, n.transform.fn) for n in chain[:first_stateful])
-        back = tuple(self._invoker(n) for n in chain[first_stateful:])
-        ordered = [n for n in collector.nodes if id(n) in used]
+        return common, tuple(self._invoker(n) for n in chain[first_stateful:])
+
+    def _describe(
+        self,
+        graph: _Graph,
+        trace: _Trace,
+        common: tuple[StatelessInvoker, ...],
+        back: tuple[StatelessInvoker | StatefulInvoker, ...],
+        output: beam.PCollection,
+    ) -> Plan:
+        """The plan, with the graph and every operator's parameters for the fingerprint."""
+        mix = trace.mix_node
         return Plan(
-            sources=tuple(branches),
-            mixer=mixer,
-            mix_label=mix_label,
+            sources=trace.branches,
+            mixer=None if mix is None else mix.transform,
+            mix_label=None if mix is None else mix.full_label,
             common=common,
             back=back,
-            output_label=producer[output].full_label,
+            output_label=graph.producer[output].full_label,
             graph=tuple(
                 (
                     n.full_label,
                     type(n.transform).__name__,
-                    tuple(producer[i].full_label for i in n.inputs if i in producer),
+                    tuple(graph.producer[i].full_label for i in n.inputs if i in graph.producer),
                 )
-                for n in ordered
+                for n in trace.ordered
             ),
             params=tuple(
-                (n.full_label, describe_params(_operator(n))) for n in ordered if not _passthrough(n)
+                (n.full_label, describe_params(_operator(n))) for n in trace.ordered if not _passthrough(n)
             ),
         )
 
@@ -215,8 +220,8 @@ class DeterministicRunner(PipelineRunner):  # type: ignore[misc]
         self, producer: dict[Any, AppliedPTransform], node: AppliedPTransform, used: set[int]
     ) -> SourcePlan:
         steps: list[AppliedPTransform] = []
-        while not isinstance(node.transform, Source):
-            if isinstance(node.transform, Mix):
+        while role_of(node.transform) != "source":
+            if role_of(node.transform) == "mix":
                 raise _refuse(node, "a Mix feeding another Mix is not supported; use one Mix")
             used.add(id(node))
             if not _passthrough(node):
@@ -238,6 +243,54 @@ class DeterministicRunner(PipelineRunner):  # type: ignore[misc]
         if is_stateful(fn):
             return StatefulInvoker(node.full_label, fn, seed=dofn_seed(self.seed, node.full_label))
         return StatelessInvoker(node.full_label, fn)
+
+
+def _collect(pipeline: Pipeline) -> list[AppliedPTransform]:
+    """Phase *collect* and *check*: the graph's transforms, zephon-flow's own taken whole,
+    each one accepted or refused by name."""
+    collector = _Collector()
+    pipeline.visit(collector)
+    for node in collector.nodes:
+        _check_primitive(node)
+    return collector.nodes
+
+
+@dataclass(frozen=True)
+class _Graph:
+    """Who produces each PCollection; a PCollection feeds at most one transform."""
+
+    nodes: list[AppliedPTransform]
+    producer: dict[Any, AppliedPTransform]
+
+    @classmethod
+    def of(cls, nodes: list[AppliedPTransform], output: beam.PCollection) -> _Graph:
+        producer: dict[Any, AppliedPTransform] = {}
+        consumers: dict[Any, list[AppliedPTransform]] = {}
+        for node in nodes:
+            for out in node.outputs.values():
+                producer[out] = node
+            for inp in node.inputs:
+                consumers.setdefault(inp, []).append(node)
+        for pcoll, users in consumers.items():
+            if len(users) > 1:
+                names = ", ".join(repr(u.full_label) for u in users)
+                raise UnsupportedTransformError(
+                    f"the output of {producer[pcoll].full_label!r} is consumed by several transforms "
+                    f"({names}); a lane runs one chain, branch by writing another LoaderSpec"
+                )
+        if output not in producer:
+            raise SpecError("build(p) must return the PCollection produced by the pipeline's last transform")
+        return cls(nodes, producer)
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """Phase *trace*: the chain after the mix, the mix, the sources' chains, the used nodes."""
+
+    path: list[AppliedPTransform]
+    mix_node: AppliedPTransform | None
+    branches: tuple[SourcePlan, ...]
+    ordered: list[AppliedPTransform]
 
 
 def _operator(node: AppliedPTransform) -> Any:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_flow.batches import SampleLayout
+from zephon_flow.core.roles import MixPolicy
 from zephon_flow.errors import CorruptStateError
-from zephon_flow.operators.mix import Mixture
 from zephon_flow.operators.splits import START
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DocId, DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
@@ -47,7 +47,7 @@ class LaneFeed:
         lanes: int,
         seed: int,
         cursor: FeedCursor,
-        mixture: Mixture | None,
+        mixture: MixPolicy | None,
         chunk_records: int,
         depth: int,
         on_skip: SkipHook,
@@ -157,7 +157,7 @@ class LaneRunner:
         chunk_records: int,
         depth: int,
         step: int = 0,
-        mixture: Mixture | None = None,
+        mixture: MixPolicy | None = None,
         on_skip: SkipHook = _no_skip_hook,
     ) -> None:
         self._plan, self._window = plan, window
@@ -177,7 +177,7 @@ class LaneRunner:
         if any(not 0 <= i < n for i in [*cursor.exhausted, *([cursor.source] if cursor.skip else [])]):
             raise CorruptStateError(f"state of lane {lane} names a source that the pipeline does not have")
         if plan.mixer is not None and mixture is None:
-            mixture = Mixture.of(plan.mixer)
+            mixture = plan.mixer.mixture()
         self._cursor = cursor.copy()
         self._stages = {s.label: DoFnLaneState.from_plain(state.stages[s.label]) for s in plan.stateful}
         self._pending = list(state.pending)

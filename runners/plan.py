@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.operators.mix import Mix
+from zephon_flow.core.roles import MixOperator
 from zephon_flow.operators.splits import Source
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker
 from zephon_flow.runners.segment import FrontSegment
@@ -30,7 +30,7 @@ class Plan:
     """
 
     sources: tuple[SourcePlan, ...]
-    mixer: Mix | None
+    mixer: MixOperator | None
     mix_label: str | None
     common: tuple[StatelessInvoker, ...]
     back: tuple[StatelessInvoker | StatefulInvoker, ...]

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from zephon_flow.batches import Batch, SampleLayout, stack, with_valid
+from zephon_flow.core.roles import MixPolicy
 from zephon_flow.endsync import EndSync, default_end_sync
 from zephon_flow.errors import (
     SpecError,
@@ -115,7 +116,7 @@ class Loader:
     ) -> _Start:
         """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
         lane_ids = list(self._slice.lane_ids)
-        mixture = None if plan.mixer is None else Mixture.of(plan.mixer)
+        mixture = None if plan.mixer is None else plan.mixer.mixture()
         if state is None:
             return _Start(0, dict.fromkeys(lane_ids), mixture)
         loaded = to_loader_state(state)
@@ -342,7 +343,7 @@ class _Start:
 
     step: int
     lanes: dict[int, LaneState | None]
-    mixture: Mixture | None
+    mixture: MixPolicy | None
 
 
 def _check_options(spec: LoaderSpec, **positive: int) -> None:
