@@ -16,9 +16,9 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
+from zephon_flow.core.markers import ProvenanceParam
 from zephon_flow.errors import DataError, SpecError
 from zephon_flow.operators.image_decode import sample_name
-from zephon_flow.runners.dofns import ProvenanceParam
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 _NO_DOCS = np.zeros((0, 3), dtype=np.int64)

@@ -12,6 +12,7 @@ from apache_beam.transforms import userstate
 from apache_beam.transforms.core import get_function_arguments
 from apache_beam.utils.timestamp import Timestamp
 
+from zephon_flow.core.markers import DocId, _ProvenanceParam, _SeedParam
 from zephon_flow.errors import DataError, SpecError, StageError, ZephonError
 from zephon_flow.rng import stable_hash
 from zephon_flow.runners.userstate import (
@@ -43,36 +44,6 @@ def dofn_errors(label: str, where: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise StageError(f"DoFn {label!r} raised {type(exc).__name__}: {exc} ({where})") from exc
-
-
-class _SeedParam:
-    """Default-value marker: the runner passes the DoFn's seed (spec seed mixed with its label)."""
-
-    def __repr__(self) -> str:
-        return "zephon_flow.SeedParam"
-
-
-#: Declare ``seed=zf.SeedParam`` in a stateful DoFn's ``process`` to receive its seed.
-SeedParam: Any = _SeedParam()
-
-
-class _ProvenanceParam:
-    """Default-value marker: the runner passes the id of the source record the element came from."""
-
-    def __repr__(self) -> str:
-        return "zephon_flow.ProvenanceParam"
-
-
-#: Declare ``doc=zf.ProvenanceParam`` in a stateful DoFn's ``process`` to receive the id of the
-#: source record its element came from: ``(source index, split index, record offset)``, where the
-#: source index counts the pipeline's sources in the order the runner lists them, the split index
-#: is the source's split table entry and the offset is ``Record.offset``. Elements made by an
-#: earlier stateful DoFn carry the id of the record whose arrival produced them; outputs of timers
-#: carry none (``None``).
-ProvenanceParam: Any = _ProvenanceParam()
-
-#: The id ``ProvenanceParam`` passes: (source index, split index, record offset).
-DocId = tuple[int, int, int]
 
 
 def dofn_seed(spec_seed: int, label: str) -> int:

@@ -9,6 +9,7 @@ import zephon_flow._quiet as _quiet
 _quiet.quiet_beam_import_warnings()
 
 from zephon_flow.batches import batch_digest  # noqa: E402
+from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.errors import (  # noqa: E402
     DataError,
@@ -18,7 +19,6 @@ from zephon_flow.errors import (  # noqa: E402
     ZephonError,
 )
 from zephon_flow.loader import Loader  # noqa: E402
-from zephon_flow.runners.dofns import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.service.client import Client  # noqa: E402
 from zephon_flow.spec import LoaderSpec  # noqa: E402
 from zephon_flow.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
