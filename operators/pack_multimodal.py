@@ -89,6 +89,10 @@ class PackMultimodal(beam.DoFn):  # type: ignore[misc]
         self.text_field = text_field
         self.image_field = image_field
 
+    def placeholder_tokens(self) -> set[int]:
+        """Ids that stand for images in its sequences (``zephon inspect`` counts them apart)."""
+        return {self.image_token_id}
+
     def params(self) -> dict[str, Any]:
         return {
             "seq_len": self.seq_len,

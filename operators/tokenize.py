@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,6 +320,16 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
     def active_engine(self) -> str | None:
         """The engine this copy runs: None before ``setup``, ``"hf"`` after a fall-back."""
         return None if self._tokenizer is None else self._tokenizer.name
+
+    def token_decoder(self) -> Callable[[list[int]], str]:
+        """Ids back to text with this tokenizer (special tokens shown), for ``zephon inspect``."""
+        tokenizer = Tokenizer.from_file(os.fspath(self.path))
+
+        def decode(ids: list[int]) -> str:
+            text: str = tokenizer.decode(ids, skip_special_tokens=False)
+            return text
+
+        return decode
 
     def params(self) -> dict[str, Any]:
         params: dict[str, Any] = {

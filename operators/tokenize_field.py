@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import apache_beam as beam
@@ -48,6 +48,10 @@ class TokenizeField(beam.DoFn):  # type: ignore[misc]
             engine=engine,
             add_special_tokens=add_special_tokens,
         )
+
+    def token_decoder(self) -> Callable[[list[int]], str]:
+        """Ids back to text with the field's tokenizer (see ``Tokenize.token_decoder``)."""
+        return self.tokenize.token_decoder()
 
     def params(self) -> dict[str, Any]:
         return {

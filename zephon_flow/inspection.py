@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -153,25 +152,23 @@ def _documents(
 
 
 def _decoder(plan: Plan) -> Callable[[list[int]], str] | None:
-    """Decodes ids with the pipeline's first tokenizer (``ops.Tokenize`` or ``ops.TokenizeField``),
-    if it has one; a multimodal packer's image placeholder ids are shown as ``[image]``."""
-    from tokenizers import Tokenizer
-
-    from zephon_flow.operators.pack_multimodal import PackMultimodal
-    from zephon_flow.operators.tokenize import Tokenize
-    from zephon_flow.operators.tokenize_field import TokenizeField
-
-    steps = [*(s for sp in plan.sources for s in sp.chain), *plan.common, *plan.back]
-    dofns = [s.dofn.tokenize if isinstance(s.dofn, TokenizeField) else s.dofn for s in steps]
-    path = next((d.path for d in dofns if isinstance(d, Tokenize)), None)
-    if path is None:
+    """Decodes ids with the first operator of the pipeline that says how (``token_decoder()``:
+    ``ops.Tokenize``, ``ops.TokenizeField``), if any; ids an operator declares as placeholders
+    (``placeholder_tokens()``: a multimodal packer's image tokens) are counted, not decoded."""
+    stages = [*(s for sp in plan.sources for s in sp.chain), *plan.common, *plan.back]
+    dofns = [stage.dofn for stage in stages]
+    declared = next((d.token_decoder for d in dofns if callable(getattr(d, "token_decoder", None))), None)
+    if declared is None:
         return None
-    tokenizer = Tokenizer.from_file(os.fspath(path))
-    image_ids = {d.image_token_id for d in dofns if isinstance(d, PackMultimodal)}
+    text_of: Callable[[list[int]], str] = declared()
+    placeholders: set[int] = set()
+    for d in dofns:
+        if callable(getattr(d, "placeholder_tokens", None)):
+            placeholders |= d.placeholder_tokens()
 
     def decode(tokens: list[int]) -> str:
-        images = sum(1 for t in tokens if t in image_ids)
-        text: str = tokenizer.decode([t for t in tokens if t not in image_ids], skip_special_tokens=False)
+        images = sum(1 for t in tokens if t in placeholders)
+        text = text_of([t for t in tokens if t not in placeholders])
         return f"[{images} image tokens] {text}" if images else text
 
     return decode
