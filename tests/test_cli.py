@@ -88,7 +88,7 @@ def test_digest_is_the_same_across_topologies_and_resume(
     )
     assert wide == ref
 
-    ck = tmp_path / "ck.zfck"
+    ck = tmp_path / "ck.zfstate"
     first = _digests(capsys, target, "--steps", "5", "--world-size", "2", "--save-state", str(ck))
     assert ck.stat().st_size > 0
     rest = _digests(
@@ -118,7 +118,7 @@ def test_failures_exit_1_with_one_line(
     assert capsys.readouterr().err == f"zephon: error: {pipeline_file} has no attribute 'nope'\n"
     assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--world-size", "3"]) == 1
     assert "not divisible by world_size=3" in capsys.readouterr().err
-    bad = tmp_path / "bad.zfck"
+    bad = tmp_path / "bad.zfstate"
     bad.write_bytes(b"not a checkpoint at all, just some bytes that are long enough" * 2)
     assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--state", str(bad)]) == 1
     assert "not a zephon-flow checkpoint" in capsys.readouterr().err

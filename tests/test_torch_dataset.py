@@ -200,7 +200,7 @@ class FakeClient:
 
     def checkpoint(self, step: int) -> str:
         FakeClient.log.append(("checkpoint", step))
-        return f"/srv/ck/step{step}.zfck"
+        return f"/srv/ck/step{step}.zfstate"
 
     def close(self) -> None:
         FakeClient.log.append(("close",))
@@ -214,7 +214,7 @@ def test_over_a_client_the_state_is_the_step() -> None:
     assert [int(s) for s, _ in got] == [0, 1, 2]
     assert [b["x"].tolist() for _, b in got] == [[1, 1], [11, 11], [21, 21]]
     assert ds.state_dict() == {"step": 3}
-    assert ds.checkpoint_on_server() == "/srv/ck/step3.zfck"
+    assert ds.checkpoint_on_server() == "/srv/ck/step3.zfstate"
     ds.close()
 
     again = ZephonDataset.from_client("127.0.0.1:5", rank=0, world_size=4, client_factory=FakeClient)
@@ -243,7 +243,7 @@ def _rank_main(rank: int, world: int, port: int, corpus: Corpus, out: str, steps
         take(ds, steps)
         dcp.save({"data": ds}, checkpoint_id=f"{out}/dcp")
         merged = gather_states(ds)
-        Path(f"{out}/gathered-{rank}.zfck").write_bytes(merged)
+        Path(f"{out}/gathered-{rank}.zfstate").write_bytes(merged)
         ds.close()
     finally:
         dist.destroy_process_group()
@@ -253,7 +253,7 @@ def test_two_gloo_ranks_gather_a_state_that_resumes_on_one_and_four(corpus: Corp
     spec = spec_of(corpus)
     steps, more = 3, 3
     mp.spawn(_rank_main, args=(2, free_port(), corpus, str(tmp_path), steps), nprocs=2, join=True)
-    gathered = [(tmp_path / f"gathered-{r}.zfck").read_bytes() for r in range(2)]
+    gathered = [(tmp_path / f"gathered-{r}.zfstate").read_bytes() for r in range(2)]
     assert gathered[0] == gathered[1]
     lanes = zf.decode_state(gathered[0])["lane_states"]
     assert sorted(ls["lane"] for ls in lanes) == list(range(LANES))

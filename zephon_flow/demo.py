@@ -14,7 +14,7 @@ from zephon_flow.demo_data import build_demo_data, corpus_bytes
 from zephon_flow.progress import Progress
 from zephon_flow.simulate import global_batches
 from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import encode_state, load_state, save_state
+from zephon_flow.state import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 
 SEQ_LEN = 512
 LANES = 8
@@ -69,7 +69,7 @@ def run_demo(*, steps: int = 300, workers: int = 2, backend: str = "processes") 
     final: list[dict[str, Any]] = []
     first_half, _ = _run(spec, "2 ranks", mid, world_size=2, backend="threads", workers=2, final_state=final)
     with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/step{mid}.zfck"
+        path = f"{tmp}/step{mid}{CHECKPOINT_SUFFIX}"
         save_state(final[0], path)
         size = len(encode_state(final[0]))
         print(f"  checkpoint at step {mid}: {size / 1024:.0f} KiB (open windows and buffers only)")

@@ -22,6 +22,8 @@ from zephon_flow.errors import (
 )
 
 STATE_KIND = "zephon-flow/loader-state"
+#: The one file extension of checkpoints that zephon-flow writes (``zephon serve``, the demo).
+CHECKPOINT_SUFFIX = ".zfstate"
 
 
 #: The oldest format whose plain state this version reads (format 3 changed only the bytes).
