@@ -24,6 +24,7 @@ from zephon_flow.runners.userstate import (
     runtime_timer,
     snapshot_value,
 )
+from zephon_flow.state import StageState
 
 #: Positions are timestamps in whole seconds (Beam timestamps count microseconds).
 _MICROS = 1_000_000
@@ -164,20 +165,17 @@ class DoFnLaneState:
     # Runtime state and timer objects bound to ``values``/``timers``, built once per method.
     bound: dict[int, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
 
-    def to_plain(self) -> dict[str, Any]:
-        return {
-            "values": {name: snapshot_value(v) for name, v in self.values.items()},
-            "timers": dict(self.timers),
-            "position": self.position,
-        }
+    def snapshot(self) -> StageState:
+        """What a checkpoint keeps of it (copies of the values, never the bound objects)."""
+        return StageState(
+            values={name: snapshot_value(v) for name, v in self.values.items()},
+            timers=dict(self.timers),
+            position=self.position,
+        )
 
     @classmethod
-    def from_plain(cls, plain: dict[str, Any]) -> DoFnLaneState:
-        return cls(
-            values=copy_plain(plain["values"]),
-            timers=dict(plain["timers"]),
-            position=int(plain["position"]),
-        )
+    def restore(cls, saved: StageState) -> DoFnLaneState:
+        return cls(values=copy_plain(saved.values), timers=dict(saved.timers), position=saved.position)
 
 
 class _Binding:

@@ -166,7 +166,7 @@ class LaneRunner:
         n = len(plan.sources)
         if state is None:
             state = LaneState(lane, FeedCursor(0, [[0, 0, START, 0] for _ in plan.sources], skipped=[0] * n))
-            state.stages = {s.label: DoFnLaneState().to_plain() for s in plan.stateful}
+            state.stages = {s.label: DoFnLaneState().snapshot() for s in plan.stateful}
         missing = [s.label for s in plan.stateful if s.label not in state.stages]
         cursor = state.cursor
         if missing or len(cursor.sources) != n or len(cursor.skipped) != n:
@@ -180,7 +180,7 @@ class LaneRunner:
         if plan.mixer is not None and mixture is None:
             mixture = plan.mixer.mixture()
         self._cursor = cursor.copy()
-        self._stages = {s.label: DoFnLaneState.from_plain(state.stages[s.label]) for s in plan.stateful}
+        self._stages = {s.label: DoFnLaneState.restore(state.stages[s.label]) for s in plan.stateful}
         self._pending = list(state.pending)
         self._ended = state.ended
         self._layout = state.layout
@@ -271,7 +271,7 @@ class LaneRunner:
         return LaneState(
             lane=self.lane,
             cursor=self._cursor.copy(),
-            stages={label: st.to_plain() for label, st in self._stages.items()},
+            stages={label: st.snapshot() for label, st in self._stages.items()},
             pending=list(self._pending),  # outputs are never changed after they are made
             ended=self._ended,
             layout=self._layout,

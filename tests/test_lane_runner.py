@@ -100,7 +100,7 @@ def test_a_snapshot_holds_the_cursor_the_stages_and_the_pending_outputs(tmp_path
     # inside the second record (line 1), one of its two outputs taken
     assert state.cursor.mix_position == 1 and state.cursor.sources == [[0, 0, 1, 1]]
     assert state.cursor.skip == 1 and state.cursor.source == 0
-    assert state.stages["count"]["values"] == {"seen": 3}
+    assert state.stages["count"].values == {"seen": 3}
 
 
 def test_a_state_that_does_not_match_the_pipeline_is_refused_by_name(tmp_path: Path) -> None:

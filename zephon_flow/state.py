@@ -134,6 +134,31 @@ class FeedCursor:
 
 
 @dataclass
+class StageState:
+    """One stateful DoFn's state in one lane, as a checkpoint holds it: its Beam user state
+    values (plain data), its timers' deadlines and how many elements it has seen."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    timers: dict[str, int] = field(default_factory=dict)
+    position: int = 0
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"values": self.values, "timers": dict(self.timers), "position": self.position}
+
+    @classmethod
+    def from_plain(cls, plain: Any, where: str) -> StageState:
+        values = _mapping(_need(plain, "values", where), f"{where}, values")
+        timers = _mapping(_need(plain, "timers", where), f"{where}, timers")
+        return cls(
+            values=dict(values),
+            timers={
+                str(name): _int(t, f"{where}, timer {name!r}", minimum=None) for name, t in timers.items()
+            },
+            position=_int(_need(plain, "position", where), f"{where}, position"),
+        )
+
+
+@dataclass
 class LaneState:
     """Everything needed to continue one lane: cursor, stateful DoFns' state, open window.
 
@@ -144,7 +169,7 @@ class LaneState:
 
     lane: int
     cursor: FeedCursor
-    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stages: dict[str, StageState] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
     ended: bool = False
     layout: SampleLayout | None = None
@@ -153,7 +178,7 @@ class LaneState:
         return {
             "lane": self.lane,
             "cursor": self.cursor.to_plain(),
-            "stages": self.stages,
+            "stages": {label: st.to_plain() for label, st in self.stages.items()},
             "pending": self.pending,
             "ended": self.ended,
             "layout": None if self.layout is None else self.layout.to_plain(),
@@ -165,16 +190,11 @@ class LaneState:
         (before version 3 a lane had no ``layout``)."""
         lane = _int(_need(plain, "lane", "lane state"), "lane state's lane")
         where = f"state of lane {lane}"
-        stages = _mapping(_need(plain, "stages", where), f"{where}, stages")
-        for label, st in stages.items():
-            at = f"{where}, stage {label!r}"
+        stages: dict[str, StageState] = {}
+        for label, st in _mapping(_need(plain, "stages", where), f"{where}, stages").items():
             if not isinstance(label, str):
                 raise CorruptStateError(f"{where}: stage label {label!r} is not a string")
-            _mapping(_need(st, "values", at), f"{at}, values")
-            timers = _mapping(_need(st, "timers", at), f"{at}, timers")
-            for name, deadline in timers.items():
-                _int(deadline, f"{at}, timer {name!r}", minimum=None)
-            _int(_need(st, "position", at), f"{at}, position")
+            stages[label] = StageState.from_plain(st, f"{where}, stage {label!r}")
         pending = _need(plain, "pending", where)
         ended = _need(plain, "ended", where)
         if not isinstance(pending, list) or not isinstance(ended, bool):
