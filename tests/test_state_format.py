@@ -29,7 +29,7 @@ from zephon_flow import operators as ops
 from zephon_flow.errors import CorruptStateError, StateError
 from zephon_flow.operators.pack import PACKED_SEGMENTS
 from zephon_flow.simulate import global_digests
-from zephon_flow.state import FeedCursor, LaneState, LoaderState, to_loader_state
+from zephon_flow.state import FeedCursor, LaneState, LoaderState, StageState, to_loader_state
 
 STEPS = 6
 
@@ -263,7 +263,7 @@ def synthetic_state(lanes: int, rows: int, seq_len: int) -> LoaderState:
                     "documents": rng.integers(0, 1 << 20, (3, 3)),
                 }
             )
-        stages = {"shuffle": {"values": {"buffer": buffer}, "timers": {}, "position": rows}}
+        stages = {"shuffle": StageState({"buffer": buffer}, {}, rows)}
         states[lane] = LaneState(lane, FeedCursor(0, [[0, 0]], skipped=[0]), stages=stages)
     return LoaderState(1, lanes, {"total": "synthetic"}, states)
 
