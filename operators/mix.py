@@ -13,7 +13,7 @@ import numpy as np
 
 from zephon_flow.core.roles import MixOperator
 from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError
-from zephon_flow.rng import draw_unit
+from zephon_flow.rng import MIX_DRAW, draw_unit
 
 #: How weights between two schedule points are found.
 INTERPOLATIONS = ("constant", "linear")
@@ -202,12 +202,12 @@ class Mixture:
             raise CorruptStateError(f"the checkpoint's mix_history {list(stored)!r} does not start at step 0")
         if not changed:
             return cls.from_history(stored)
-        old = stored[-1][1]
+        old = cls.from_history(stored).entries[-1][1]  # refuses a damaged history by name
         new = mix.params()
-        if old.get("exhausted") != new["exhausted"]:
+        if old.exhausted != new["exhausted"]:
             raise FingerprintMismatchError(
                 f"Mix: exhausted={new['exhausted']!r} differs from the checkpoint's "
-                f"{old.get('exhausted')!r}; only weights, schedule and interpolation may change on resume"
+                f"{old.exhausted!r}; only weights, schedule and interpolation may change on resume"
             )
         return cls.from_history([(s, p) for s, p in stored if s < step] + [(step, new)])
 
@@ -231,7 +231,7 @@ class Mixture:
         cumulative = self._cumulative[key]
         if cumulative is None:
             return None
-        return pick(draw_unit(seed, 0, lane, position), cumulative)
+        return pick(draw_unit(seed, MIX_DRAW, lane, position), cumulative)
 
 
 def pick(u: float, cumulative: Sequence[float]) -> int:

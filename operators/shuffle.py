@@ -16,7 +16,7 @@ from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
 from zephon_flow.core.markers import SeedParam
 from zephon_flow.errors import SpecError
-from zephon_flow.rng import draw_u64, generator
+from zephon_flow.rng import SHUFFLE_DRAIN, SHUFFLE_SWAP, draw_u64, generator
 
 
 class Shuffle(beam.DoFn):  # type: ignore[misc]
@@ -56,7 +56,7 @@ class Shuffle(beam.DoFn):  # type: ignore[misc]
             held.append(value)
             items.write(held)
             return
-        j = draw_u64(seed, 1, lane, int(position.micros // 1_000_000)) % self.buffer
+        j = draw_u64(seed, SHUFFLE_SWAP, lane, int(position.micros // 1_000_000)) % self.buffer
         out, held[j] = held[j], value
         items.write(held)
         yield out
@@ -70,5 +70,5 @@ class Shuffle(beam.DoFn):  # type: ignore[misc]
     ) -> Any:
         held = items.read() or []
         items.clear()
-        for i in generator(seed, 2, key).permutation(len(held)):
+        for i in generator(seed, SHUFFLE_DRAIN, key).permutation(len(held)):
             yield held[int(i)]

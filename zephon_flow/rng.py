@@ -7,6 +7,12 @@ import struct
 
 import numpy as np
 
+#: The named random streams: each use of randomness draws from its own stream, so no two
+#: uses can ever see correlated numbers. The values are fixed forever (they are in every digest).
+MIX_DRAW = 0  # Mix: the source of a lane's record at a mix position
+SHUFFLE_SWAP = 1  # Shuffle: which buffered element leaves when a new one comes
+SHUFFLE_DRAIN = 2  # Shuffle: the order the buffer is emptied at the end of a finite input
+
 
 def stable_hash(text: str) -> int:
     """A 63-bit hash of ``text`` that is the same in every process and Python version."""
