@@ -21,7 +21,7 @@ from apache_beam.transforms.util import Reshuffle
 from zephon_flow.code import class_code_digest
 from zephon_flow.core.roles import role_of
 from zephon_flow.errors import SpecError, UnsupportedTransformError
-from zephon_flow.operators.map import beam_function_identity
+from zephon_flow.identity import beam_function_identity
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_seed, is_stateful
 from zephon_flow.runners.plan import Plan, SourcePlan
 
