@@ -121,7 +121,7 @@ class SourceStream:
         chunk_records: int,
         depth: int,
     ) -> None:
-        self._index, self._backend = index, backend
+        self._index, self._backend, self._lane = index, backend, lane
         item, position = cursor
         self._reader = SourceReader(
             plan.source, plan.label, lane=lane, lanes=lanes, seed=seed, item=item, position=position
@@ -162,7 +162,7 @@ class SourceStream:
         self._submitted += 1
         seq = self._reorder.expect()
         if chunk:
-            future = self._backend.submit(chunk)
+            future = self._backend.submit(chunk, lane=self._lane)
         else:  # only read skips: nothing for the backend to do
             future = Future()
             future.set_result([])

@@ -14,7 +14,7 @@ from zephon_flow.batches import Batch, stack
 from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError, ZephonError
 from zephon_flow.lanes import RankSlice
 from zephon_flow.operators.mix import Mix, Mixture
-from zephon_flow.runners.backends.base import make_backend
+from zephon_flow.runners.backends.base import DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.spec import LoaderSpec
 from zephon_flow.state import LaneState, LoaderState, to_loader_state
@@ -38,6 +38,11 @@ class Loader:
     step on, and the states this loader writes record it (``mix_history``), so a resume from
     any later one replays the change. Records dropped by a source's ``on_error="skip"`` are
     logged (a warning per source, with the first message) and counted: ``skipped()``.
+
+    ``chunk_timeout`` (seconds) bounds one chunk's stateless work: past it the processes backend
+    kills the stuck worker, replaces it and raises ``ChunkTimeoutError`` naming the DoFn and the
+    record (threads: the error, but the thread stays stuck; inline: a logged warning only). A
+    worker that dies is replaced and its chunks recomputed, with the same batches.
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class Loader:
         chunk_records: int = 16,
         prefetch_chunks: int = 4,
         allow_mix_change: bool = False,
+        chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
     ) -> None:
         if not isinstance(spec, LoaderSpec):
             raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
@@ -100,7 +106,9 @@ class Loader:
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
-        self._backend = make_backend(backend, workers=workers, segment=plan.front_segment())
+        self._backend = make_backend(
+            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
+        )
         self._lanes = [
             LaneRunner(
                 plan,
