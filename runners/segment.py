@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from zephon_flow.errors import ChunkTimeoutError, DataError, StageError, WorkerLostError, ZephonError
@@ -42,12 +42,14 @@ class Failure:
     @classmethod
     def of(cls, exc: BaseException, message: str | None = None) -> Failure:
         # A lost worker or a missed deadline is found by the parent: no worker traceback.
-        precise = isinstance(exc, WorkerLostError | ChunkTimeoutError)
+        precise: type[ZephonError] | None = None
+        if isinstance(exc, WorkerLostError | ChunkTimeoutError):
+            precise = type(exc)
         return cls(
             isinstance(exc, DataError),
             str(exc) if message is None else message,
             "" if precise else "".join(traceback.format_exception(exc)),
-            type(exc) if precise else None,
+            precise,
         )
 
     def reraise(self) -> None:

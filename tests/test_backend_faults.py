@@ -61,7 +61,14 @@ def _spec(tmp_path: Path, mode: str) -> zf.LoaderSpec:
     path = tmp_path / "docs.jsonl"
     if not path.exists():
         write_jsonl(path, [str(i) for i in range(40)])
-    return chain_spec(str(path), ("fault", Fault(mode, str(tmp_path))), lanes=2, global_batch_size=2, epochs=1, split_bytes=64)
+    return chain_spec(
+        str(path),
+        ("fault", Fault(mode, str(tmp_path))),
+        lanes=2,
+        global_batch_size=2,
+        epochs=1,
+        split_bytes=64,
+    )
 
 
 def _ns(batches: list[dict[str, np.ndarray]]) -> list[list[int]]:
@@ -83,7 +90,9 @@ def test_a_dead_worker_is_replaced_and_its_chunks_recomputed(tmp_path: Path, mod
 
 
 @pytest.mark.timeout(60)
-def test_a_record_that_kills_every_worker_fails_naming_worker_lane_operator_and_record(tmp_path: Path) -> None:
+def test_a_record_that_kills_every_worker_fails_naming_worker_lane_operator_and_record(
+    tmp_path: Path,
+) -> None:
     spec = _spec(tmp_path, "exit")
     with pytest.raises(WorkerLostError) as info:
         run_batches(spec, backend="processes", workers=2, chunk_records=4)
@@ -101,7 +110,9 @@ def test_a_stuck_call_is_named_and_its_worker_killed(tmp_path: Path, backend: st
     spec = _spec(tmp_path, "hang")
     before = _descendants()
     started = time.monotonic()
-    with pytest.raises(ChunkTimeoutError, match=r"chunk_timeout=1 s in DoFn 'fault' on the record at .*docs\.jsonl"):
+    with pytest.raises(
+        ChunkTimeoutError, match=r"chunk_timeout=1 s in DoFn 'fault' on the record at .*docs\.jsonl"
+    ):
         run_batches(spec, backend=backend, workers=2, chunk_records=4, chunk_timeout=1.0)
     assert time.monotonic() - started < 30
     if backend == "processes":
@@ -123,7 +134,9 @@ def test_close_returns_within_seconds_while_a_call_hangs(tmp_path: Path, backend
     assert not consumer.is_alive()
 
 
-def test_the_inline_backend_logs_a_call_past_its_deadline(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_the_inline_backend_logs_a_call_past_its_deadline(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     spec = _spec(tmp_path, "slow")
     with caplog.at_level(logging.WARNING, logger="zephon_flow"):
         got = _ns(run_batches(spec, chunk_records=4, chunk_timeout=0.5))

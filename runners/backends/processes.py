@@ -92,7 +92,7 @@ def _worker_main(
             conn.send((task_id, Failure.of(exc, f"the outputs of a chunk cannot be sent back: {exc}")))
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext:
     """A forkserver that has imported zephon-flow (and so Beam) once; workers fork from it
     cheaply instead of each paying Beam's import. The server process runs no threads, so
     forking from it is safe, and it exits by itself when the process that started it dies."""
@@ -281,9 +281,8 @@ class ProcessBackend:
                         _settle(task.future, result)
                     worker.tasks.clear()
                     return
-                task = worker.tasks.pop(task_id, None)
-                if task is not None:
-                    _settle(task.future, result)
+                if task_id in worker.tasks:
+                    _settle(worker.tasks.pop(task_id).future, result)
         except (EOFError, OSError):
             pass  # it died: the sentinel is (or will be) ready too
 
@@ -317,7 +316,9 @@ class ProcessBackend:
             how = f"exited with code {code}"
         return f"worker {worker.number} (pid {worker.process.pid}) {how}"
 
-    def _replace(self, worker: _Worker, note: str, *, failed: _Task | None = None, error: Failure | None = None) -> None:
+    def _replace(
+        self, worker: _Worker, note: str, *, failed: _Task | None = None, error: Failure | None = None
+    ) -> None:
         """Swaps a dead (or killed) worker for a new one; its chunks run again, except ``failed``."""
         self._receive(worker)  # results it sent before dying still count
         running, where = self._running(worker)
@@ -344,7 +345,7 @@ class ProcessBackend:
         self._workers.append(self._start_worker())
 
     def _next_deadline(self) -> float | None:
-        starts = [w.progress[_STARTED] for w in self._workers if w.progress[_TASK] != _IDLE]
+        starts = [float(w.progress[_STARTED]) for w in self._workers if w.progress[_TASK] != _IDLE]
         if not starts:
             return 1.0  # progress is not pushed: look again soon
         return max(0.01, min(min(starts) + self._timeout - time.monotonic(), 1.0))
@@ -384,4 +385,3 @@ def _lost_message(task: _Task) -> str:
 def _settle(future: Future[ChunkResult], result: ChunkResult | Failure) -> None:
     with contextlib.suppress(InvalidStateError):  # cancelled by a closing stream meanwhile
         future.set_result(result)
-

@@ -64,6 +64,9 @@ class StepWindow:
         self._positions: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._connected: dict[int, int] = {}
+        # Per rank, the number of the newest stream: an older stream of the rank is replaced.
+        self._streams: dict[int, int] = {}
+        self._joins = 0
         self._times: list[float] = []
 
     # -- producer ------------------------------------------------------------------------------
@@ -104,8 +107,10 @@ class StepWindow:
     def _held(self) -> str:
         return f"the server holds steps [{self._low}, {self._produced})"
 
-    def join(self, rank: int, world_size: int, step: int) -> None:
-        """Registers a stream of ``rank`` of ``world_size`` starting at ``step``."""
+    def join(self, rank: int, world_size: int, step: int) -> int:
+        """Registers a stream of ``rank`` of ``world_size`` starting at ``step``; returns its
+        number. A rank has one stream: an older one still open is replaced (its ``take`` raises
+        ``ABORTED``), so a trainer that reconnects is never refused by its own dead stream."""
         with self._cond:
             if world_size != self._world_size:
                 busy = sorted(r for r, n in self._connected.items() if n)
@@ -131,7 +136,17 @@ class StepWindow:
             self._positions[rank] = step
             self._sent[rank] = step
             self._connected[rank] += 1
+            self._joins += 1
+            self._streams[rank] = self._joins
             self._release()
+            return self._joins
+
+    def _check_current(self, rank: int, stream: int | None) -> None:
+        if stream is not None and self._streams.get(rank) != stream:
+            raise WindowError(
+                "ABORTED",
+                f"rank {rank} opened a new stream: this one is replaced (a rank reads one stream at a time)",
+            )
 
     def _check_step(self, step: int) -> None:
         if step < self._low:
@@ -172,11 +187,20 @@ class StepWindow:
                 self._cond.wait(0.2)
             return active()
 
-    def take(self, rank: int, world_size: int, step: int, active: Callable[[], bool]) -> Batch | None:
+    def take(
+        self,
+        rank: int,
+        world_size: int,
+        step: int,
+        active: Callable[[], bool],
+        stream: int | None = None,
+    ) -> Batch | None:
         """For ``rank``'s stream, which has sent every step before ``step``: records that (as
         ``sent``), waits as ``wait_to_send`` and then as ``get``, under one lock; returns global
-        batch ``step``, or None when the stream should end (data ended or client gone)."""
+        batch ``step``, or None when the stream should end (data ended or client gone).
+        ``stream`` (from ``join``) raises ``ABORTED`` once the rank has opened a newer stream."""
         with self._cond:
+            self._check_current(rank, stream)
             current = world_size == self._world_size
             if current:
                 self._sent[rank] = step
@@ -184,8 +208,22 @@ class StepWindow:
                 if not active():
                     return None
                 self._cond.wait(0.2)
+                self._check_current(rank, stream)
                 current = world_size == self._world_size
             return self._await_produced(step, active)
+
+    def waiting_for_client(self, rank: int, world_size: int, step: int) -> bool:
+        """Whether ``rank``'s stream at ``step`` could send now but for its client: the step is
+        produced, or production waits for the rank's acknowledgements."""
+        with self._cond:
+            if world_size != self._world_size:
+                return False
+            return step < self._produced or step >= self._positions[rank] + self.ahead
+
+    def slowest(self) -> int:
+        """The step every connected world's rank has acknowledged (the first step if none)."""
+        with self._cond:
+            return self._slowest()
 
     def sent(self, rank: int, world_size: int, next_step: int) -> None:
         """``rank``'s stream has sent every step before ``next_step`` (shown by ``status``)."""
@@ -223,10 +261,12 @@ class StepWindow:
         self._low = low
         self._cond.notify_all()
 
-    def leave(self, rank: int, world_size: int) -> None:
+    def leave(self, rank: int, world_size: int, stream: int | None = None) -> None:
         with self._cond:
             if world_size == self._world_size and self._connected.get(rank):
                 self._connected[rank] -= 1
+                if stream is not None and self._streams.get(rank) == stream:
+                    del self._streams[rank]
             self._cond.notify_all()
 
     # -- checkpoints and status ----------------------------------------------------------------
