@@ -5,8 +5,8 @@ client reconnect), its RSS, fds and threads over time, and every digest against 
     python -m bench.soak --minutes 5     # shortened
 
 Two trainer ranks (world size 2) read from one server (processes backend, 2 workers) at a fixed
-pace; the server writes a checkpoint about every minute (``--checkpoint-every``, in steps, from
-the pace), keeping 3. Every ``--kill-every`` seconds a worker process of the server is SIGKILLed
+pace; the server writes a checkpoint every ``--checkpoint-steps`` steps (``zephon serve
+--checkpoint-every``; the default is about a minute on a small machine), keeping 3. Every ``--kill-every`` seconds a worker process of the server is SIGKILLed
 (the backend replaces it); at half time the server itself is SIGKILLed and restarted with
 ``--resume`` from its newest checkpoint on the same port (the clients reconnect by themselves);
 at a quarter of the time rank 1's client process is killed and started again from the step after
@@ -188,13 +188,15 @@ def reference(steps: int) -> tuple[dict[int, list[str]], bool]:
 
 
 # -- the run -----------------------------------------------------------------------------------
-def soak(minutes: float, pace: float, kill_every: float, sample_every: float) -> dict[str, Any]:
+def soak(
+    minutes: float, pace: float, kill_every: float, sample_every: float, checkpoint_steps: int
+) -> dict[str, Any]:
     from zephon_flow.demo_data import build_demo_data
 
     build_demo_data()  # the corpus is built (or found cached) before the clock starts
     work = Path(tempfile.mkdtemp(prefix="zephon-soak-"))
     ckpt = work / "ckpt"
-    every = max(1, round(60 / pace))  # about one checkpoint a minute at the clients' pace
+    every = checkpoint_steps
     log = work / "server.log"
     server, port = _start_server(0, ckpt, every, log, None)
     address = f"127.0.0.1:{port}"
@@ -225,7 +227,7 @@ def soak(minutes: float, pace: float, kill_every: float, sample_every: float) ->
                 last = max(_read_digests(outs[1]), default=-1)
                 clients[1] = _start_client(address, 1, last + 1, pace, outs[1])
                 events.append(f"{now:.0f}s: client rank 1 killed and restarted from step {last + 1}")
-            if not restarted and now >= duration / 2:
+            if not restarted and now >= duration / 2 and list(ckpt.glob("step-*.zfstate")):
                 restarted = True
                 os.kill(server.pid, signal.SIGKILL)
                 server.wait()
@@ -260,8 +262,10 @@ def soak(minutes: float, pace: float, kill_every: float, sample_every: float) ->
     # RSS after the restart only: the new server's life is the longer steady state.
     after = [s for s in samples if s["t"] > duration / 2 + 30] or samples
     t = [s["t"] for s in after]
+    served_s = max(s["t"] for s in samples) if samples else duration
     return {
         "minutes": minutes,
+        "steps_per_second": steps / served_s,
         "pace_s": pace,
         "checkpoint_every_steps": every,
         "steps_served_per_rank": steps,
@@ -292,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pace", type=float, default=0.1, help="seconds a client waits after each step")
     parser.add_argument("--kill-every", type=float, default=180.0, help="seconds between worker SIGKILLs")
     parser.add_argument("--sample-every", type=float, default=5.0)
+    parser.add_argument(
+        "--checkpoint-steps",
+        type=int,
+        default=60,
+        help="zephon serve --checkpoint-every (about a minute at this machine's ~1-2 steps/s)",
+    )
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument(
         "--client", nargs=5, metavar=("ADDRESS", "RANK", "START", "PACE", "OUT"), help=argparse.SUPPRESS
@@ -300,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.client:
         address, rank, start, pace, out = args.client
         return client_main(address, int(rank), int(start), float(pace), out)
-    report = soak(args.minutes, args.pace, args.kill_every, args.sample_every)
+    report = soak(args.minutes, args.pace, args.kill_every, args.sample_every, args.checkpoint_steps)
     text = json.dumps(report, indent=2)
     print(text)
     if args.json:
