@@ -57,6 +57,14 @@ class Fault(beam.DoFn):  # type: ignore[misc]
         yield {"n": np.int64(n)}
 
 
+class Inflate(beam.DoFn):  # type: ignore[misc]
+    """A large record in, a larger array out: chunks and results that fill the worker pipes."""
+
+    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+        n = int(text.split()[0])
+        yield {"n": np.int64(n), "big": np.full(400_000, n, dtype=np.int32)}
+
+
 def _spec(tmp_path: Path, mode: str) -> zf.LoaderSpec:
     path = tmp_path / "docs.jsonl"
     if not path.exists():
@@ -87,6 +95,20 @@ def test_a_dead_worker_is_replaced_and_its_chunks_recomputed(tmp_path: Path, mod
     assert (tmp_path / "fired").exists(), "the fault never fired: the test tests nothing"
     assert got == expected
     assert any(TARGET in b for b in got)
+
+
+@pytest.mark.timeout(120)
+def test_large_chunks_and_results_do_not_deadlock_the_worker_pipes(tmp_path: Path) -> None:
+    # Chunks of ~256 KiB and 1.6 MB results per record, two chunks queued per worker: a
+    # dispatcher that wrote the next chunk itself would block on a busy worker that is
+    # blocked writing its result back (both pipes full), and the loader would hang.
+    path = tmp_path / "big.jsonl"
+    write_jsonl(path, [f"{i} " + "x" * 150_000 for i in range(24)])
+    spec = chain_spec(str(path), ("inflate", Inflate()), lanes=1, global_batch_size=1, epochs=1)
+    got = run_batches(spec, backend="processes", workers=2, chunk_records=4, prefetch_chunks=8)
+    assert [int(b["n"][0]) for b in got] == [int(b["n"][0]) for b in run_batches(spec, chunk_records=4)]
+    assert sorted(int(b["n"][0]) for b in got) == list(range(24))
+    assert all(int(b["big"][0, -1]) == int(b["n"][0]) for b in got)
 
 
 @pytest.mark.timeout(60)

@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -14,6 +15,7 @@ from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from apache_beam.internal import pickler
@@ -117,6 +119,19 @@ class _Worker:
     conn: Connection
     progress: Any  # a shared array of doubles, see _TASK.._STARTED
     tasks: dict[int, _Task] = field(default_factory=dict)
+    #: Pickled chunks for the sender thread: a send blocks while the worker is busy and the
+    #: pipe is full, and the dispatcher must never wait on one worker.
+    outbox: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
+
+
+def _send_all(worker: _Worker) -> None:
+    """A worker's sender thread: writes its pickled chunks in order until told to stop or the
+    worker is gone (the dispatcher learns that from the worker's sentinel)."""
+    while (data := worker.outbox.get()) is not None:
+        try:
+            worker.conn.send_bytes(data)
+        except (OSError, ValueError):
+            return
 
 
 class ProcessBackend:
@@ -174,8 +189,8 @@ class ProcessBackend:
         self._wake()
         self._thread.join(timeout=CLOSE_GRACE)
         for worker in self._workers:
-            with contextlib.suppress(OSError, ValueError):
-                worker.conn.send(None)
+            worker.outbox.put(ForkingPickler.dumps(None).tobytes())
+            worker.outbox.put(None)
         self._alive_w.close()  # every worker's watchdog sees EOF and exits
         deadline = time.monotonic() + CLOSE_GRACE
         for worker in self._workers:
@@ -212,6 +227,7 @@ class ProcessBackend:
         child.close()
         worker = _Worker(self._numbers, process, parent, progress)
         self._numbers += 1
+        threading.Thread(target=_send_all, args=(worker,), name="zephon-worker-send", daemon=True).start()
         return worker
 
     def _dispatch(self) -> None:
@@ -261,14 +277,11 @@ class ProcessBackend:
                 if task.future.cancelled():
                     continue
                 try:
-                    worker.conn.send((task.id, task.chunk))
+                    data = bytes(ForkingPickler.dumps((task.id, task.chunk)))
                 except Exception as exc:
-                    if isinstance(exc, OSError | EOFError):  # the worker is gone: its sentinel says so
-                        with self._lock:
-                            self._pending.appendleft(task)
-                        break
                     _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
                     continue
+                worker.outbox.put(data)
                 worker.tasks[task.id] = task
 
     def _receive(self, worker: _Worker) -> None:
@@ -335,6 +348,7 @@ class ProcessBackend:
                     continue
             again.append(task)
         worker.tasks.clear()
+        worker.outbox.put(None)
         with contextlib.suppress(OSError):
             worker.conn.close()
         self._workers.remove(worker)
