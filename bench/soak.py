@@ -152,17 +152,20 @@ def reference(steps: int) -> tuple[dict[int, list[str]], bool]:
     digests equal ``zephon digest``'s."""
     import zephon_flow as zf
     from zephon_flow.demo import demo_spec
+    from zephon_flow.lanes import RankSlice
+    from zephon_flow.service.wire import slice_rows
 
     spec = demo_spec()
-    rows = spec.global_batch_size // WORLD
+    cuts = [
+        RankSlice(rank=r, world_size=WORLD, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
+        for r in range(WORLD)
+    ]
     ranks: dict[int, list[str]] = {}
     whole: list[str] = []
     with zf.Loader(spec, backend="processes", workers=2) as loader:
         for step, batch in loader:
-            ranks[step] = [
-                zf.batch_digest({k: v[r * rows : (r + 1) * rows] for k, v in batch.items()})
-                for r in range(WORLD)
-            ]
+            # The server's own slicing (ragged provenance fields are cut by their counts).
+            ranks[step] = [zf.batch_digest(slice_rows(batch, c.start, c.stop)) for c in cuts]
             whole.append(f"{step} {zf.batch_digest(batch)}")
             if step + 1 == steps:
                 break
