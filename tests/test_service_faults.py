@@ -24,7 +24,7 @@ from test_service_requests import _self_signed
 import zephon_flow as zf
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.server import EXIT_PIPELINE_FAILED, BatchServer
-from zephon_flow.state import load_state
+from zephon_flow.state import load_state, save_state
 
 pytestmark = pytest.mark.timeout(120)
 TESTS = Path(__file__).resolve().parent
@@ -233,5 +233,26 @@ def test_a_plaintext_client_against_a_tls_server_is_told_so(tmp_path: Path) -> N
             next(iter(client))
         assert info.value.code == "UNAVAILABLE"
         assert "pass Client(root_certificates=" in str(info.value)
+    finally:
+        srv.stop(grace=None)
+
+
+def test_ranks_that_outran_the_last_checkpoint_reconnect_to_the_resumed_server(tmp_path: Path) -> None:
+    # With --checkpoint-every N the newest checkpoint can be N steps (and a window) behind the
+    # ranks when the server dies; resumed from it, the server replays up to their steps.
+    spec = numbers_spec(tmp_path)
+    with zf.Loader(spec) as loader:
+        for step, _ in loader:
+            if step == 9:
+                break
+        state = loader.state_dict()
+    path = tmp_path / "step-10.zfstate"
+    save_state(state, path)
+    srv = BatchServer(
+        spec, window=2, resume=str(path), checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5
+    ).start()
+    try:
+        with zf.Client(_address(srv), 0, 1, start_step=17, retries=0) as client:
+            assert _steps(client, 3) == [17, 18, 19]
     finally:
         srv.stop(grace=None)

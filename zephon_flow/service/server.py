@@ -161,7 +161,13 @@ class BatchServer:
         self._open_lock = threading.Lock()
         #: The pipeline's error once it has failed (the server then only reports it).
         self.failed: BaseException | None = None
-        self._window = StepWindow(first_step=int(first["step"]), first_state=first, ahead=window, keep=keep)
+        # Resumed from its own --checkpoint-every checkpoint, the server can be up to N steps
+        # (plus the window and an acknowledgement stride) behind its ranks: they may reconnect
+        # that far ahead, and production replays the steps in between.
+        reach = window if checkpoint_every is None else 2 * window + checkpoint_every
+        self._window = StepWindow(
+            first_step=int(first["step"]), first_state=first, ahead=window, keep=keep, reach=reach
+        )
         self._chunk_bytes = chunk_bytes
         self._stop = threading.Event()
         self._producer = threading.Thread(target=self._produce, name="zephon-serve-producer", daemon=True)

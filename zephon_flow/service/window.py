@@ -50,10 +50,15 @@ class StepWindow:
     handlers call ``join``/``take`` (or ``wait_to_send``/``get``/``sent``)/``leave``;
     acknowledgements call ``ack``; checkpoints call ``state_for``."""
 
-    def __init__(self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8) -> None:
+    def __init__(
+        self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8, reach: int | None = None
+    ) -> None:
         if ahead < 1 or keep < 0:
             raise ValueError(f"ahead must be >= 1 and keep >= 0, got ahead={ahead}, keep={keep}")
         self.ahead, self.keep = ahead, keep
+        #: How far past the produced step a stream may start (production catches up to it):
+        #: ``ahead`` by default; more for a server resumed from a checkpoint its ranks outran.
+        self.reach = ahead if reach is None else max(ahead, reach)
         self._cond = threading.Condition()
         self._low = self._produced = first_step
         self._batches: dict[int, Batch] = {}
@@ -121,12 +126,12 @@ class StepWindow:
                         f"world_size={world_size} can connect once they have all disconnected",
                     )
             self._check_step(step)
-            if step > self._produced + self.ahead:
+            if step > self._produced + self.reach:
                 raise WindowError(
                     "OUT_OF_RANGE",
-                    f"step {step} is too far ahead: {self._held()} and produces at most {self.ahead} "
-                    f"steps ahead; to start at step {step}, restart the server with --resume from a "
-                    f"checkpoint of that step",
+                    f"step {step} is too far ahead: {self._held()} and a stream may start at most "
+                    f"{self.reach} steps past it; to start at step {step}, restart the server with "
+                    f"--resume from a checkpoint of that step",
                 )
             if world_size != self._world_size:
                 self._world_size = world_size
