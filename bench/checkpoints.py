@@ -26,6 +26,7 @@ uninterrupted run's next batch digests.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -125,6 +126,10 @@ def raw_bytes(state: dict[str, Any]) -> int:
     return walk(state)
 
 
+def _save_incremental(state: dict[str, Any], path: str, *, base: str) -> None:
+    zf.save_state(state, path, base=base)
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     out = fn()
@@ -185,7 +190,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
         measure(
             f"incremental, {k} step(s) after the base",
             fill + k,
-            lambda p, k=k: zf.save_state(states[fill + k], p, base=full),
+            functools.partial(_save_incremental, states[fill + k], base=full),
             os.path.join(workdir, f"plus{k}.zf"),
         )
     before = rows[0]["bytes"]

@@ -23,6 +23,31 @@ IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 _WIDE = ("I", "I;16", "I;16B", "I;16L", "I;16N")
 
 
+#: Pixels converted at a time from 16 to 8 bits: the temporaries stay a few MiB whatever the image.
+_NARROW_BLOCK = 1 << 20
+
+
+def _narrow(im: Image.Image) -> np.ndarray:
+    """A 16-bit (or 32-bit integer) grey image as 8-bit grey, ``round(v * 255 / 65535)`` after
+    clipping to 0..65535, a block of rows at a time in uint32 (``65535 * 255 + 32767`` fits):
+    no full-size copy in a wider type, so a large image costs its decoded pixels and one byte
+    per pixel more, not ten times that."""
+    width, height = im.size
+    out = np.empty((height, width), dtype=np.uint8)
+    rows = max(1, _NARROW_BLOCK // max(width, 1))
+    for top in range(0, height, rows):
+        bottom = min(height, top + rows)
+        block = np.asarray(im.crop((0, top, width, bottom)))
+        if block.dtype != np.uint16:  # mode "I" (int32): may hold anything
+            block = np.clip(block, 0, 65535)
+        wide = block.astype(np.uint32)
+        wide *= 255
+        wide += 32767
+        wide //= 65535
+        out[top:bottom] = wide
+    return out
+
+
 def sample_name(element: Any) -> str:
     """How errors name a sample: its ``__key__`` when it has one."""
     if isinstance(element, Mapping) and "__key__" in element:
@@ -176,9 +201,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         if self.exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
             im = ImageOps.exif_transpose(im)
         if im.mode in _WIDE:
-            wide = np.asarray(im).astype(np.int64)
-            grey = ((np.clip(wide, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8)
-            im = Image.fromarray(grey)
+            im = Image.fromarray(_narrow(im))
         elif im.mode == "F":
             raise DataError(
                 f"DecodeImage: the image in {where} holds floating-point pixels (Pillow mode 'F'), "

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from zephon_flow.errors import DataError, StageError, ZephonError
+from zephon_flow.errors import ChunkTimeoutError, DataError, StageError, WorkerLostError, ZephonError
 from zephon_flow.operators.splits import Record, Source
 from zephon_flow.runners.dofns import StatelessInvoker, dofn_errors
 
@@ -27,25 +28,48 @@ RecordResult = list[Any] | Skipped
 
 @dataclass(frozen=True)
 class Failure:
-    """An exception raised on a worker, carried back with its formatted traceback."""
+    """An exception raised on a worker, carried back with its formatted traceback.
+
+    ``error`` is the class to re-raise when it is more precise than ``DataError``/``StageError``
+    (a lost worker, a chunk past its deadline); it must take the message as its one argument.
+    """
 
     data_error: bool
     message: str
     worker_traceback: str
+    error: type[ZephonError] | None = None
 
     @classmethod
     def of(cls, exc: BaseException, message: str | None = None) -> Failure:
+        # A lost worker or a missed deadline is found by the parent: no worker traceback.
+        precise: type[ZephonError] | None = None
+        if isinstance(exc, WorkerLostError | ChunkTimeoutError):
+            precise = type(exc)
         return cls(
             isinstance(exc, DataError),
             str(exc) if message is None else message,
-            "".join(traceback.format_exception(exc)),
+            "" if precise else "".join(traceback.format_exception(exc)),
+            precise,
         )
 
     def reraise(self) -> None:
-        text = f"{self.message}\n\n-- traceback on the worker --\n{self.worker_traceback}"
+        text = self.message
+        if self.worker_traceback:
+            text = f"{text}\n\n-- traceback on the worker --\n{self.worker_traceback}"
+        if self.error is not None:
+            raise self.error(text)
         if self.data_error:
             raise DataError(text)
         raise StageError(text)
+
+
+#: Told where a chunk's run is: (stage, first record, last record) of the chunk. Stage 0 is the
+#: sources' decode, stage ``n`` the ``n``-th stateless DoFn (see ``FrontSegment.describe``).
+Progress = Callable[[int, int, int], None]
+
+
+def _no_progress(stage: int, first: int, last: int) -> None:
+    pass
 
 
 class FrontSegment:
@@ -69,22 +93,52 @@ class FrontSegment:
         self.common = common
         # Sources are labelled by now (the runner binds labels when it compiles the plan).
         self._names = [s.operator_name for s in sources]
+        #: Stages in run order (stage n is ``stages[n - 1]``): per-source chains, then common.
+        self.stages = [step for chain in source_chains for step in chain] + list(common)
+
+    def describe(self, chunk: Chunk, stage: int, first: int, last: int) -> str:
+        """Names the operator and the record(s) a ``Progress`` report points at, for errors
+        about a chunk whose worker died or hung."""
+        if not chunk:
+            return "before its first record"
+        first, last = (min(max(k, 0), len(chunk) - 1) for k in (first, last))
+        if stage <= 0 or stage > len(self.stages):
+            index, record = chunk[first]
+            return f"in {self._names[index]}'s decode of the record at {record.path} {record.where}"
+        label = self.stages[stage - 1].label
+        if first == last:
+            return f"in DoFn {label!r} {self._where(*chunk[first])}"
+        a, b = chunk[first][1], chunk[last][1]
+        return (
+            f"in DoFn {label!r} on a batch of {last - first + 1} records from {a.path} {a.where} "
+            f"to {b.path} {b.where}"
+        )
 
     def _where(self, source_index: int, record: Record) -> str:
         return f"on the record at {record.path} {record.where}, via {self._names[source_index]}"
 
-    def run_chunk(self, chunk: Chunk) -> list[RecordResult] | Failure:
-        """Outputs per record, or the first failure (never raises: failures travel as data)."""
+    def run_chunk(self, chunk: Chunk, progress: Progress = _no_progress) -> list[RecordResult] | Failure:
+        """Outputs per record, or the first failure (never raises: failures travel as data).
+
+        ``progress`` is told each stage and record before it runs, so a watcher can name the
+        DoFn and the record of a call that hangs or kills its process.
+        """
         try:
-            values: list[RecordResult] = [self._decode(index, record) for index, record in chunk]
+            values: list[RecordResult] = []
+            for k, (index, record) in enumerate(chunk):
+                progress(0, k, k)
+                values.append(self._decode(index, record))
+            stage = 0
             for index, chain in enumerate(self.source_chains):
                 if chain:
                     members = [k for k, (i, _) in enumerate(chunk) if i == index]
                     for step in chain:
-                        self._stage(step, chunk, values, members)
+                        stage += 1
+                        self._stage(step, stage, chunk, values, members, progress)
             everyone = list(range(len(chunk)))
             for step in self.common:
-                self._stage(step, chunk, values, everyone)
+                stage += 1
+                self._stage(step, stage, chunk, values, everyone, progress)
             return values
         except Exception as exc:  # carried back to the consumer with the worker's traceback
             return Failure.of(exc)
@@ -111,7 +165,13 @@ class FrontSegment:
             return Skipped(str(named))
 
     def _stage(
-        self, step: StatelessInvoker, chunk: Chunk, values: list[RecordResult], members: list[int]
+        self,
+        step: StatelessInvoker,
+        stage: int,
+        chunk: Chunk,
+        values: list[RecordResult],
+        members: list[int],
+        progress: Progress,
     ) -> None:
         """Runs one DoFn on the values of the records ``members``, replacing them by its outputs."""
         live = [k for k in members if not isinstance(values[k], Skipped) and values[k]]
@@ -119,15 +179,17 @@ class FrontSegment:
             return
         if not step.batched:
             for k in live:
+                progress(stage, k, k)
                 inputs = values[k]
                 assert not isinstance(inputs, Skipped)
                 values[k] = self._guarded(step, chunk, k, lambda inputs=inputs: _per_element(step, inputs))
             return
         flat = [v for k in live for v in values[k]]  # type: ignore[union-attr]
+        progress(stage, live[0], live[-1])
         try:
             results = step.call_batch(flat)
         except Exception as exc:
-            self._per_record(step, chunk, values, live, exc)
+            self._per_record(step, stage, chunk, values, live, exc, progress)
             return
         if len(flat) == len(live):  # one value per record, the common case: no regrouping
             for k, outputs in zip(live, results, strict=True):
@@ -145,10 +207,12 @@ class FrontSegment:
     def _per_record(
         self,
         step: StatelessInvoker,
+        stage: int,
         chunk: Chunk,
         values: list[RecordResult],
         live: list[int],
         exc: Exception,
+        progress: Progress,
     ) -> None:
         """A batched call failed: calls the DoFn again per record, to name the record at fault
         (or skip it, if its source skips bad data)."""
@@ -160,6 +224,7 @@ class FrontSegment:
                 exc,
             )
         for k in live:
+            progress(stage, k, k)
             inputs = values[k]
             assert not isinstance(inputs, Skipped)
             values[k] = self._guarded(step, chunk, k, lambda inputs=inputs: _flatten(step.call_batch(inputs)))

@@ -167,7 +167,7 @@ class SourceStream:
         chunk_records: int,
         depth: int,
     ) -> None:
-        self._index, self._backend = index, backend
+        self._index, self._backend, self._lane = index, backend, lane
         self._reader = SourceReader(plan.source, plan.label, lane=lane, lanes=lanes, seed=seed, cursor=cursor)
         self._chunk_records, self._depth = chunk_records, depth
         self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(
@@ -205,7 +205,7 @@ class SourceStream:
         self._submitted += 1
         seq = self._reorder.expect()
         if chunk:
-            future = self._backend.submit(chunk)
+            future = self._backend.submit(chunk, lane=self._lane)
         else:  # only read skips: nothing for the backend to do
             future = Future()
             future.set_result([])

@@ -207,3 +207,34 @@ def test_in_a_pipeline_the_error_also_names_the_file_and_the_dofn(tmp_path: Path
     message = str(info.value)
     assert "DecodeImage: cannot decode the image in field 'jpg' of sample '00000'" in message
     assert f"(DoFn 'decode', on the record at {tmp_path / '00000.jpg'} the whole file" in message
+
+
+def test_sixteen_bit_conversion_rounds_every_value_as_before_in_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from zephon_flow.operators import image_decode
+
+    monkeypatch.setattr(image_decode, "_NARROW_BLOCK", 7)  # many blocks, a partial last one
+    values = np.arange(0, 65536, 13, dtype=np.uint16)[: 61 * 81].reshape(61, 81)
+    got = image_decode._narrow(Image.fromarray(values))
+    expected = (values.astype(np.int64) * 255 + 32767) // 65535
+    assert got.tolist() == expected.tolist()
+    wild = np.array([[-5, 70000, 65535, 1]], dtype=np.int32)  # mode "I" holds anything
+    assert image_decode._narrow(Image.fromarray(wild)).tolist() == [[0, 255, 255, 0]]
+
+
+def test_a_large_sixteen_bit_png_costs_about_its_pixels_not_int64_copies() -> None:
+    import tracemalloc
+
+    side = 2000
+    data = encode(Image.fromarray(np.full((side, side), 40000, dtype=np.uint16)), "PNG")
+    assert len(data) < 100_000  # a small file that expands to 4 M pixels
+    tracemalloc.start()
+    try:
+        image = decode(data, mode="L")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert image.shape == (side, side, 1) and int(image[0, 0, 0]) == 156
+    # The 8-bit result is 1 byte per pixel; int64 intermediates cost 8 bytes each (24+ in all).
+    assert peak < 4 * side * side, f"peak {peak / 1e6:.0f} MB for {side * side / 1e6:.0f} M pixels"

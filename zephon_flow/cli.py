@@ -251,6 +251,10 @@ def _serve(args: argparse.Namespace) -> int:
         keep=args.keep,
         token=token,
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
+        checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints,
+        stream_timeout=args.stream_timeout,
+        chunk_timeout=args.chunk_timeout,
     )
     return serve_forever(server)
 
@@ -346,6 +350,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    s.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="N",
+        help="write a checkpoint to --checkpoint-dir each time the slowest rank has moved N steps on",
+    )
+    s.add_argument(
+        "--keep-checkpoints",
+        type=int,
+        default=3,
+        metavar="K",
+        help="keep the K newest checkpoints (default 3)",
+    )
+    s.add_argument(
+        "--stream-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="drop a stream whose client takes nothing for this long while data waits (default 300)",
+    )
+    s.add_argument(
+        "--chunk-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a stateless call running longer than this fails the pipeline (default 300)",
+    )
+    s.set_defaults(func=_serve)
     return parser
 
 

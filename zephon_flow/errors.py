@@ -5,6 +5,8 @@
      |    +-- UnsupportedTransformError   the runner cannot run a transform of the graph
      +-- DataError            bad input: names the file, the offset or row, and the operator
      +-- StageError           a DoFn raised; carries the worker's traceback
+     |    +-- WorkerLostError         a worker process died on the same chunk too many times
+     |    +-- ChunkTimeoutError       a stateless call ran past the chunk deadline (chunk_timeout)
      +-- StateError           a checkpoint cannot be used
           +-- FingerprintMismatchError    written for another pipeline (names the part)
           +-- LaneCountMismatchError      written for another lane count
@@ -38,6 +40,16 @@ class DataError(ZephonError, ValueError):
 
 class StageError(ZephonError, RuntimeError):
     """A DoFn raised while processing; the message carries the original traceback."""
+
+
+class WorkerLostError(StageError):
+    """A worker process died (killed, out of memory, ``os._exit``) each time it ran the same
+    chunk; names the worker, the lane, the operator and the record."""
+
+
+class ChunkTimeoutError(StageError):
+    """A stateless call ran longer than the loader's ``chunk_timeout``; names the DoFn and the
+    record. On the processes backend the stuck worker has been killed and replaced."""
 
 
 class StateError(ZephonError, ValueError):
@@ -77,6 +89,7 @@ class ServiceError(ZephonError, RuntimeError):
 
 
 __all__ = [
+    "ChunkTimeoutError",
     "CorruptStateError",
     "DataError",
     "FingerprintMismatchError",
@@ -88,5 +101,6 @@ __all__ = [
     "StateConflictError",
     "StateError",
     "UnsupportedTransformError",
+    "WorkerLostError",
     "ZephonError",
 ]

@@ -24,7 +24,7 @@ from zephon_flow.errors import (
 )
 from zephon_flow.lanes import RankSlice
 from zephon_flow.operators.mix import Mixture
-from zephon_flow.runners.backends.base import make_backend
+from zephon_flow.runners.backends.base import DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.runners.plan import Plan
 from zephon_flow.spec import LoaderSpec
@@ -56,6 +56,11 @@ class Loader:
 
     ``end_sync`` is how the ranks of a finite pipeline agree on its last step (see
     ``zephon_flow.endsync``); by default ``torch.distributed`` when it is initialised.
+
+    ``chunk_timeout`` (seconds) bounds one chunk's stateless work: past it the processes backend
+    kills the stuck worker, replaces it and raises ``ChunkTimeoutError`` naming the DoFn and the
+    record (threads: the error, but the thread stays stuck; inline: a logged warning only). A
+    worker that dies is replaced and its chunks recomputed, with the same batches.
     """
 
     def __init__(
@@ -73,6 +78,7 @@ class Loader:
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
         end_sync: EndSync | None = None,
+        chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
     ) -> None:
         # Phases: check the options, restore the state, build the lanes, take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
@@ -90,7 +96,13 @@ class Loader:
         )
         self._mix_history = [] if start.mixture is None else start.mixture.history()
         self._build_lanes(
-            plan, start, backend=backend, workers=workers, chunk_records=chunk_records, depth=prefetch_chunks
+            plan,
+            start,
+            backend=backend,
+            workers=workers,
+            chunk_records=chunk_records,
+            depth=prefetch_chunks,
+            chunk_timeout=chunk_timeout,
         )
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
@@ -139,13 +151,23 @@ class Loader:
         return _Start(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
     def _build_lanes(
-        self, plan: Plan, start: _Start, *, backend: str, workers: int, chunk_records: int, depth: int
+        self,
+        plan: Plan,
+        start: _Start,
+        *,
+        backend: str,
+        workers: int,
+        chunk_records: int,
+        depth: int,
+        chunk_timeout: float,
     ) -> None:
         """The stateless backend and one ``LaneRunner`` per lane under this rank's rows."""
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
-        self._backend = make_backend(backend, workers=workers, segment=plan.front_segment())
+        self._backend = make_backend(
+            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
+        )
         self._lanes = [
             LaneRunner(
                 plan,

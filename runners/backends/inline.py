@@ -5,17 +5,27 @@ from __future__ import annotations
 from concurrent.futures import Future
 
 from zephon_flow.runners.backends.base import ChunkResult
+from zephon_flow.runners.backends.threads import Deadlines, _Call
 from zephon_flow.runners.segment import Chunk, FrontSegment
 
 
 class InlineBackend:
-    def __init__(self, segment: FrontSegment) -> None:
-        self._segment = segment
+    """Runs each chunk inside ``submit``, on the lane's own thread.
 
-    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
+    What it cannot do: a call that hangs hangs that thread, and nothing can stop it from inside
+    the process. What it does: after ``chunk_timeout`` seconds it logs a warning naming the
+    DoFn and the record the call is stuck on, and ``close`` returns at once (the stuck thread
+    is a daemon and is left behind). Use ``backend="processes"`` to have a stuck call killed,
+    its worker replaced and the loader fail with ``ChunkTimeoutError``.
+    """
+
+    def __init__(self, segment: FrontSegment, *, chunk_timeout: float = 300.0) -> None:
+        self._deadlines = Deadlines(segment, chunk_timeout, "inline")
+
+    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
         future: Future[ChunkResult] = Future()
-        future.set_result(self._segment.run_chunk(chunk))
+        future.set_result(self._deadlines.run(_Call(chunk, lane, None)))
         return future
 
     def close(self) -> None:
-        pass
+        self._deadlines.close()

@@ -1,56 +1,401 @@
-"""The processes backend: stateless work in spawned worker processes, each with its own DoFns."""
+"""The processes backend: stateless work in worker processes that are watched, replaced and die with us."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
+import os
+import queue
+import signal
 import sys
-from concurrent.futures import Future, ProcessPoolExecutor
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 from apache_beam.internal import pickler
 
+from zephon_flow.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners.backends.base import ChunkResult
-from zephon_flow.runners.segment import Chunk, FrontSegment
+from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
-_SEGMENT: FrontSegment | None = None
+#: A chunk whose worker dies this many times (each time while running it) fails the loader.
+MAX_ATTEMPTS = 3
+#: Chunks queued on one worker (one runs, the next waits in its pipe: no idle round trip).
+PER_WORKER = 2
+#: How long ``close`` lets workers exit on their own before killing them.
+CLOSE_GRACE = 1.0
+
+# Progress slots a worker writes into shared memory for the parent to read.
+_TASK, _STAGE, _FIRST, _LAST, _STARTED = range(5)
+_IDLE = -1.0
+
+_PR_SET_PDEATHSIG = 1
 
 
-def _install(payload: bytes, sys_path: list[str]) -> None:
-    global _SEGMENT
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (the forkserver, which itself exits
+    when the trainer does). Elsewhere the watchdog thread alone does the job."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _watch_parent(alive: Connection) -> None:
+    """Blocks on a pipe whose only writer is the parent's backend: EOF means the parent closed
+    the backend or died, and either way this worker has nothing left to do."""
+    with contextlib.suppress(EOFError, OSError):
+        alive.recv()
+    os._exit(0)
+
+
+def _worker_main(
+    payload: bytes, sys_path: list[str], conn: Connection, alive: Connection, progress: Any
+) -> None:
+    """A worker: install the segment, then run the chunks the parent sends until told to stop."""
+    _die_with_parent()
+    threading.Thread(target=_watch_parent, args=(alive,), name="zephon-parent-watch", daemon=True).start()
     # The forkserver may predate the parent's current sys.path (a pipeline file loaded by
     # path, a test directory); DoFns pickled by reference must import the same way here.
     sys.path[:] = sys_path + [p for p in sys.path if p not in sys_path]
-    _SEGMENT = pickler.loads(payload)
+    try:
+        segment: FrontSegment = pickler.loads(payload)
+    except Exception as exc:
+        conn.send((-1, Failure.of(exc, f"a worker could not load the pipeline's DoFns: {exc}")))
+        return
+
+    def report(stage: int, first: int, last: int) -> None:
+        progress[_STAGE], progress[_FIRST], progress[_LAST] = stage, first, last
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        task_id, chunk = message
+        progress[_STARTED] = time.monotonic()
+        progress[_TASK] = task_id
+        result: ChunkResult = segment.run_chunk(chunk, report)
+        progress[_TASK] = _IDLE
+        try:
+            conn.send((task_id, result))
+        except (EOFError, OSError):
+            return
+        except Exception as exc:  # outputs that do not pickle: say which DoFn made them
+            conn.send((task_id, Failure.of(exc, f"the outputs of a chunk cannot be sent back: {exc}")))
 
 
-def _run(chunk: Chunk) -> ChunkResult:
-    assert _SEGMENT is not None, "worker used before its segment was installed"
-    return _SEGMENT.run_chunk(chunk)
-
-
-def _context() -> multiprocessing.context.BaseContext:
+def _context() -> multiprocessing.context.ForkServerContext:
     """A forkserver that has imported zephon-flow (and so Beam) once; workers fork from it
     cheaply instead of each paying Beam's import. The server process runs no threads, so
-    forking from it is safe."""
+    forking from it is safe, and it exits by itself when the process that started it dies."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["zephon_flow.runners.backends.processes", "zephon_flow.operators"])
     return ctx
 
 
+@dataclass(eq=False)
+class _Task:
+    id: int
+    chunk: Chunk
+    future: Future[ChunkResult]
+    lane: int
+    deaths: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _Worker:
+    number: int
+    process: Any  # multiprocessing's Process of the forkserver context
+    conn: Connection
+    progress: Any  # a shared array of doubles, see _TASK.._STARTED
+    tasks: dict[int, _Task] = field(default_factory=dict)
+    #: Pickled chunks for the sender thread: a send blocks while the worker is busy and the
+    #: pipe is full, and the dispatcher must never wait on one worker.
+    outbox: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
+
+
+def _send_all(worker: _Worker) -> None:
+    """A worker's sender thread: writes its pickled chunks in order until told to stop or the
+    worker is gone (the dispatcher learns that from the worker's sentinel)."""
+    while (data := worker.outbox.get()) is not None:
+        try:
+            worker.conn.send_bytes(data)
+        except (OSError, ValueError):
+            return
+
+
 class ProcessBackend:
-    """A pool of ``workers`` processes. DoFns are pickled once, with Beam's pickler, and set
-    up in each worker (so each worker has its own tokenizer)."""
+    """``workers`` processes, each with its own copy of the DoFns (pickled once, with Beam's
+    pickler), fed chunks by one dispatcher thread.
 
-    def __init__(self, segment: FrontSegment, workers: int) -> None:
-        payload = pickler.dumps(segment)
-        self._pool = ProcessPoolExecutor(
-            max_workers=workers,
-            mp_context=_context(),
-            initializer=_install,
-            initargs=(payload, list(sys.path)),
-        )
+    Faults recover by themselves: a worker that dies (SIGKILL, the OOM killer, ``os._exit``)
+    is replaced and its chunks run again on the new one, so results, and the batches, do not
+    change; a chunk that kills ``MAX_ATTEMPTS`` workers fails with ``WorkerLostError`` naming
+    the worker, the lane, the operator and the record. A chunk that runs longer than
+    ``chunk_timeout`` seconds fails with ``ChunkTimeoutError`` naming the DoFn and the record,
+    and its worker is killed and replaced. ``close`` returns within a couple of seconds whatever
+    the workers are doing. Workers never outlive the process that started them: each watches a
+    pipe only the parent writes to and, on Linux, asks for SIGKILL when the forkserver (its
+    parent, which exits with ours) dies.
+    """
 
-    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
-        return self._pool.submit(_run, chunk)
+    def __init__(self, segment: FrontSegment, workers: int, *, chunk_timeout: float = 300.0) -> None:
+        self._segment = segment
+        self._payload = pickler.dumps(segment)
+        self._sys_path = list(sys.path)
+        self._timeout = chunk_timeout
+        self._ctx = _context()
+        self._alive_r, self._alive_w = self._ctx.Pipe(duplex=False)
+        self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._lock = threading.Lock()
+        self._pending: deque[_Task] = deque()
+        self._next_id = 0
+        self._numbers = 0
+        self._closing = False
+        self._broken: Failure | None = None
+        self._workers = [self._start_worker() for _ in range(workers)]
+        self._thread = threading.Thread(target=self._dispatch, name="zephon-workers", daemon=True)
+        self._thread.start()
+
+    # -- the caller's side -----------------------------------------------------------------
+    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
+        # Never marked running: cancel() succeeds until the result is in, so a closing stream
+        # is never left waiting on a chunk a stuck worker holds.
+        future: Future[ChunkResult] = Future()
+        with self._lock:
+            if self._closing:
+                future.cancel()
+                return future
+            self._pending.append(_Task(self._next_id, chunk, future, lane))
+            self._next_id += 1
+        self._wake()
+        return future
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._wake()
+        self._thread.join(timeout=CLOSE_GRACE)
+        for worker in self._workers:
+            worker.outbox.put(ForkingPickler.dumps(None).tobytes())
+            worker.outbox.put(None)
+        self._alive_w.close()  # every worker's watchdog sees EOF and exits
+        deadline = time.monotonic() + CLOSE_GRACE
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for worker in self._workers:
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=CLOSE_GRACE)
+            worker.conn.close()
+            self._orphan(worker.tasks.values())
+            worker.tasks.clear()
+        with self._lock:
+            pending, self._pending = list(self._pending), deque()
+        self._orphan(pending)
+        for conn in (self._alive_r, self._wake_r, self._wake_w):
+            conn.close()
+
+    # -- the dispatcher's side -------------------------------------------------------------
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._wake_w.send_bytes(b"")
+
+    def _start_worker(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        progress = self._ctx.RawArray(ctypes.c_double, 5)
+        progress[_TASK] = _IDLE
+        process = self._ctx.Process(
+            target=_worker_main,
+            args=(self._payload, self._sys_path, child, self._alive_r, progress),
+            name=f"zephon-worker-{self._numbers}",
+            daemon=True,
+        )
+        process.start()
+        child.close()
+        worker = _Worker(self._numbers, process, parent, progress)
+        self._numbers += 1
+        threading.Thread(target=_send_all, args=(worker,), name="zephon-worker-send", daemon=True).start()
+        return worker
+
+    def _dispatch(self) -> None:
+        try:
+            self._serve()
+        except Exception as exc:  # a bug here must fail the loader, not hang it
+            self._broken = Failure.of(exc, f"the processes backend's dispatcher failed: {exc}")
+            for worker in self._workers:
+                for task in worker.tasks.values():
+                    _settle(task.future, self._broken)
+            for task in self._drain():
+                _settle(task.future, self._broken)
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            self._assign()
+            by_conn = {w.conn: w for w in self._workers}
+            by_sentinel = {w.process.sentinel: w for w in self._workers}
+            ready = wait([self._wake_r, *by_conn, *by_sentinel], timeout=self._next_deadline())
+            for obj in ready:
+                if obj is self._wake_r:
+                    with contextlib.suppress(EOFError, OSError):
+                        while self._wake_r.poll():
+                            self._wake_r.recv_bytes()
+                elif obj in by_conn:
+                    self._receive(by_conn[obj])
+            for obj in ready:
+                worker = by_sentinel.get(obj)  # type: ignore[call-overload]
+                if worker is not None and worker in self._workers:
+                    self._replace(worker, self._death_note(worker))
+            self._check_deadlines()
+
+    def _assign(self) -> None:
+        if self._broken is not None:
+            for task in self._drain():
+                _settle(task.future, self._broken)
+            return
+        for worker in self._workers:
+            while len(worker.tasks) < PER_WORKER:
+                with self._lock:
+                    if not self._pending:
+                        return
+                    task = self._pending.popleft()
+                if task.future.cancelled():
+                    continue
+                try:
+                    data = bytes(ForkingPickler.dumps((task.id, task.chunk)))
+                except Exception as exc:
+                    _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
+                    continue
+                worker.outbox.put(data)
+                worker.tasks[task.id] = task
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            while worker.conn.poll():
+                task_id, result = worker.conn.recv()
+                if task_id == -1:  # the worker could not install the DoFns: no worker can
+                    self._broken = result
+                    for task in [*worker.tasks.values(), *self._drain()]:
+                        _settle(task.future, result)
+                    worker.tasks.clear()
+                    return
+                if task_id in worker.tasks:
+                    _settle(worker.tasks.pop(task_id).future, result)
+        except (EOFError, OSError):
+            pass  # it died: the sentinel is (or will be) ready too
+
+    def _drain(self) -> list[_Task]:
+        with self._lock:
+            tasks, self._pending = list(self._pending), deque()
+        return tasks
+
+    def _running(self, worker: _Worker) -> tuple[_Task | None, str]:
+        """The chunk the worker is running (if any) and where in it, from its progress slots."""
+        progress = worker.progress
+        task = worker.tasks.get(int(progress[_TASK]))
+        if task is None:
+            return None, ""
+        where = self._segment.describe(
+            task.chunk, int(progress[_STAGE]), int(progress[_FIRST]), int(progress[_LAST])
+        )
+        return task, where
+
+    def _death_note(self, worker: _Worker) -> str:
+        worker.process.join(timeout=CLOSE_GRACE)
+        code = worker.process.exitcode
+        if code is not None and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+            if code == -signal.SIGKILL:
+                how += " (the kernel's OOM killer sends it when memory runs out)"
+        else:
+            how = f"exited with code {code}"
+        return f"worker {worker.number} (pid {worker.process.pid}) {how}"
+
+    def _replace(
+        self, worker: _Worker, note: str, *, failed: _Task | None = None, error: Failure | None = None
+    ) -> None:
+        """Swaps a dead (or killed) worker for a new one; its chunks run again, except ``failed``."""
+        self._receive(worker)  # results it sent before dying still count
+        running, where = self._running(worker)
+        again: list[_Task] = []
+        for task in sorted(worker.tasks.values(), key=lambda t: t.id):
+            if task is failed:
+                assert error is not None
+                _settle(task.future, error)
+                continue
+            if task is running:
+                task.deaths.append(f"{note} {where}")
+                if len(task.deaths) >= MAX_ATTEMPTS:
+                    _settle(task.future, Failure.of(WorkerLostError(_lost_message(task))))
+                    continue
+            again.append(task)
+        worker.tasks.clear()
+        worker.outbox.put(None)
+        with contextlib.suppress(OSError):
+            worker.conn.close()
+        self._workers.remove(worker)
+        with self._lock:
+            self._pending.extendleft(reversed(again))
+            if self._closing or self._broken is not None:
+                return
+        self._workers.append(self._start_worker())
+
+    def _next_deadline(self) -> float | None:
+        starts = [float(w.progress[_STARTED]) for w in self._workers if w.progress[_TASK] != _IDLE]
+        if not starts:
+            return 1.0  # progress is not pushed: look again soon
+        return max(0.01, min(min(starts) + self._timeout - time.monotonic(), 1.0))
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for worker in list(self._workers):
+            task, where = self._running(worker)
+            if task is None or now - worker.progress[_STARTED] <= self._timeout:
+                continue
+            worker.process.kill()
+            message = (
+                f"a stateless call ran for more than chunk_timeout={self._timeout:g} s {where} "
+                f"(lane {task.lane}, worker {worker.number}, pid {worker.process.pid}): it is stuck "
+                f"or too slow. The worker was killed and replaced. Fix the DoFn, or raise "
+                f"Loader(chunk_timeout=...) if such records legitimately take this long."
+            )
+            worker.process.join(timeout=CLOSE_GRACE)
+            self._replace(worker, "killed", failed=task, error=Failure.of(ChunkTimeoutError(message)))
+
+    def _orphan(self, tasks: Any) -> None:
+        for task in tasks:
+            task.future.cancel()
+
+
+def _lost_message(task: _Task) -> str:
+    deaths = "\n".join(f"  - {d}" for d in task.deaths)
+    return (
+        f"lane {task.lane}: the stateless work on a chunk of {len(task.chunk)} record(s) killed "
+        f"{len(task.deaths)} worker processes in a row (it is retried on a new worker "
+        f"{MAX_ATTEMPTS - 1} times):\n{deaths}\nA DoFn that exhausts memory is the usual cause "
+        f"(see the kernel log for the OOM killer); reduce its memory or the chunk size "
+        f"(Loader(chunk_records=...)), or fix how it handles this record."
+    )
+
+
+def _settle(future: Future[ChunkResult], result: ChunkResult | Failure) -> None:
+    with contextlib.suppress(InvalidStateError):  # cancelled by a closing stream meanwhile
+        future.set_result(result)

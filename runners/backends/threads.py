@@ -2,19 +2,110 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
+from zephon_flow.errors import ChunkTimeoutError
 from zephon_flow.runners.backends.base import ChunkResult
-from zephon_flow.runners.segment import Chunk, FrontSegment
+from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
+
+_log = logging.getLogger("zephon_flow")
+
+
+class _Call:
+    """One chunk being run on a thread: where it is (for the deadline's message) and since when."""
+
+    def __init__(self, chunk: Chunk, lane: int, future: Future[ChunkResult] | None) -> None:
+        self.chunk, self.lane, self.future = chunk, lane, future
+        self.started = time.monotonic()
+        self.where = (0, 0, 0)
+
+    def report(self, stage: int, first: int, last: int) -> None:
+        self.where = (stage, first, last)
+
+
+class Deadlines:
+    """Watches calls running on threads: one past ``timeout`` seconds has its future failed with
+    ``ChunkTimeoutError`` naming the DoFn and the record. A thread cannot be killed, so the
+    stuck call keeps its thread; the loader stops with the error instead of hanging. A call
+    without a future (the inline backend, whose caller is the stuck thread) is only logged."""
+
+    def __init__(self, segment: FrontSegment, timeout: float, backend: str) -> None:
+        self._segment, self._timeout, self._backend = segment, timeout, backend
+        self._calls: set[_Call] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="zephon-deadlines", daemon=True)
+        self._thread.start()
+
+    def run(self, call: _Call) -> ChunkResult:
+        with self._lock:
+            self._calls.add(call)
+        try:
+            return self._segment.run_chunk(call.chunk, call.report)
+        finally:
+            with self._lock:
+                self._calls.discard(call)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self._timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                late = [c for c in self._calls if now - c.started > self._timeout]
+                self._calls.difference_update(late)
+            for call in late:
+                where = self._segment.describe(call.chunk, *call.where)
+                if call.future is None:
+                    _log.warning(
+                        "a stateless call has run for more than chunk_timeout=%g s %s (lane %d, %s "
+                        "backend): it is stuck or too slow, and this backend cannot interrupt it "
+                        "(backend='processes' kills and replaces stuck workers)",
+                        self._timeout,
+                        where,
+                        call.lane,
+                        self._backend,
+                    )
+                    continue
+                message = (
+                    f"a stateless call ran for more than chunk_timeout={self._timeout:g} s {where} "
+                    f"(lane {call.lane}, {self._backend} backend): it is stuck or too slow. A thread "
+                    f"cannot be killed, so the call keeps its thread; use backend='processes' to have "
+                    f"stuck workers killed and replaced. Fix the DoFn, or raise "
+                    f"Loader(chunk_timeout=...) if such records legitimately take this long."
+                )
+                with contextlib.suppress(InvalidStateError):
+                    call.future.set_result(Failure.of(ChunkTimeoutError(message)))
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 class ThreadBackend:
-    def __init__(self, segment: FrontSegment, workers: int) -> None:
-        self._segment = segment
+    """``workers`` threads sharing the DoFns. ``close`` does not wait for running calls (a stuck
+    one would hold it forever): their threads finish, or not, in the background."""
+
+    def __init__(self, segment: FrontSegment, workers: int, *, chunk_timeout: float = 300.0) -> None:
+        self._deadlines = Deadlines(segment, chunk_timeout, "threads")
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zephon-stateless")
 
-    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
-        return self._pool.submit(self._segment.run_chunk, chunk)
+    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
+        # Our own future, never marked running: a closing stream can always cancel it.
+        future: Future[ChunkResult] = Future()
+        call = _Call(chunk, lane, future)
+
+        def work() -> None:
+            if future.cancelled():
+                return
+            result = self._deadlines.run(call)
+            with contextlib.suppress(InvalidStateError):
+                future.set_result(result)
+
+        self._pool.submit(work)
+        return future
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._deadlines.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)

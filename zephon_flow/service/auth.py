@@ -23,6 +23,23 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, f"Bearer {token}"),)
 
 
+def clean_token(token: str, where: str) -> str:
+    """``token`` without surrounding whitespace (a file's or a variable's trailing newline);
+    refuses one that cannot travel as gRPC metadata, saying why and where it came from."""
+    if not isinstance(token, str):
+        raise SpecError(f"{where}: the token must be a str, got {type(token).__name__}")
+    cleaned = token.strip()
+    if not cleaned:
+        raise SpecError(f"{where}: the token is empty")
+    bad = sorted({c for c in cleaned if not (c.isascii() and c.isprintable())})
+    if bad:
+        raise SpecError(
+            f"{where}: the token holds characters gRPC metadata cannot carry ({', '.join(map(repr, bad))}); "
+            f"use printable ASCII only"
+        )
+    return cleaned
+
+
 def read_token(path: str | None) -> str | None:
     """The token from ``path`` (surrounding whitespace stripped), else from ``$ZEPHON_TOKEN``."""
     if path is not None:
@@ -33,8 +50,16 @@ def read_token(path: str | None) -> str | None:
             raise SpecError(f"zephon serve: cannot read --token-file {path}: {exc.strerror}") from exc
         if not token:
             raise SpecError(f"zephon serve: --token-file {path} is empty")
-        return token
-    return os.environ.get(TOKEN_ENV) or None
+        return clean_token(token, f"zephon serve: --token-file {path}")
+    return env_token("zephon serve")
+
+
+def env_token(who: str) -> str | None:
+    """``$ZEPHON_TOKEN``, cleaned (None when unset or blank)."""
+    raw = os.environ.get(TOKEN_ENV)
+    if raw is None or not raw.strip():
+        return None
+    return clean_token(raw, f"{who}: ${TOKEN_ENV}")
 
 
 def _refuse(message: str) -> grpc.RpcMethodHandler:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -17,11 +16,21 @@ from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler
 
 _METHOD = "/zephon.v1.BatchService/"
-_RETRY = frozenset({grpc.StatusCode.UNAVAILABLE})
+# Worth another try after a pause: the server is restarting or unreachable (UNAVAILABLE), or
+# has no room for the call right now (RESOURCE_EXHAUSTED: its concurrent-call limit).
+_RETRY = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# A stream ended by the server without a reason: it dropped the stream as idle (--stream-timeout)
+# or a newer stream of the rank replaced it; reading again reconnects.
+_STREAM_RETRY = _RETRY | {grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED}
 # An acknowledgement lost to these is made good by the stream's reconnect (which restarts the
 # rank's position at next_step) or by the next acknowledgement.
 _ACK_LOST = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
 )
 
 
@@ -113,9 +122,12 @@ class Client:
     the server says in its messages (every step if it does not say), and always before
     ``checkpoint()`` and at ``close()``: the server holds steps and sends ahead counting from
     acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A
-    dropped connection (``UNAVAILABLE``) is retried from ``next_step`` with exponential
-    backoff (``retries`` tries from ``backoff`` seconds, doubling, at most ``max_backoff``);
-    any other refusal raises ``zf.ServiceError`` with the server's message. ``fingerprint``
+    dropped connection (``UNAVAILABLE``) or a full server (``RESOURCE_EXHAUSTED``) is retried
+    from ``next_step`` with exponential backoff (``retries`` tries from ``backoff`` seconds,
+    doubling, at most ``max_backoff``), and so is a stream the server dropped as idle or
+    replaced (``CANCELLED``, ``ABORTED``); any other refusal raises ``zf.ServiceError`` with the
+    server's message (a failed pipeline: ``INTERNAL``, naming the error). A token is stripped
+    of surrounding whitespace (a trailing newline). ``fingerprint``
     (``spec.fingerprint`` or its ``"total"``) makes the server check that it serves that
     pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
     (PEM bytes) switches to TLS.
@@ -154,8 +166,9 @@ class Client:
         self.address, self.rank, self.world_size = address, rank, world_size
         self.as_torch = as_torch
         self._fingerprint = _fingerprint(fingerprint)
-        token = token if token is not None else os.environ.get(auth.TOKEN_ENV) or None
+        token = auth.clean_token(token, "Client") if token is not None else auth.env_token("Client")
         self._metadata = auth.bearer(token) if token else ()
+        self._tls = root_certificates is not None
         self._retries, self._backoff, self._max_backoff, self._timeout = (
             retries,
             backoff,
@@ -203,14 +216,34 @@ class Client:
         """The step the next batch will have (where a reconnect or a checkpoint starts)."""
         return self._next_step
 
-    def _sleep_or_raise(self, attempt: int, exc: grpc.RpcError, what: str) -> None:
+    def _sleep_or_raise(
+        self, attempt: int, exc: grpc.RpcError, what: str, retry: frozenset[grpc.StatusCode] = _RETRY
+    ) -> None:
         code = exc.code()
-        if code not in _RETRY or attempt >= self._retries:
-            tries = f" after {attempt + 1} tries" if code in _RETRY else ""
+        if code not in retry or attempt >= self._retries:
+            tries = f" after {attempt + 1} tries" if code in retry else ""
             raise ServiceError(
-                f"{what} from {self.address} failed{tries}: {code.name}: {exc.details()}", code=code.name
+                f"{what} from {self.address} failed{tries}: {code.name}: {exc.details()}{self._hint(exc)}",
+                code=code.name,
             ) from None
         time.sleep(min(self._max_backoff, self._backoff * 2**attempt))
+
+    def _hint(self, exc: grpc.RpcError) -> str:
+        """What a bare transport error most likely means, for the message."""
+        details = str(exc.details() or "").lower()
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            return ""
+        if not self._tls and ("socket closed" in details or "connection reset" in details):
+            return (
+                " (if the server uses TLS (zephon serve --tls-cert), this plaintext client cannot "
+                "talk to it: pass Client(root_certificates=<the server's CA certificate, PEM bytes>))"
+            )
+        if self._tls and ("ssl" in details or "handshake" in details or "tls" in details):
+            return (
+                " (the TLS handshake failed: the server may serve plaintext (no --tls-cert), or its "
+                "certificate is not signed by root_certificates or does not name this address)"
+            )
+        return ""
 
     def _send_ack(self, step: int, timeout: float | None = None) -> None:
         request = pb.AckRequest(
@@ -256,7 +289,11 @@ class Client:
                     yield step, batch
                 return
             except grpc.RpcError as exc:
-                self._sleep_or_raise(attempt, exc, f"rank {self.rank}'s stream at step {self._next_step}")
+                if self._closed:  # closed from another thread: the call was cancelled by us
+                    return
+                self._sleep_or_raise(
+                    attempt, exc, f"rank {self.rank}'s stream at step {self._next_step}", _STREAM_RETRY
+                )
                 attempt += 1
             finally:
                 call.cancel()

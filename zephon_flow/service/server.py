@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
@@ -25,11 +29,41 @@ from zephon_flow.state import load_state, save_state
 SERVICE = "zephon.v1.BatchService"
 MAX_REQUEST_BYTES = 64 << 10
 CHECKPOINT_TIMEOUT = 120.0
+#: ``zephon serve`` exits with this status when the pipeline fails (a supervisor restarts it).
+EXIT_PIPELINE_FAILED = 3
+#: How long a failed server keeps serving the error to connected clients before it exits.
+FAILURE_NOTICE_SECONDS = 2.0
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.zfstate$")
+_log = logging.getLogger("zephon_flow.serve")
 
 
 def checkpoint_path(directory: str, step: int) -> str:
     """Where ``Checkpoint(step)`` writes: ``DIR/step-<step>.zfstate``."""
     return os.path.join(directory, f"step-{step}.zfstate")
+
+
+def prune_checkpoints(directory: str, keep: int) -> list[str]:
+    """Deletes all but the ``keep`` newest ``step-<step>.zfstate`` files of ``directory``
+    (other files are left alone); returns the paths deleted."""
+    steps = sorted(
+        int(m.group(1)) for name in os.listdir(directory) if (m := _CHECKPOINT_NAME.match(name)) is not None
+    )
+    doomed = [checkpoint_path(directory, step) for step in steps[: max(0, len(steps) - keep)]]
+    for path in doomed:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    return doomed
+
+
+@dataclass(eq=False)
+class _OpenStream:
+    """A stream being served: what the idle watchdog needs to judge and drop it."""
+
+    rank: int
+    world_size: int
+    context: grpc.ServicerContext
+    step: int
+    progress: float  # when its client last took a message or acknowledged
 
 
 def _abort(context: grpc.ServicerContext, code: str, message: str) -> NoReturn:
@@ -48,6 +82,16 @@ class BatchServer:
     on every call but health checks; ``tls`` is ``(cert_path, key_path)``. ``loader`` replaces
     the embedded Loader by any object with its iteration, ``state_dict()`` and ``close()``
     (benchmarks feed synthetic batches this way).
+
+    Faults: when the pipeline fails, health turns NOT_SERVING, every stream and checkpoint call
+    gets the error (``INTERNAL``), and ``failed`` is set (``zephon serve`` then exits with
+    ``EXIT_PIPELINE_FAILED`` so a supervisor restarts it with ``--resume``). With
+    ``checkpoint_every`` N, the state at the slowest rank's acknowledged step is written to
+    ``checkpoint_dir`` (on the acknowledgement that moves that step N steps past the last
+    one written), keeping the newest
+    ``keep_checkpoints`` files. A rank's new stream replaces its old one; a stream whose client
+    has taken nothing (no message, no acknowledgement) for ``stream_timeout`` seconds while data
+    waits for it is dropped (its client reconnects when it reads again).
     """
 
     def __init__(
@@ -67,12 +111,26 @@ class BatchServer:
         chunk_bytes: int = CHUNK_BYTES,
         max_streams: int = 64,
         loader: Any = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        stream_timeout: float = 300.0,
+        chunk_timeout: float = 300.0,
     ) -> None:
-        for name, value, low in (("window", window, 1), ("keep", keep, 0), ("max_streams", max_streams, 1)):
-            if not isinstance(value, int) or value < low:
+        for name, value, low in (
+            ("window", window, 1),
+            ("keep", keep, 0),
+            ("max_streams", max_streams, 1),
+            ("keep_checkpoints", keep_checkpoints, 1),
+            ("checkpoint_every", 1 if checkpoint_every is None else checkpoint_every, 1),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise SpecError(
                     f"zephon serve: --{name.replace('_', '-')} must be an integer >= {low}, got {value!r}"
                 )
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise SpecError("zephon serve: --checkpoint-every needs --checkpoint-dir (where to write them)")
+        if not isinstance(stream_timeout, int | float) or not stream_timeout > 0:
+            raise SpecError(f"zephon serve: --stream-timeout must be > 0 seconds, got {stream_timeout!r}")
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise SpecError(f"zephon serve: --port must be in [0, 65535], got {port!r}")
         if not 0 < chunk_bytes <= CHUNK_BYTES:
@@ -84,13 +142,36 @@ class BatchServer:
             os.makedirs(checkpoint_dir, exist_ok=True)
         if loader is None:
             state = load_state(resume) if resume is not None else None
-            loader = Loader(spec, rank=0, world_size=1, backend=backend, workers=workers, state=state)
+            loader = Loader(
+                spec,
+                rank=0,
+                world_size=1,
+                backend=backend,
+                workers=workers,
+                state=state,
+                chunk_timeout=chunk_timeout,
+            )
         self._loader = loader
         first = self._loader.state_dict()
-        self._window = StepWindow(first_step=int(first["step"]), first_state=first, ahead=window, keep=keep)
+        self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
+        self._last_checkpoint = int(first["step"])
+        self._checkpoint_lock = threading.Lock()
+        self._stream_timeout = float(stream_timeout)
+        self._open: set[_OpenStream] = set()
+        self._open_lock = threading.Lock()
+        #: The pipeline's error once it has failed (the server then only reports it).
+        self.failed: BaseException | None = None
+        # Resumed from its own --checkpoint-every checkpoint, the server can be up to N steps
+        # (plus the window and an acknowledgement stride) behind its ranks: they may reconnect
+        # that far ahead, and production replays the steps in between.
+        reach = window if checkpoint_every is None else 2 * window + checkpoint_every
+        self._window = StepWindow(
+            first_step=int(first["step"]), first_state=first, ahead=window, keep=keep, reach=reach
+        )
         self._chunk_bytes = chunk_bytes
         self._stop = threading.Event()
         self._producer = threading.Thread(target=self._produce, name="zephon-serve-producer", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="zephon-serve-watchdog", daemon=True)
         self._bytes_served = 0
         self._bytes_lock = threading.Lock()
         self._started = time.monotonic()
@@ -128,10 +209,13 @@ class BatchServer:
         self._server.start()
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._watchdog.start()
         return self
 
     def stop(self, grace: float | None = 1.0) -> None:
         self._stop.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=5)
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self._loader.close()
@@ -151,7 +235,79 @@ class BatchServer:
                     return
                 self._window.add(item[1], self._loader.state_dict())
         except BaseException as exc:  # carried to every stream as INTERNAL
-            self._window.finish(exc)
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The pipeline failed: health says so, and every stream and checkpoint call gets the
+        error, which tells clients that the server is going down to be restarted."""
+        self.failed = exc
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        _log.error("zephon serve: the pipeline failed: %s", exc)
+        self._window.finish(
+            RuntimeError(
+                f"{type(exc).__name__}: {exc}\n(the server is exiting with status {EXIT_PIPELINE_FAILED}; "
+                f"a supervisor restarts it with --resume from its last checkpoint)"
+            )
+        )
+
+    # -- background duties: checkpoints every N steps, dropping idle streams -------------------
+    def _watch(self) -> None:
+        while not self._stop.wait(0.2):
+            self._drop_idle()
+
+    def _maybe_checkpoint(self) -> None:
+        """After an acknowledgement: writes the state at the slowest rank's step once that has
+        moved ``checkpoint_every`` steps past the last one written (a resume from it serves
+        every rank's next step), then prunes to the newest ``keep_checkpoints``."""
+        if self._checkpoint_every is None or self._checkpoint_dir is None or self.failed is not None:
+            return
+        with self._checkpoint_lock:
+            step = self._window.slowest()
+            if step < self._last_checkpoint + self._checkpoint_every:
+                return
+            try:
+                state = self._window.state_for(step, timeout=0.0)
+            except WindowError:
+                return  # released meanwhile: the next acknowledgement brings another
+            path = checkpoint_path(self._checkpoint_dir, step)
+            try:
+                save_state(state, path)
+                prune_checkpoints(self._checkpoint_dir, self._keep_checkpoints)
+            except OSError as exc:
+                _log.error("zephon serve: cannot write the checkpoint %s: %s", path, exc)
+                return
+            self._last_checkpoint = step
+            _log.info("zephon serve: wrote %s", path)
+
+    def _drop_idle(self) -> None:
+        now = time.monotonic()
+        with self._open_lock:
+            idle = [
+                o
+                for o in self._open
+                if now - o.progress > self._stream_timeout
+                and self._window.waiting_for_client(o.rank, o.world_size, o.step)
+            ]
+        for o in idle:
+            _log.warning(
+                "zephon serve: dropping rank %d's stream at step %d: its client has taken nothing for "
+                "%g s (--stream-timeout)",
+                o.rank,
+                o.step,
+                self._stream_timeout,
+            )
+            o.context.cancel()
+            with self._open_lock:
+                self._open.discard(o)
+
+    def _touch(self, rank: int, world_size: int) -> None:
+        """``rank``'s client acknowledged: its stream is alive."""
+        now = time.monotonic()
+        with self._open_lock:
+            for o in self._open:
+                if o.rank == rank and o.world_size == world_size:
+                    o.progress = now
 
     # -- RPCs ----------------------------------------------------------------------------------
     def _handlers(self) -> grpc.GenericRpcHandler:
@@ -206,14 +362,17 @@ class BatchServer:
         rows = self._rank_slice(rank, world_size, context)
         window = self._window
         try:
-            window.join(rank, world_size, step)
+            stream = window.join(rank, world_size, step)
         except WindowError as exc:
             _abort(context, exc.code, str(exc))
         start, stop, ahead = rows.start, rows.stop, window.ahead
+        me = _OpenStream(rank, world_size, context, step, time.monotonic())
+        with self._open_lock:
+            self._open.add(me)
         try:
             while True:
                 try:
-                    batch = window.take(rank, world_size, step, context.is_active)
+                    batch = window.take(rank, world_size, step, context.is_active, stream)
                 except WindowError as exc:
                     _abort(context, exc.code, str(exc))
                 if batch is None:
@@ -223,10 +382,15 @@ class BatchServer:
                 )
                 with self._bytes_lock:
                     self._bytes_served += sum(len(m) for m in messages)
-                yield from messages
+                for message in messages:
+                    yield message
+                    me.progress = time.monotonic()
                 step += 1
+                me.step = step
         finally:
-            window.leave(rank, world_size)
+            with self._open_lock:
+                self._open.discard(me)
+            window.leave(rank, world_size, stream)
 
     def _ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
         self._check_fingerprint(request.fingerprint, context)
@@ -236,6 +400,8 @@ class BatchServer:
             self._window.ack(rank, world_size, int(request.step))
         except WindowError as exc:
             _abort(context, exc.code, str(exc))
+        self._touch(rank, world_size)
+        self._maybe_checkpoint()
         return pb.AckReply()
 
     def _checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointReply:
@@ -293,7 +459,9 @@ class BatchServer:
 
 
 def serve_forever(server: BatchServer) -> int:
-    """Starts ``server``, prints where it listens, and serves until SIGTERM or SIGINT."""
+    """Starts ``server``, prints where it listens, and serves until SIGTERM or SIGINT (status
+    0), or until the pipeline fails: then, once connected clients have had the error, it exits
+    with ``EXIT_PIPELINE_FAILED`` for a supervisor to restart it with ``--resume``."""
     import signal
     import sys
 
@@ -307,7 +475,17 @@ def serve_forever(server: BatchServer) -> int:
     server.start()
     print(f"zephon serve: listening on {server.host}:{server.port}", flush=True)
     print(f"zephon serve: fingerprint {server.fingerprint}", file=sys.stderr, flush=True)
-    while not done.wait(0.5):
-        pass
+    while not done.wait(0.2):
+        if server.failed is not None:
+            print(
+                f"zephon serve: error: the pipeline failed: {server.failed}\n"
+                f"zephon serve: exiting with status {EXIT_PIPELINE_FAILED}; restart with --resume "
+                f"from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            done.wait(FAILURE_NOTICE_SECONDS)  # streams waiting on the window get the error
+            server.stop(grace=1.0)
+            return EXIT_PIPELINE_FAILED
     server.stop(grace=1.0)
     return 0

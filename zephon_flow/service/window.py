@@ -50,10 +50,15 @@ class StepWindow:
     handlers call ``join``/``take`` (or ``wait_to_send``/``get``/``sent``)/``leave``;
     acknowledgements call ``ack``; checkpoints call ``state_for``."""
 
-    def __init__(self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8) -> None:
+    def __init__(
+        self, *, first_step: int, first_state: Any, ahead: int = 8, keep: int = 8, reach: int | None = None
+    ) -> None:
         if ahead < 1 or keep < 0:
             raise ValueError(f"ahead must be >= 1 and keep >= 0, got ahead={ahead}, keep={keep}")
         self.ahead, self.keep = ahead, keep
+        #: How far past the produced step a stream may start (production catches up to it):
+        #: ``ahead`` by default; more for a server resumed from a checkpoint its ranks outran.
+        self.reach = ahead if reach is None else max(ahead, reach)
         self._cond = threading.Condition()
         self._low = self._produced = first_step
         self._batches: dict[int, Batch] = {}
@@ -64,6 +69,9 @@ class StepWindow:
         self._positions: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._connected: dict[int, int] = {}
+        # Per rank, the number of the newest stream: an older stream of the rank is replaced.
+        self._streams: dict[int, int] = {}
+        self._joins = 0
         self._times: list[float] = []
 
     # -- producer ------------------------------------------------------------------------------
@@ -104,8 +112,10 @@ class StepWindow:
     def _held(self) -> str:
         return f"the server holds steps [{self._low}, {self._produced})"
 
-    def join(self, rank: int, world_size: int, step: int) -> None:
-        """Registers a stream of ``rank`` of ``world_size`` starting at ``step``."""
+    def join(self, rank: int, world_size: int, step: int) -> int:
+        """Registers a stream of ``rank`` of ``world_size`` starting at ``step``; returns its
+        number. A rank has one stream: an older one still open is replaced (its ``take`` raises
+        ``ABORTED``), so a trainer that reconnects is never refused by its own dead stream."""
         with self._cond:
             if world_size != self._world_size:
                 busy = sorted(r for r, n in self._connected.items() if n)
@@ -116,12 +126,12 @@ class StepWindow:
                         f"world_size={world_size} can connect once they have all disconnected",
                     )
             self._check_step(step)
-            if step > self._produced + self.ahead:
+            if step > self._produced + self.reach:
                 raise WindowError(
                     "OUT_OF_RANGE",
-                    f"step {step} is too far ahead: {self._held()} and produces at most {self.ahead} "
-                    f"steps ahead; to start at step {step}, restart the server with --resume from a "
-                    f"checkpoint of that step",
+                    f"step {step} is too far ahead: {self._held()} and a stream may start at most "
+                    f"{self.reach} steps past it; to start at step {step}, restart the server with "
+                    f"--resume from a checkpoint of that step",
                 )
             if world_size != self._world_size:
                 self._world_size = world_size
@@ -131,7 +141,17 @@ class StepWindow:
             self._positions[rank] = step
             self._sent[rank] = step
             self._connected[rank] += 1
+            self._joins += 1
+            self._streams[rank] = self._joins
             self._release()
+            return self._joins
+
+    def _check_current(self, rank: int, stream: int | None) -> None:
+        if stream is not None and self._streams.get(rank) != stream:
+            raise WindowError(
+                "ABORTED",
+                f"rank {rank} opened a new stream: this one is replaced (a rank reads one stream at a time)",
+            )
 
     def _check_step(self, step: int) -> None:
         if step < self._low:
@@ -172,11 +192,20 @@ class StepWindow:
                 self._cond.wait(0.2)
             return active()
 
-    def take(self, rank: int, world_size: int, step: int, active: Callable[[], bool]) -> Batch | None:
+    def take(
+        self,
+        rank: int,
+        world_size: int,
+        step: int,
+        active: Callable[[], bool],
+        stream: int | None = None,
+    ) -> Batch | None:
         """For ``rank``'s stream, which has sent every step before ``step``: records that (as
         ``sent``), waits as ``wait_to_send`` and then as ``get``, under one lock; returns global
-        batch ``step``, or None when the stream should end (data ended or client gone)."""
+        batch ``step``, or None when the stream should end (data ended or client gone).
+        ``stream`` (from ``join``) raises ``ABORTED`` once the rank has opened a newer stream."""
         with self._cond:
+            self._check_current(rank, stream)
             current = world_size == self._world_size
             if current:
                 self._sent[rank] = step
@@ -184,8 +213,22 @@ class StepWindow:
                 if not active():
                     return None
                 self._cond.wait(0.2)
+                self._check_current(rank, stream)
                 current = world_size == self._world_size
             return self._await_produced(step, active)
+
+    def waiting_for_client(self, rank: int, world_size: int, step: int) -> bool:
+        """Whether ``rank``'s stream at ``step`` could send now but for its client: the step is
+        produced, or production waits for the rank's acknowledgements."""
+        with self._cond:
+            if world_size != self._world_size:
+                return False
+            return step < self._produced or step >= self._positions[rank] + self.ahead
+
+    def slowest(self) -> int:
+        """The step every connected world's rank has acknowledged (the first step if none)."""
+        with self._cond:
+            return self._slowest()
 
     def sent(self, rank: int, world_size: int, next_step: int) -> None:
         """``rank``'s stream has sent every step before ``next_step`` (shown by ``status``)."""
@@ -223,10 +266,12 @@ class StepWindow:
         self._low = low
         self._cond.notify_all()
 
-    def leave(self, rank: int, world_size: int) -> None:
+    def leave(self, rank: int, world_size: int, stream: int | None = None) -> None:
         with self._cond:
             if world_size == self._world_size and self._connected.get(rank):
                 self._connected[rank] -= 1
+                if stream is not None and self._streams.get(rank) == stream:
+                    del self._streams[rank]
             self._cond.notify_all()
 
     # -- checkpoints and status ----------------------------------------------------------------

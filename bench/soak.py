@@ -1,0 +1,325 @@
+"""Soak: ``zephon serve`` for minutes under faults (worker SIGKILLs, a server SIGKILL + --resume, a
+client reconnect), its RSS, fds and threads over time, and every digest against ``zephon digest``.
+
+    python -m bench.soak                 # 20 minutes
+    python -m bench.soak --minutes 5     # shortened
+
+Two trainer ranks (world size 2) read from one server (processes backend, 2 workers) at a fixed
+pace; the server writes a checkpoint every ``--checkpoint-steps`` steps (``zephon serve
+--checkpoint-every``; the default is about a minute on a small machine), keeping 3. Every ``--kill-every`` seconds a worker process of the server is SIGKILLed
+(the backend replaces it); at half time the server itself is SIGKILLed and restarted with
+``--resume`` from its newest checkpoint on the same port (the clients reconnect by themselves);
+at a quarter of the time rank 1's client process is killed and started again from the step after
+its last one. Every (step, rank) digest is compared with the rank's rows of an uninterrupted
+embedded run, whose global digests are checked against ``zephon digest``. Prints one JSON
+report; ``--json PATH`` writes it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+TARGET = "zephon_flow.demo:demo_spec"
+WORLD = 2
+
+
+# -- the client side: one trainer rank ----------------------------------------------------------
+def client_main(address: str, rank: int, start: int, pace: float, out: str) -> int:
+    import zephon_flow as zf
+
+    with (
+        open(out, "a", encoding="utf-8") as f,
+        zf.Client(address, rank, WORLD, start_step=start, retries=40, backoff=0.2, max_backoff=2.0) as client,
+    ):
+        for step, batch in client:
+            f.write(f"{step} {zf.batch_digest(batch)}\n")
+            f.flush()
+            time.sleep(pace)
+    return 0
+
+
+def _start_client(address: str, rank: int, start: int, pace: float, out: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.soak", "--client", address, str(rank), str(start), str(pace), str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=open(str(out) + ".err", "ab"),
+    )
+
+
+# -- the server --------------------------------------------------------------------------------
+def _start_server(
+    port: int, ckpt: Path, every: int, log: Path, resume: str | None
+) -> tuple[subprocess.Popen[bytes], int]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "zephon_flow.cli",
+        "serve",
+        TARGET,
+        "--port",
+        str(port),
+        "--backend",
+        "processes",
+        "--workers",
+        "2",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        str(every),
+        "--keep-checkpoints",
+        "3",
+    ]
+    if resume:
+        cmd += ["--resume", resume]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "ab"))  # noqa: SIM115
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()
+    if "listening on" not in line:
+        raise RuntimeError(f"the server did not start: {line!r}; see {log}")
+    return proc, int(line.rsplit(":", 1)[1])
+
+
+def _workers(server: psutil.Process) -> list[psutil.Process]:
+    """The server's worker processes: the children of its forkserver (one of its children)."""
+    out = []
+    for child in server.children():
+        try:
+            if "forkserver" in " ".join(child.cmdline()):
+                out.extend(child.children())
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def _sample(pid: int) -> dict[str, float]:
+    root = psutil.Process(pid)
+    procs = [root, *root.children(recursive=True)]
+    rss = 0
+    for p in procs:
+        try:
+            rss += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return {
+        "server_rss_mb": root.memory_info().rss / 1e6,
+        "tree_rss_mb": rss / 1e6,
+        "fds": float(root.num_fds()),
+        "threads": float(root.num_threads()),
+        "processes": float(len(procs)),
+    }
+
+
+def _newest_checkpoint(ckpt: Path) -> str:
+    names = sorted(ckpt.glob("step-*.zfstate"), key=lambda p: int(p.name[5:-8]))
+    if not names:
+        raise RuntimeError(f"no checkpoint in {ckpt} to resume from")
+    return str(names[-1])
+
+
+def _read_digests(path: Path) -> dict[int, set[str]]:
+    out: dict[int, set[str]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                step, digest = line.split()
+                out.setdefault(int(step), set()).add(digest)
+    return out
+
+
+def _slope_per_hour(times: list[float], values: list[float]) -> float:
+    if len(times) < 3:
+        return float("nan")
+    slope, _ = np.polyfit(np.asarray(times), np.asarray(values), 1)
+    return float(slope * 3600)
+
+
+# -- the reference -------------------------------------------------------------------------------
+def reference(steps: int) -> tuple[dict[int, list[str]], bool]:
+    """Per step, each rank's digest from an uninterrupted embedded run; and whether its global
+    digests equal ``zephon digest``'s."""
+    import zephon_flow as zf
+    from zephon_flow.demo import demo_spec
+    from zephon_flow.lanes import RankSlice
+    from zephon_flow.service.wire import slice_rows
+
+    spec = demo_spec()
+    cuts = [
+        RankSlice(rank=r, world_size=WORLD, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
+        for r in range(WORLD)
+    ]
+    ranks: dict[int, list[str]] = {}
+    whole: list[str] = []
+    with zf.Loader(spec, backend="processes", workers=2) as loader:
+        for step, batch in loader:
+            # The server's own slicing (ragged provenance fields are cut by their counts).
+            ranks[step] = [zf.batch_digest(slice_rows(batch, c.start, c.stop)) for c in cuts]
+            whole.append(f"{step} {zf.batch_digest(batch)}")
+            if step + 1 == steps:
+                break
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zephon_flow.cli",
+            "digest",
+            TARGET,
+            "--steps",
+            str(steps),
+            "--backend",
+            "processes",
+            "--workers",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return ranks, cli.stdout.split("\n")[:steps] == whole
+
+
+# -- the run -----------------------------------------------------------------------------------
+def soak(
+    minutes: float, pace: float, kill_every: float, sample_every: float, checkpoint_steps: int
+) -> dict[str, Any]:
+    from zephon_flow.demo_data import build_demo_data
+
+    build_demo_data()  # the corpus is built (or found cached) before the clock starts
+    work = Path(tempfile.mkdtemp(prefix="zephon-soak-"))
+    ckpt = work / "ckpt"
+    every = checkpoint_steps
+    log = work / "server.log"
+    server, port = _start_server(0, ckpt, every, log, None)
+    address = f"127.0.0.1:{port}"
+    outs = [work / f"rank{r}.txt" for r in range(WORLD)]
+    clients = [_start_client(address, r, 0, pace, outs[r]) for r in range(WORLD)]
+    events: list[str] = []
+    samples: list[dict[str, float]] = []
+    duration = minutes * 60
+    started = time.monotonic()
+    next_kill = kill_every
+    restarted = reconnected = False
+    worker_kills = 0
+    try:
+        while (now := time.monotonic() - started) < duration:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                samples.append({"t": now, **_sample(server.pid)})
+            if now >= next_kill:
+                next_kill += kill_every
+                workers = _workers(psutil.Process(server.pid))
+                if workers:
+                    os.kill(workers[0].pid, signal.SIGKILL)
+                    worker_kills += 1
+                    events.append(f"{now:.0f}s: SIGKILL worker pid {workers[0].pid}")
+            if not reconnected and now >= duration / 4:
+                reconnected = True
+                clients[1].kill()
+                clients[1].wait()
+                last = max(_read_digests(outs[1]), default=-1)
+                clients[1] = _start_client(address, 1, last + 1, pace, outs[1])
+                events.append(f"{now:.0f}s: client rank 1 killed and restarted from step {last + 1}")
+            if not restarted and now >= duration / 2 and list(ckpt.glob("step-*.zfstate")):
+                restarted = True
+                os.kill(server.pid, signal.SIGKILL)
+                server.wait()
+                resume = _newest_checkpoint(ckpt)
+                t0 = time.monotonic()
+                server, _ = _start_server(port, ckpt, every, log, resume)
+                events.append(
+                    f"{now:.0f}s: SIGKILL server; restarted with --resume {Path(resume).name} in "
+                    f"{time.monotonic() - t0:.1f} s"
+                )
+            time.sleep(sample_every)
+    finally:
+        for c in clients:
+            c.kill()
+            c.wait()
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+    got = [_read_digests(o) for o in outs]
+    steps = min(max(g, default=-1) for g in got) + 1
+    ranks, cli_matches = reference(steps)
+    compared = mismatched = 0
+    for r, g in enumerate(got):
+        for step, digests in g.items():
+            if step < steps:
+                compared += 1
+                mismatched += digests != {ranks[step][r]}
+    # RSS after the restart only: the new server's life is the longer steady state.
+    after = [s for s in samples if s["t"] > duration / 2 + 30] or samples
+    t = [s["t"] for s in after]
+    served_s = max(s["t"] for s in samples) if samples else duration
+    return {
+        "minutes": minutes,
+        "steps_per_second": steps / served_s,
+        "pace_s": pace,
+        "checkpoint_every_steps": every,
+        "steps_served_per_rank": steps,
+        "digests_compared": compared,
+        "digests_mismatched": mismatched,
+        "reference_matches_zephon_digest": cli_matches,
+        "worker_kills": worker_kills,
+        "events": events,
+        "checkpoints_left": sorted(p.name for p in ckpt.glob("step-*.zfstate")),
+        "server_rss_mb": {"first": samples[0]["server_rss_mb"], "last": samples[-1]["server_rss_mb"]},
+        "tree_rss_mb_max": max(s["tree_rss_mb"] for s in samples),
+        "server_rss_slope_mb_per_hour": _slope_per_hour(t, [s["server_rss_mb"] for s in after]),
+        "tree_rss_slope_mb_per_hour": _slope_per_hour(t, [s["tree_rss_mb"] for s in after]),
+        "fds": [min(s["fds"] for s in after), max(s["fds"] for s in after)],
+        "threads": [min(s["threads"] for s in after), max(s["threads"] for s in after)],
+        "processes": [min(s["processes"] for s in after), max(s["processes"] for s in after)],
+        "rss_timeline": [
+            (round(s["t"]), round(s["server_rss_mb"]), round(s["tree_rss_mb"]))
+            for s in samples[:: max(1, len(samples) // 20)]
+        ],
+        "work_dir": str(work),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--pace", type=float, default=0.1, help="seconds a client waits after each step")
+    parser.add_argument("--kill-every", type=float, default=180.0, help="seconds between worker SIGKILLs")
+    parser.add_argument("--sample-every", type=float, default=5.0)
+    parser.add_argument(
+        "--checkpoint-steps",
+        type=int,
+        default=60,
+        help="zephon serve --checkpoint-every (about a minute at this machine's ~1-2 steps/s)",
+    )
+    parser.add_argument("--json", help="also write the report here")
+    parser.add_argument(
+        "--client", nargs=5, metavar=("ADDRESS", "RANK", "START", "PACE", "OUT"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.client:
+        address, rank, start, pace, out = args.client
+        return client_main(address, int(rank), int(start), float(pace), out)
+    report = soak(args.minutes, args.pace, args.kill_every, args.sample_every, args.checkpoint_steps)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0 if report["digests_mismatched"] == 0 and report["reference_matches_zephon_digest"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

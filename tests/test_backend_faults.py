@@ -1,0 +1,224 @@
+"""Process faults recover by themselves: dead workers are replaced, stuck calls are named and
+killed, ``close`` returns within seconds, and workers never outlive the trainer."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import apache_beam as beam
+import numpy as np
+import psutil
+import pytest
+from helpers import chain_spec, run_batches, write_jsonl
+
+import zephon_flow as zf
+from zephon_flow.errors import ChunkTimeoutError, WorkerLostError
+
+TARGET = 17
+TESTS = Path(__file__).parent
+
+
+class Fault(beam.DoFn):  # type: ignore[misc]
+    """Passes ``{"n": n}`` through; on record ``TARGET`` misbehaves as ``mode`` says.
+
+    ``once-*`` modes misbehave only the first time (a marker file in ``marker_dir`` remembers),
+    so a retry on a new worker succeeds.
+    """
+
+    def __init__(self, mode: str, marker_dir: str) -> None:
+        self.mode, self.marker_dir = mode, marker_dir
+
+    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+        n = int(text)
+        if n == TARGET and self.mode != "none":
+            if self.mode.startswith("once-"):
+                try:
+                    os.close(os.open(os.path.join(self.marker_dir, "fired"), os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    yield {"n": np.int64(n)}
+                    return
+            if self.mode.endswith("sigkill"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.mode.endswith("exit"):
+                os._exit(3)
+            if self.mode == "hang":
+                time.sleep(3600)
+            if self.mode == "slow":
+                time.sleep(1.5)
+        yield {"n": np.int64(n)}
+
+
+class Inflate(beam.DoFn):  # type: ignore[misc]
+    """A large record in, a larger array out: chunks and results that fill the worker pipes."""
+
+    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+        n = int(text.split()[0])
+        yield {"n": np.int64(n), "big": np.full(400_000, n, dtype=np.int32)}
+
+
+def _spec(tmp_path: Path, mode: str) -> zf.LoaderSpec:
+    path = tmp_path / "docs.jsonl"
+    if not path.exists():
+        write_jsonl(path, [str(i) for i in range(40)])
+    return chain_spec(
+        str(path),
+        ("fault", Fault(mode, str(tmp_path))),
+        lanes=2,
+        global_batch_size=2,
+        epochs=1,
+        split_bytes=64,
+    )
+
+
+def _ns(batches: list[dict[str, np.ndarray]]) -> list[list[int]]:
+    return [b["n"].tolist() for b in batches]
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["once-sigkill", "once-exit"])
+def test_a_dead_worker_is_replaced_and_its_chunks_recomputed(tmp_path: Path, mode: str) -> None:
+    expected = _ns(run_batches(_spec(tmp_path, "none")))
+    got = _ns(run_batches(_spec(tmp_path, mode), backend="processes", workers=2, chunk_records=4))
+    assert (tmp_path / "fired").exists(), "the fault never fired: the test tests nothing"
+    assert got == expected
+    assert any(TARGET in b for b in got)
+
+
+@pytest.mark.timeout(120)
+def test_large_chunks_and_results_do_not_deadlock_the_worker_pipes(tmp_path: Path) -> None:
+    # Chunks of ~256 KiB and 1.6 MB results per record, two chunks queued per worker: a
+    # dispatcher that wrote the next chunk itself would block on a busy worker that is
+    # blocked writing its result back (both pipes full), and the loader would hang.
+    path = tmp_path / "big.jsonl"
+    write_jsonl(path, [f"{i} " + "x" * 150_000 for i in range(24)])
+    spec = chain_spec(str(path), ("inflate", Inflate()), lanes=1, global_batch_size=1, epochs=1)
+    got = run_batches(spec, backend="processes", workers=2, chunk_records=4, prefetch_chunks=8)
+    assert [int(b["n"][0]) for b in got] == [int(b["n"][0]) for b in run_batches(spec, chunk_records=4)]
+    assert sorted(int(b["n"][0]) for b in got) == list(range(24))
+    assert all(int(b["big"][0, -1]) == int(b["n"][0]) for b in got)
+
+
+@pytest.mark.timeout(60)
+def test_a_record_that_kills_every_worker_fails_naming_worker_lane_operator_and_record(
+    tmp_path: Path,
+) -> None:
+    spec = _spec(tmp_path, "exit")
+    with pytest.raises(WorkerLostError) as info:
+        run_batches(spec, backend="processes", workers=2, chunk_records=4)
+    text = str(info.value)
+    assert "killed 3 worker processes in a row" in text
+    assert text.count("exited with code 3 in DoFn 'fault' on the record at") == 3
+    assert "docs.jsonl byte 245, via ReadJsonl('src')" in text  # record 17: 10 * 14 + 7 * 15 bytes in
+    assert "lane " in text and "worker " in text and "(pid " in text
+    assert "BrokenProcessPool" not in text
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_a_stuck_call_is_named_and_its_worker_killed(tmp_path: Path, backend: str) -> None:
+    spec = _spec(tmp_path, "hang")
+    before = _descendants()
+    started = time.monotonic()
+    with pytest.raises(
+        ChunkTimeoutError, match=r"chunk_timeout=1 s in DoFn 'fault' on the record at .*docs\.jsonl"
+    ):
+        run_batches(spec, backend=backend, workers=2, chunk_records=4, chunk_timeout=1.0)
+    assert time.monotonic() - started < 30
+    if backend == "processes":
+        _wait_gone(_descendants() - before - _forkservers())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend", ["processes", "threads"])
+def test_close_returns_within_seconds_while_a_call_hangs(tmp_path: Path, backend: str) -> None:
+    spec = _spec(tmp_path, "hang")
+    loader = zf.Loader(spec, backend=backend, workers=2, chunk_records=4)
+    consumer = threading.Thread(target=lambda: [None for _ in loader], daemon=True)
+    consumer.start()
+    time.sleep(1.0)  # the call on record TARGET is stuck by now
+    started = time.monotonic()
+    loader.close()
+    assert time.monotonic() - started < 5
+    consumer.join(timeout=5)
+    assert not consumer.is_alive()
+
+
+def test_the_inline_backend_logs_a_call_past_its_deadline(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    spec = _spec(tmp_path, "slow")
+    with caplog.at_level(logging.WARNING, logger="zephon_flow"):
+        got = _ns(run_batches(spec, chunk_records=4, chunk_timeout=0.5))
+    assert got == _ns(run_batches(_spec(tmp_path, "none")))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(
+        "more than chunk_timeout=0.5 s in DoFn 'fault' on the record at" in m and "cannot interrupt" in m
+        for m in messages
+    ), messages
+
+
+def test_chunk_timeout_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(zf.SpecError, match=r"chunk_timeout must be a positive number of seconds, got 0"):
+        zf.Loader(_spec(tmp_path, "none"), chunk_timeout=0)
+
+
+TRAINER = textwrap.dedent(
+    """
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_backend_faults import _spec
+    from pathlib import Path
+    import zephon_flow as zf
+    loader = zf.Loader(_spec(Path({tmp!r}), "none"), backend="processes", workers=2, chunk_records=1)
+    for step, batch in loader:
+        if step == 0:
+            print("ready", flush=True)
+            time.sleep(3600)
+    """
+)
+
+
+def _forkservers() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if "forkserver" in " ".join(p.cmdline())}
+
+
+def _wait_gone(pids: set[int], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = {pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"}
+        time.sleep(0.05)
+    assert not alive, [" ".join(psutil.Process(pid).cmdline()) for pid in alive]
+
+
+@pytest.mark.timeout(60)
+def test_workers_die_with_a_killed_trainer(tmp_path: Path) -> None:
+    script = TRAINER.format(tests=str(TESTS), tmp=str(tmp_path))
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout is not None
+        assert trainer.stdout.readline().strip() == "ready"
+        family = {p.pid for p in psutil.Process(trainer.pid).children(recursive=True)}
+        assert len(family) >= 3, "expected a forkserver and two workers"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=10)
+        _wait_gone(family)
+    finally:
+        if trainer.poll() is None:
+            os.kill(trainer.pid, signal.SIGKILL)
+            trainer.wait(timeout=10)
+        if trainer.stdout is not None:
+            trainer.stdout.close()

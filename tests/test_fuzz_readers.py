@@ -1,0 +1,292 @@
+"""Fuzzing the readers: mutated JSONL, gzip, zstd, Parquet, Arrow IPC, tar and image inputs give
+either records or zephon-flow's own errors (never a raw exception, a hang, or executed code)."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from zephon_flow import operators as ops
+from zephon_flow.errors import ZephonError
+from zephon_flow.operators.splits import START, Source
+
+#: Records read per example at most: a mutation must not turn a small file into a long loop.
+MAX_RECORDS = 5_000
+TEXTS = [f"document {i} " + "lorem ipsum " * (i % 7) for i in range(40)]
+
+# -- valid inputs ------------------------------------------------------------------------------
+
+
+def _jsonl() -> bytes:
+    return b"".join(json.dumps({"text": t}).encode() + b"\n" for t in TEXTS)
+
+
+def _parquet() -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"text": TEXTS}), sink, row_group_size=8)
+    return sink.getvalue()
+
+
+def _arrow() -> bytes:
+    sink = io.BytesIO()
+    table = pa.table({"text": TEXTS})
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=8):
+            writer.write_batch(batch)
+    return sink.getvalue()
+
+
+def _tar() -> bytes:
+    sink = io.BytesIO()
+    with tarfile.open(fileobj=sink, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for i, text in enumerate(TEXTS[:12]):
+            for ext, payload in (("txt", text.encode()), ("jpg", bytes([i]) * 40)):
+                info = tarfile.TarInfo(f"s{i:03d}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return sink.getvalue()
+
+
+def _image(fmt: str, **options: Any) -> bytes:
+    rng = np.random.default_rng(7)
+    if fmt == "PNG16":
+        im = Image.fromarray(rng.integers(0, 65535, (24, 32), dtype=np.uint16))
+        fmt = "PNG"
+    else:
+        im = Image.fromarray(rng.integers(0, 255, (24, 32, 3), dtype=np.uint8))
+    sink = io.BytesIO()
+    im.save(sink, fmt, **options)
+    return sink.getvalue()
+
+
+#: name -> (file suffix, valid bytes, the source reading it)
+READERS: dict[str, tuple[str, bytes, Callable[[str], Source]]] = {
+    "jsonl": (".jsonl", _jsonl(), lambda p: ops.ReadJsonl(p, split_bytes=200)),
+    "gz": (".jsonl.gz", gzip.compress(_jsonl(), mtime=0), lambda p: ops.ReadJsonl(p)),
+    "zst": (".jsonl.zst", zstandard.ZstdCompressor().compress(_jsonl()), lambda p: ops.ReadJsonl(p)),
+    "parquet": (".parquet", _parquet(), lambda p: ops.ReadParquet(p, column="text")),
+    "arrow": (".arrow", _arrow(), lambda p: ops.ReadArrow(p, column="text")),
+    "tar": (".tar", _tar(), lambda p: ops.ReadWebDataset(p, fields=("txt",), samples_per_split=4)),
+}
+IMAGES = {
+    "jpeg": _image("JPEG", quality=90),
+    "png": _image("PNG"),
+    "png16": _image("PNG16"),
+    "webp": _image("WEBP"),
+    "gif": _image("GIF"),
+    "bmp": _image("BMP"),
+    "tiff": _image("TIFF"),
+}
+
+# -- mutations ---------------------------------------------------------------------------------
+
+#: One edit: (kind, where as a fraction of the length, a byte value, a length).
+EDIT = st.tuples(
+    st.sampled_from(["flip", "set", "insert", "delete", "truncate", "repeat"]),
+    st.floats(0, 1, allow_nan=False),
+    st.integers(0, 255),
+    st.integers(1, 64),
+)
+
+
+def mutate(data: bytes, edits: list[tuple[str, float, int, int]]) -> bytes:
+    out = bytearray(data)
+    for kind, where, value, length in edits:
+        at = min(int(where * len(out)), max(len(out) - 1, 0))
+        if kind == "flip" and out:
+            out[at] ^= 1 << (value % 8)
+        elif kind == "set":
+            out[at : at + length] = bytes([value]) * len(out[at : at + length])
+        elif kind == "insert":
+            out[at:at] = bytes([value]) * length
+        elif kind == "delete":
+            del out[at : at + length]
+        elif kind == "truncate":
+            del out[at:]
+        elif kind == "repeat":
+            out[at:at] = out[at : at + length] * 3
+    return bytes(out)
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def read_everything(source: Source) -> int:
+    """Every record of every split, decoded, for 1 and 3 lanes; raises only what the reader does."""
+    n = 0
+    for lanes in (1, 3):
+        for split in source.splits(lanes):
+            for _, record in source.read_split(split, START):
+                source.decode(record, source.operator_name)
+                n += 1
+                assert n < MAX_RECORDS, "a mutated small file gave thousands of records"
+    return n
+
+
+class Executed(AssertionError):
+    """A reader tried to unpickle or to start a program."""
+
+
+@pytest.fixture
+def nothing_executed(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise Executed(f"a reader tried to execute something: {args!r:.200}")
+
+    for module, name in ((pickle, "loads"), (pickle, "load"), (os, "system"), (subprocess, "Popen")):
+        monkeypatch.setattr(module, name, refuse)
+    yield
+
+
+def check_reader(name: str, data: bytes) -> None:
+    suffix, _, make = READERS[name]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "input" + suffix)
+        Path(path).write_bytes(data)
+        with contextlib.suppress(ZephonError):
+            read_everything(make(path))
+
+
+def check_image(data: bytes) -> None:
+    decoder = ops.DecodeImage(max_pixels=1_000_000)
+    try:
+        image = decoder.decode(data, "sample 'fuzz'")
+    except ZephonError:
+        return
+    assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
+
+
+#: Found by these tests, in files this test's author does not own (``operators/_column.py``
+#: turns a column into Python strings with ``to_pylist``, and invalid UTF-8 in a mutated Parquet
+#: or Arrow string column raises a raw ``UnicodeDecodeError`` instead of a ``DataError`` naming
+#: the file and row). Marked, not hidden: any other exception still fails.
+#: Worse, a mutated Arrow IPC file can crash the process (SIGBUS/SIGSEGV inside pyarrow while
+#: ``_column.py`` reads the column; see ``test_a_mutated_arrow_file_does_not_crash_the_process``),
+#: so Arrow is fuzzed in-process only once that is fixed.
+KNOWN = {
+    "parquet": pytest.mark.xfail(
+        raises=UnicodeDecodeError, strict=False, reason="invalid UTF-8 escapes _column.py"
+    ),
+    "arrow": pytest.mark.skip(reason="a mutated Arrow IPC file crashes pyarrow (see the subprocess test)"),
+}
+#: The smallest crash found: 11 bytes repeated three times at 44 % of a valid 40-row file.
+ARROW_CRASH = [("repeat", 0.4446974551196967, 128, 11)]
+#: Pillow's TIFF reader warns (UserWarning: "Corrupt EXIF data", "Truncated File Read") about
+#: damaged tags and decodes on, or raises OSError (a DataError here): a warning is not an
+#: escaping error unless the process makes warnings errors, as pytest does here.
+PILLOW_WARNINGS = pytest.mark.filterwarnings("ignore::UserWarning:PIL.TiffImagePlugin")
+
+
+def _params(names: list[str]) -> list[Any]:
+    return [pytest.param(n, marks=KNOWN[n]) if n in KNOWN else n for n in names]
+
+
+FAST = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+SLOW = settings(FAST, max_examples=400, derandomize=False)
+
+
+def test_the_valid_inputs_read_cleanly(nothing_executed: None) -> None:
+    for name, (suffix, data, make) in READERS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "input" + suffix)
+            Path(path).write_bytes(data)
+            assert read_everything(make(path)) > 0, name
+    for data in IMAGES.values():
+        check_image(data)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", _params(sorted(READERS)))
+@FAST
+@given(edits=st.lists(EDIT, min_size=1, max_size=6))
+def test_mutated_inputs_give_records_or_our_errors(
+    nothing_executed: None, name: str, edits: list[tuple[str, float, int, int]]
+) -> None:
+    check_reader(name, mutate(READERS[name][1], edits))
+
+
+@pytest.mark.timeout(60)
+@PILLOW_WARNINGS
+@pytest.mark.parametrize("name", sorted(IMAGES))
+@FAST
+@given(edits=st.lists(EDIT, min_size=1, max_size=6))
+def test_mutated_images_decode_or_give_a_data_error(
+    nothing_executed: None, name: str, edits: list[tuple[str, float, int, int]]
+) -> None:
+    check_image(mutate(IMAGES[name], edits))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("name", _params(sorted(READERS)))
+@SLOW
+@given(edits=st.lists(EDIT, min_size=1, max_size=12))
+def test_mutated_inputs_many_examples(
+    nothing_executed: None, name: str, edits: list[tuple[str, float, int, int]]
+) -> None:
+    check_reader(name, mutate(READERS[name][1], edits))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@PILLOW_WARNINGS
+@pytest.mark.parametrize("name", sorted(IMAGES))
+@SLOW
+@given(edits=st.lists(EDIT, min_size=1, max_size=12))
+def test_mutated_images_many_examples(
+    nothing_executed: None, name: str, edits: list[tuple[str, float, int, int]]
+) -> None:
+    check_image(mutate(IMAGES[name], edits))
+
+
+@pytest.mark.timeout(60)
+@FAST
+@given(data=st.binary(max_size=2048), name=st.sampled_from(sorted(READERS)))
+def test_random_bytes_under_every_suffix(nothing_executed: None, data: bytes, name: str) -> None:
+    check_reader(name, data)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(
+    strict=True, reason="pyarrow reads an unvalidated IPC batch: SIGBUS (owner: arrow.py/_column.py)"
+)
+def test_a_mutated_arrow_file_does_not_crash_the_process(tmp_path: Path) -> None:
+    path = tmp_path / "input.arrow"
+    path.write_bytes(mutate(READERS["arrow"][1], ARROW_CRASH))
+    script = (
+        "import sys\n"
+        "from zephon_flow import operators as ops\n"
+        "from zephon_flow.errors import ZephonError\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_fuzz_readers import read_everything\n"
+        "try:\n"
+        f"    read_everything(ops.ReadArrow({str(path)!r}, column='text'))\n"
+        "except ZephonError:\n"
+        "    pass\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
