@@ -148,7 +148,9 @@ class ColumnSource(Source):
                 partial = row > base or end < starts[unit + 1]
                 values = self._column_of(units, split.path, unit) if partial else units.column(unit)
                 name = f"{self.unit_name} {unit}"
-                yield from column_rows(split.path, name, values, row - base, end - base, base)
+                yield from column_rows(
+                    split.path, name, values, row - base, end - base, base, operator=self.operator_name
+                )
                 row, unit = end, unit + 1
 
     def _column_of(self, units: Units, path: str, unit: int) -> pa.Array | pa.ChunkedArray:
@@ -181,11 +183,26 @@ class ColumnSource(Source):
 
 
 def column_rows(
-    path: str, unit: str, values: pa.Array | pa.ChunkedArray, first: int, stop: int, base: int
+    path: str,
+    unit: str,
+    values: pa.Array | pa.ChunkedArray,
+    first: int,
+    stop: int,
+    base: int,
+    *,
+    operator: str,
 ) -> Iterator[tuple[int, Record]]:
     """``(position after, record)`` for rows ``first..stop`` of one unit whose first row is file
-    row ``base``; ``unit`` names it in errors (``"row group 2"``, ``"record batch 0"``)."""
+    row ``base``; ``unit`` names it in errors (``"row group 2"``, ``"record batch 0"``). Values
+    that do not decode (invalid UTF-8, damaged offsets) raise a ``DataError`` naming the rows."""
     for begin in range(first, stop, BATCH_ROWS):
-        chunk = values.slice(begin, min(BATCH_ROWS, stop - begin)).to_pylist()
+        n = min(BATCH_ROWS, stop - begin)
+        try:
+            chunk = values.slice(begin, n).to_pylist()
+        except (UnicodeDecodeError, pa.ArrowException, SystemError, OverflowError) as exc:
+            raise DataError(
+                f"{operator}: {path} {unit} rows {begin}..{begin + n - 1} do not decode: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         for row, value in enumerate(chunk, begin):
             yield base + row + 1, Record(value, path, f"{unit} row {row}", base + row)

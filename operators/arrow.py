@@ -122,7 +122,7 @@ class _IpcFile:
 
     def _batch(self, batch: int) -> pa.RecordBatch:
         try:
-            return self._reader.get_batch(batch)
+            return _validated(self._reader.get_batch(batch))
         except (OSError, pa.ArrowException) as exc:
             raise self._unreadable(batch, exc) from exc
 
@@ -131,7 +131,7 @@ class _IpcFile:
         b = 0
         while True:
             try:
-                rb = self._reader.read_next_batch()
+                rb = _validated(self._reader.read_next_batch())
             except StopIteration:
                 return
             except (OSError, pa.ArrowException) as exc:
@@ -141,3 +141,10 @@ class _IpcFile:
 
     def _unreadable(self, batch: int, exc: BaseException) -> DataError:
         return DataError(f"{self._op}: cannot read record batch {batch} of {self.path}: {exc}")
+
+
+def _validated(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """``batch`` after a full check of its buffers (offsets, lengths, UTF-8): a damaged IPC file
+    could otherwise make pyarrow read out of bounds and crash the process."""
+    batch.validate(full=True)
+    return batch

@@ -175,19 +175,11 @@ def check_image(data: bytes) -> None:
     assert image.dtype == np.uint8 and image.ndim == 3 and image.shape[2] == 3
 
 
-#: Found by these tests, in files this test's author does not own (``operators/_column.py``
-#: turns a column into Python strings with ``to_pylist``, and invalid UTF-8 in a mutated Parquet
-#: or Arrow string column raises a raw ``UnicodeDecodeError`` instead of a ``DataError`` naming
-#: the file and row). Marked, not hidden: any other exception still fails.
-#: Worse, a mutated Arrow IPC file can crash the process (SIGBUS/SIGSEGV inside pyarrow while
-#: ``_column.py`` reads the column; see ``test_a_mutated_arrow_file_does_not_crash_the_process``),
-#: so Arrow is fuzzed in-process only once that is fixed.
-KNOWN = {
-    "parquet": pytest.mark.xfail(
-        raises=UnicodeDecodeError, strict=False, reason="invalid UTF-8 escapes _column.py"
-    ),
-    "arrow": pytest.mark.skip(reason="a mutated Arrow IPC file crashes pyarrow (see the subprocess test)"),
-}
+#: Found by these tests and fixed: invalid UTF-8 in a Parquet or Arrow string column escaped
+#: ``_column.py`` as a raw ``UnicodeDecodeError`` (now a ``DataError`` naming the rows), and a
+#: mutated Arrow IPC file crashed the process inside pyarrow (batches are now validated in full
+#: before they are read). Nothing is marked: every reader is fuzzed in-process.
+KNOWN: dict[str, Any] = {}
 #: The smallest crash found: 11 bytes repeated three times at 44 % of a valid 40-row file.
 ARROW_CRASH = [("repeat", 0.4446974551196967, 128, 11)]
 #: Pillow's TIFF reader warns (UserWarning: "Corrupt EXIF data", "Truncated File Read") about
@@ -271,9 +263,6 @@ def test_random_bytes_under_every_suffix(nothing_executed: None, data: bytes, na
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(
-    strict=True, reason="pyarrow reads an unvalidated IPC batch: SIGBUS (owner: arrow.py/_column.py)"
-)
 def test_a_mutated_arrow_file_does_not_crash_the_process(tmp_path: Path) -> None:
     path = tmp_path / "input.arrow"
     path.write_bytes(mutate(READERS["arrow"][1], ARROW_CRASH))
