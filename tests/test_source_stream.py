@@ -141,7 +141,7 @@ class Recording:
         self._inner = InlineBackend(segment)
         self.sizes: list[int] = []
 
-    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
+    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
         self.sizes.append(len(chunk))
         return self._inner.submit(chunk)
 
@@ -159,7 +159,7 @@ class Late:
         self.completed: list[int] = []
         self._timers: list[threading.Timer] = []
 
-    def submit(self, chunk: Chunk) -> Future[ChunkResult]:
+    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
         future: Future[ChunkResult] = Future()
         result, seq = self._segment.run_chunk(chunk), self._submitted
         self._submitted += 1

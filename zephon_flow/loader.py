@@ -341,7 +341,7 @@ class Loader:
             lane.close()
         self._backend.close()
         if self._thread is not None:
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=5)  # a lane stuck in an inline call must not hold close()
 
     def __enter__(self) -> Loader:
         return self
