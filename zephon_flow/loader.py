@@ -24,7 +24,7 @@ from zephon_flow.errors import (
 )
 from zephon_flow.lanes import RankSlice
 from zephon_flow.operators.mix import Mixture
-from zephon_flow.runners.backends.base import DEFAULT_CHUNK_TIMEOUT, make_backend
+from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.runners.plan import Plan
 from zephon_flow.spec import LoaderSpec
