@@ -41,10 +41,10 @@ from typing import Any
 import apache_beam as beam
 
 import zephon_flow as zf
-from zephon_flow import codec
 from zephon_flow import operators as ops
+from zephon_flow.core import codec
+from zephon_flow.core.state import to_loader_state
 from zephon_flow.demo_data import DemoData, build_demo_data
-from zephon_flow.state import to_loader_state
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 MB = 1e6

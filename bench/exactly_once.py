@@ -95,7 +95,7 @@ elapsed = time.perf_counter() - t0
 result = {"rows": sum(seen.values()), "distinct": len(seen), "seconds": elapsed, "first_batch_s": first,
           "code": zf.__file__}
 if sys.argv[5] == "share":
-    from zephon_flow.splitreport import split_report
+    from zephon_flow.engine.splitreport import split_report
     (src,) = split_report(spec)
     result["share"] = {"min": src.share_min, "mean": src.share_mean, "max": src.share_max,
                        "splits": src.splits, "shared_splits": src.shared_splits}

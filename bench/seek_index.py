@@ -39,10 +39,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
+from zephon_flow.core.source import START, Split
 from zephon_flow.operators import seek_index
 from zephon_flow.operators.jsonl import ReadJsonl
 from zephon_flow.operators.parquet import ReadParquet
-from zephon_flow.operators.splits import START, Split
 
 T = TypeVar("T")
 

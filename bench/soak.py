@@ -151,8 +151,8 @@ def reference(steps: int) -> tuple[dict[int, list[str]], bool]:
     """Per step, each rank's digest from an uninterrupted embedded run; and whether its global
     digests equal ``zephon digest``'s."""
     import zephon_flow as zf
+    from zephon_flow.core.lanes import RankSlice
     from zephon_flow.demo import demo_spec
-    from zephon_flow.lanes import RankSlice
     from zephon_flow.service.wire import slice_rows
 
     spec = demo_spec()

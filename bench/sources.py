@@ -40,8 +40,8 @@ import pyarrow.feather as feather
 import pyarrow.ipc as ipc
 
 from bench.stats import median
+from zephon_flow.core.source import Source, Split
 from zephon_flow.operators.arrow import ReadArrow
-from zephon_flow.operators.splits import Source, Split
 from zephon_flow.operators.text_files import ReadTextFiles
 from zephon_flow.operators.webdataset import ReadWebDataset
 

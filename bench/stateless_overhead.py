@@ -37,7 +37,7 @@ import numpy as np
 from bench._per_element import PerElementTokenize
 from bench.stats import median
 from zephon_flow import operators as ops
-from zephon_flow.operators.splits import Record, Source
+from zephon_flow.core.source import Record, Source
 from zephon_flow.runners.dofns import StatelessInvoker
 from zephon_flow.runners.segment import Chunk, FrontSegment
 

@@ -46,7 +46,7 @@ from bench import demo
 from bench.demo import GLOBAL_BATCH, LANES, SEQ_LEN, SHUFFLE_BUFFER
 from bench.stats import median
 from zephon_flow import operators as ops
-from zephon_flow.batches import batch_digest
+from zephon_flow.core.batches import batch_digest
 from zephon_flow.demo_data import build_demo_data
 from zephon_flow.operators.tokenize import STREAM_CHECK_DOCS
 

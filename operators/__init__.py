@@ -1,5 +1,6 @@
 """Built-in operators: sources, tokenization, mixing, packing, shuffling, images, function wrappers."""
 
+from zephon_flow.core.source import Source
 from zephon_flow.operators.arrow import ReadArrow
 from zephon_flow.operators.image_decode import DecodeImage
 from zephon_flow.operators.image_resize import ResizeImage
@@ -10,7 +11,6 @@ from zephon_flow.operators.pack import Pack
 from zephon_flow.operators.pack_multimodal import PackMultimodal
 from zephon_flow.operators.parquet import ReadParquet
 from zephon_flow.operators.shuffle import Shuffle
-from zephon_flow.operators.splits import Source
 from zephon_flow.operators.text_files import ReadTextFiles
 from zephon_flow.operators.tokenize import Tokenize
 from zephon_flow.operators.tokenize_field import TokenizeField

@@ -10,9 +10,10 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import _plan, files
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Source, Split
+from zephon_flow.operators import _plan
 
 #: Rows turned into Python values at a time when a split is read.
 BATCH_ROWS = 4096

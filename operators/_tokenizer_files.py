@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 
 TOKENIZER_FILE = "tokenizer.json"
 _PROBES = ("a", "Hello, world!", "  two  spaces\nand a line", "0123 ünïcödé ✓", "x" * 40)

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from zephon_flow.errors import DataError
-from zephon_flow.operators import files
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError
 from zephon_flow.operators._column import ColumnSource
 
 _FILE_MAGIC = b"ARROW1"

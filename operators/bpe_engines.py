@@ -39,7 +39,7 @@ from typing import Any, Literal
 import tiktoken
 from tokenizers import Tokenizer
 
-from zephon_flow.errors import DataError
+from zephon_flow.core.errors import DataError
 from zephon_flow.operators.bpe_regex import (
     PatternNotExpressible,
     literal_pattern,

@@ -10,7 +10,7 @@ import apache_beam as beam
 import numpy as np
 from PIL import ExifTags, Image, ImageOps
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 
 #: Output modes: ``"RGB"`` gives ``H x W x 3``, ``"L"`` (grey) gives ``H x W x 1``.
 MODES = ("RGB", "L")

@@ -9,7 +9,7 @@ import apache_beam as beam
 import numpy as np
 from PIL import Image
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators.image_decode import sample_name
 
 MODES = ("center_crop", "pad")

@@ -12,11 +12,12 @@ from typing import IO, Any
 import indexed_gzip
 import zstandard
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import _plan, files, seek_index
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Source, Split
+from zephon_flow.operators import _plan, seek_index
 from zephon_flow.operators._plan import PLAN_VERSION
 from zephon_flow.operators.seek_index import SeekIndex
-from zephon_flow.operators.splits import START, Record, Source, Split
 
 #: Suffixes of compressed files, entered mid-file through a seek index (``seek_index``).
 COMPRESSED_SUFFIXES = (".gz", ".zst")

@@ -15,7 +15,7 @@ unless an upstream DoFn produces batches, which is not supported).
 
 A function's identity in the pipeline fingerprint (``function_identity``) is its module and
 qualified name plus a digest of its code: its source, parsed and normalised
-(``zephon_flow.code``: comments, blank lines, indentation and docstrings do not count; the
+(``zephon_flow.core.code``: comments, blank lines, indentation and docstrings do not count; the
 same on every Python version), or its bytecode where no source exists, and the plain values
 (numbers, str, bytes, None, tuples of these) of its defaults, closure cells and the module
 globals it names, with helper functions of the same module followed. Editing the function
@@ -31,8 +31,8 @@ from typing import Any, ClassVar
 import apache_beam as beam
 import numpy as np
 
-from zephon_flow.errors import SpecError, ZephonError
-from zephon_flow.identity import function_identity, function_name
+from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.identity import function_identity, function_name
 
 
 class FunctionError(Exception):

@@ -11,9 +11,9 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
+from zephon_flow.core.errors import CorruptStateError, FingerprintMismatchError, SpecError
+from zephon_flow.core.rng import MIX_DRAW, draw_unit
 from zephon_flow.core.roles import MixOperator
-from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError
-from zephon_flow.rng import MIX_DRAW, draw_unit
 
 #: How weights between two schedule points are found.
 INTERPOLATIONS = ("constant", "linear")

@@ -16,9 +16,9 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
-from zephon_flow import derived
+from zephon_flow.core import derived
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.markers import ProvenanceParam
-from zephon_flow.errors import DataError, SpecError
 from zephon_flow.operators import _best_fit
 
 _EMPTY = np.zeros(0, dtype=np.int32)

@@ -16,8 +16,8 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.markers import ProvenanceParam
-from zephon_flow.errors import DataError, SpecError
 from zephon_flow.operators.image_decode import sample_name
 
 _EMPTY = np.zeros(0, dtype=np.int32)

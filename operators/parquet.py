@@ -7,8 +7,8 @@ from typing import IO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from zephon_flow.errors import DataError
-from zephon_flow.operators import files
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError
 from zephon_flow.operators._column import ColumnSource
 
 

@@ -39,8 +39,8 @@ from typing import IO, cast
 import indexed_gzip
 import zstandard
 
-from zephon_flow.errors import DataError
-from zephon_flow.operators import files
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError
 
 #: Bumped whenever the index format or its meaning changes: old cache entries are not read.
 INDEX_VERSION = 1

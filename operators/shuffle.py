@@ -14,9 +14,9 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
+from zephon_flow.core.errors import SpecError
 from zephon_flow.core.markers import SeedParam
-from zephon_flow.errors import SpecError
-from zephon_flow.rng import SHUFFLE_DRAIN, SHUFFLE_SWAP, draw_u64, generator
+from zephon_flow.core.rng import SHUFFLE_DRAIN, SHUFFLE_SWAP, draw_u64, generator
 
 
 class Shuffle(beam.DoFn):  # type: ignore[misc]

@@ -8,9 +8,10 @@ import zlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import _plan, files
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Source, Split
+from zephon_flow.operators import _plan
 
 #: The fewest files an automatic plan puts in a split.
 MIN_SPLIT_FILES = 1

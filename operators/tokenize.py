@@ -35,7 +35,7 @@ import apache_beam as beam
 import numpy as np
 from tokenizers import Tokenizer
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators._tokenizer_files import resolve_tokenizer_path, special_affixes
 from zephon_flow.operators.bpe_engines import (
     HfEngine,

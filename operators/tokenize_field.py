@@ -8,7 +8,7 @@ from typing import Any
 
 import apache_beam as beam
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators.image_decode import sample_name
 from zephon_flow.operators.tokenize import Tokenize
 

@@ -8,9 +8,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import _plan, files
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Source, Split
+from zephon_flow.operators import _plan
 
 #: The fewest samples an automatic plan puts in a split.
 MIN_SPLIT_SAMPLES = 16

@@ -18,10 +18,10 @@ from apache_beam.runners.runner import PipelineResult, PipelineRunner, PipelineS
 from apache_beam.transforms import core, window
 from apache_beam.transforms.util import Reshuffle
 
-from zephon_flow.code import class_code_digest
+from zephon_flow.core.code import class_code_digest
+from zephon_flow.core.errors import SpecError, UnsupportedTransformError
+from zephon_flow.core.identity import beam_function_identity
 from zephon_flow.core.roles import role_of
-from zephon_flow.errors import SpecError, UnsupportedTransformError
-from zephon_flow.identity import beam_function_identity
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_seed, is_stateful
 from zephon_flow.runners.plan import Plan, SourcePlan
 
@@ -103,7 +103,7 @@ def _check_primitive(node: AppliedPTransform) -> None:
 def describe_params(obj: Any) -> Any:
     """The parameters of an operator that change what it produces (for the fingerprint).
 
-    A ``"code"`` entry is the digest of the user's code in it (``zephon_flow.code``): the
+    A ``"code"`` entry is the digest of the user's code in it (``zephon_flow.core.code``): the
     function of ``ops.Map``/``beam.Map`` and friends, the class of a user's own DoFn. The
     fingerprint keeps it apart, as the part ``code <label>``.
     """

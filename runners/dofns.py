@@ -12,9 +12,10 @@ from apache_beam.transforms import userstate
 from apache_beam.transforms.core import get_function_arguments
 from apache_beam.utils.timestamp import Timestamp
 
+from zephon_flow.core.errors import DataError, SpecError, StageError, ZephonError
 from zephon_flow.core.markers import DocId, _ProvenanceParam, _SeedParam
-from zephon_flow.errors import DataError, SpecError, StageError, ZephonError
-from zephon_flow.rng import stable_hash
+from zephon_flow.core.rng import stable_hash
+from zephon_flow.core.state import StageState
 from zephon_flow.runners.userstate import (
     StateValues,
     TimerDeadlines,
@@ -24,7 +25,6 @@ from zephon_flow.runners.userstate import (
     runtime_timer,
     snapshot_value,
 )
-from zephon_flow.state import StageState
 
 #: Positions are timestamps in whole seconds (Beam timestamps count microseconds).
 _MICROS = 1_000_000

@@ -6,17 +6,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.batches import SampleLayout
+from zephon_flow.core.batches import SampleLayout
+from zephon_flow.core.errors import CorruptStateError
 from zephon_flow.core.markers import DocId
 from zephon_flow.core.roles import MixPolicy
-from zephon_flow.errors import CorruptStateError
-from zephon_flow.operators.splits import START
+from zephon_flow.core.source import START
+from zephon_flow.core.state import FeedCursor, LaneState
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.segment import Skipped
 from zephon_flow.runners.streams import SourceStream
-from zephon_flow.state import FeedCursor, LaneState
 
 #: Called once per record dropped by ``on_error="skip"``: (source index, the error's message).
 SkipHook = Callable[[int, str], None]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_flow.core.roles import MixOperator
-from zephon_flow.operators.splits import Source
+from zephon_flow.core.source import Source
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker
 from zephon_flow.runners.segment import FrontSegment
 
@@ -53,10 +53,10 @@ class Plan:
         return finite[0] if self.mixer is None else self.mixer.can_end(finite)
 
     def padding_sample(self) -> Any:
-        """The padding sample an operator declares (``padding_sample()``) at the end of the
-        ordered back, looking through operators that keep the layout (``keeps_sample_layout``);
+        """The padding sample an operator declares (``padding_sample()``) at the end of the chain
+        after the mix, looking through operators that keep the layout (``keeps_sample_layout``);
         None when there is none (padding then copies the layout of real samples)."""
-        for stage in reversed(self.back):
+        for stage in reversed((*self.common, *self.back)):
             make = getattr(stage.dofn, "padding_sample", None)
             if callable(make):
                 return make()

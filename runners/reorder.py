@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
-from zephon_flow.errors import StageError
+from zephon_flow.core.errors import StageError
 
 T = TypeVar("T")
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from zephon_flow.errors import ChunkTimeoutError, DataError, StageError, WorkerLostError, ZephonError
-from zephon_flow.operators.splits import Record, Source
+from zephon_flow.core.errors import ChunkTimeoutError, DataError, StageError, WorkerLostError, ZephonError
+from zephon_flow.core.source import Record, Source
 from zephon_flow.runners.dofns import StatelessInvoker, dofn_errors
 
 #: A unit of work for a backend: (source index, raw record) pairs, in lane order.

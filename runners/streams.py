@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from zephon_flow.core.errors import CorruptStateError, DataError
 from zephon_flow.core.markers import DocId
-from zephon_flow.errors import CorruptStateError, DataError
-from zephon_flow.operators.dealing import Dealing, Share
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.core.source import START, Record, Source, Split
 from zephon_flow.runners.backends.base import Backend, ChunkResult
+from zephon_flow.runners.dealing import Dealing, Share
 from zephon_flow.runners.plan import SourcePlan
 from zephon_flow.runners.reorder import ReorderBuffer
 from zephon_flow.runners.segment import Chunk, Failure, RecordResult, Skipped

@@ -11,7 +11,7 @@ from apache_beam.transforms import userstate
 from apache_beam.transforms.timeutil import TimeDomain
 from apache_beam.utils.timestamp import Timestamp
 
-from zephon_flow.errors import SpecError, StateError
+from zephon_flow.core.errors import SpecError, StateError
 
 #: What one stateful DoFn holds for one lane: named state values and timer deadlines (micros).
 StateValues = dict[str, Any]

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 import zephon_flow as zf
-from zephon_flow.batches import concat
+from zephon_flow.core.batches import concat
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zephon_flow as zf
-from zephon_flow.simulate import global_digests
+from zephon_flow.engine.simulate import global_digests
 
 BATCH = 12
 WORLD_SIZES = [w for w in range(1, BATCH + 1) if BATCH % w == 0]  # 1, 2, 3, 4, 6, 12 (> 4 lanes)

@@ -15,8 +15,8 @@ import apache_beam as beam
 from apache_beam.coders import PickleCoder
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
-from zephon_flow.errors import DataError
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.core.errors import DataError
+from zephon_flow.core.source import START, Record, Source, Split
 
 
 def write_lines(path: Path, values: Sequence[object]) -> str:

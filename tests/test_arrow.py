@@ -17,10 +17,10 @@ from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Split
 from zephon_flow.operators import _column
 from zephon_flow.operators.arrow import ReadArrow
-from zephon_flow.operators.splits import START, Record, Split
 
 OP = "ReadArrow('books')"
 

@@ -21,7 +21,7 @@ import pytest
 from helpers import chain_spec, run_batches, write_jsonl
 
 import zephon_flow as zf
-from zephon_flow.errors import ChunkTimeoutError, WorkerLostError
+from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 
 TARGET = 17
 TESTS = Path(__file__).parent

@@ -19,7 +19,7 @@ from apache_beam.transforms.userstate import (
 from helpers import chain_spec, write_jsonl
 
 import zephon_flow as zf
-from zephon_flow.errors import SpecError, StateError
+from zephon_flow.core.errors import SpecError, StateError
 
 
 class WallClock(beam.DoFn):  # type: ignore[misc]

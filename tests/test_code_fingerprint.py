@@ -15,8 +15,8 @@ from helpers import chain_spec, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.code import function_code_digest
-from zephon_flow.errors import FingerprintMismatchError
+from zephon_flow.core.code import function_code_digest
+from zephon_flow.core.errors import FingerprintMismatchError
 
 MODULE_V1 = '''
 import apache_beam as beam
@@ -205,7 +205,7 @@ def other_pythons() -> list[str]:
 
 
 def test_the_same_source_gives_the_same_digests_on_other_python_versions(tmp_path: Path) -> None:
-    """``zephon_flow/code.py`` needs only the standard library, so other interpreters can run it."""
+    """``zephon_flow/core/code.py`` needs only the standard library, so other interpreters can run it."""
     source = (
         MODULE_V1.replace("lengths = ops.Map(", "lengths = Wrap(")
         .replace("from zephon_flow import operators as ops\n", "")
@@ -219,7 +219,7 @@ def test_the_same_source_gives_the_same_digests_on_other_python_versions(tmp_pat
     (tmp_path / "user_dofns.py").write_text(source)
     probe = tmp_path / "probe.py"
     probe.write_text(PROBE)
-    code_py = Path(__file__).resolve().parent.parent / "zephon_flow" / "code.py"
+    code_py = Path(__file__).resolve().parent.parent / "zephon_flow" / "core" / "code.py"
     results = {}
     for python in [sys.executable, *other_pythons()]:
         out = subprocess.run(

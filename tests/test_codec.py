@@ -14,9 +14,9 @@ import pytest
 from helpers import Corpus, example_spec
 
 import zephon_flow as zf
-from zephon_flow import codec
-from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
-from zephon_flow.state import LoaderState, to_loader_state
+from zephon_flow.core import codec
+from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
+from zephon_flow.core.state import LoaderState, to_loader_state
 
 
 def roundtrip(value: Any) -> Any:

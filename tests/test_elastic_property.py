@@ -22,7 +22,7 @@ from helpers import Corpus, example_spec
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.demo_data import DemoData
-from zephon_flow.simulate import global_digests
+from zephon_flow.engine.simulate import global_digests
 
 LANES, STEPS = 4, 10
 

@@ -29,7 +29,7 @@ from helpers import Corpus, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.simulate import global_digests
+from zephon_flow.engine.simulate import global_digests
 
 LANES, STEPS = 4, 8
 

@@ -11,7 +11,7 @@ from helpers import Corpus
 from vlm_helpers import vlm_spec, write_captioned_images
 
 import zephon_flow as zf
-from zephon_flow.simulate import global_digests
+from zephon_flow.engine.simulate import global_digests
 
 LANES, STEPS = 4, 6
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import zephon_flow as zf
-from zephon_flow.simulate import global_batches
+from zephon_flow.engine.simulate import global_batches
 
 ROOT = Path(__file__).resolve().parent
 

@@ -22,15 +22,21 @@ from hypothesis import strategies as st
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.operators.dealing import Dealing, Share
-from zephon_flow.simulate import global_batches
+from zephon_flow.engine.simulate import global_batches
+from zephon_flow.runners.dealing import Dealing, Share
 
 
 class DocNumber(beam.DoFn):  # type: ignore[misc]
-    """``"123 words..."`` -> ``{"doc": 123}``: a fixed-shape sample naming its document."""
+    """``"123 words..."`` -> ``{"doc": 123}``: a fixed-shape sample naming its document.
+
+    It declares its padding sample, as the README asks of a pipeline's last operator when a lane
+    may end without ever making a sample (tiny data, many lanes)."""
 
     def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
         yield {"doc": np.int64(int(text.split()[0]))}
+
+    def padding_sample(self) -> dict[str, np.ndarray]:
+        return {"doc": np.int64(-1)}
 
 
 def _texts(first: int, n: int) -> list[str]:
@@ -186,6 +192,31 @@ def test_every_rank_yields_the_same_number_of_steps_and_the_tail_is_padding(tmp_
     assert sum(int(t.sum()) for t in tails) < 8  # the last global batch is incomplete
 
 
+class Unpadded(beam.DoFn):  # type: ignore[misc]
+    """Like ``DocNumber``, without a declared padding sample."""
+
+    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+        yield {"doc": np.int64(int(text.split()[0]))}
+
+
+def test_padding_without_any_sample_to_copy_names_the_lane_and_the_fix(tmp_path: Path) -> None:
+    write_file(tmp_path, 0, "jsonl", 1)  # one document: the other lane never makes a sample
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        return (
+            p | "src" >> ops.ReadJsonl(str(tmp_path / "*.jsonl"), epochs=1) | "num" >> beam.ParDo(Unpadded())
+        )
+
+    spec = zf.LoaderSpec(build, lanes=2, seed=7, global_batch_size=2)
+    with pytest.raises(
+        zf.ZephonError, match=r"lane \d must be padded .* no sample shows the layout .*padding_sample\(\)"
+    ):
+        list(global_batches(spec, steps=10, world_size=2))
+    # On one rank the other lane's sample shows the layout: zeros of it pad.
+    (only,) = [b for _, b in global_batches(spec, steps=10)]
+    assert only["valid"].tolist().count(True) == 1 and sorted(only["doc"].tolist()) == [0, 0]
+
+
 def test_a_finite_pass_on_several_ranks_needs_a_way_to_agree_on_its_end(tmp_path: Path) -> None:
     write_file(tmp_path, 0, "jsonl", 20)
     spec = doc_spec(str(tmp_path / "*.jsonl"), "jsonl", lanes=4, batch=8, epochs=1)
@@ -260,7 +291,7 @@ def test_inspect_splits_prints_each_sources_plan_and_each_lanes_place(
     assert "source 'src' (ReadJsonl('src')):" in out and "per-lane share of a pass (4 lanes): min" in out
     for lane in range(4):
         assert f"lane {lane}: pass 0," in out
-    from zephon_flow.splitreport import split_report
+    from zephon_flow.engine.splitreport import split_report
 
     (src,) = split_report(spec, state)
     assert src.share_max <= 1.25 * src.share_mean or src.shared_splits

@@ -14,7 +14,7 @@ from service_helpers import ServerProcess
 from test_example_trainer import EXAMPLES, example_pipeline, log_lines, run_until_step_then_kill, trainer
 
 from zephon_flow.demo_data import DemoData
-from zephon_flow.simulate import global_digests
+from zephon_flow.engine.simulate import global_digests
 
 # About 90 s on the shared 2-core machine (two trainer launches, torch start-up): slow.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from zephon_flow.demo_data import DemoData
-from zephon_flow.simulate import global_digests
+from zephon_flow.engine.simulate import global_digests
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

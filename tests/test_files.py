@@ -20,17 +20,17 @@ import pytest
 import zstandard
 from apache_beam.io.filesystem import FileMetadata, FileSystem
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Source
 from zephon_flow.operators import (
     ReadArrow,
     ReadJsonl,
     ReadParquet,
     ReadTextFiles,
     ReadWebDataset,
-    files,
     seek_index,
 )
-from zephon_flow.operators.splits import START, Source
 
 OP = "ReadJsonl('web')"
 

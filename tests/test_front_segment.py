@@ -11,8 +11,8 @@ import apache_beam as beam
 import pytest
 from lane_parts import Lines, Repeat, write_lines
 
-from zephon_flow.errors import DataError, StageError
-from zephon_flow.operators.splits import Record
+from zephon_flow.core.errors import DataError, StageError
+from zephon_flow.core.source import Record
 from zephon_flow.runners.dofns import StatelessInvoker
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment, Skipped
 

@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from zephon_flow import operators as ops
-from zephon_flow.errors import ZephonError
-from zephon_flow.operators.splits import START, Source
+from zephon_flow.core.errors import ZephonError
+from zephon_flow.core.source import START, Source
 
 #: Records read per example at most: a mutation must not turn a small file into a long loop.
 MAX_RECORDS = 5_000
@@ -269,7 +269,7 @@ def test_a_mutated_arrow_file_does_not_crash_the_process(tmp_path: Path) -> None
     script = (
         "import sys\n"
         "from zephon_flow import operators as ops\n"
-        "from zephon_flow.errors import ZephonError\n"
+        "from zephon_flow.core.errors import ZephonError\n"
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from test_fuzz_readers import read_everything\n"
         "try:\n"

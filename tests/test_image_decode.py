@@ -14,7 +14,7 @@ from vlm_helpers import ReadImageFolder, encode, gradient
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 
 
 def decode(data: bytes, key: str = "k", **options: Any) -> np.ndarray:

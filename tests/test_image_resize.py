@@ -10,7 +10,7 @@ from PIL import Image
 from vlm_helpers import gradient
 
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 
 
 def resize(image: np.ndarray, size: Any, **options: Any) -> np.ndarray:

@@ -13,8 +13,9 @@ from vlm_helpers import vlm_spec, write_captioned_images
 
 import zephon_flow as zf
 from zephon_flow.cli import load_spec, main
-from zephon_flow.errors import SpecError, StateError
-from zephon_flow.inspection import inspect_step
+from zephon_flow.core.batches import split_ragged
+from zephon_flow.core.errors import SpecError, StateError
+from zephon_flow.engine.inspection import inspect_step
 
 PIPELINE = textwrap.dedent(
     '''
@@ -77,7 +78,7 @@ def test_each_document_is_named_and_decoded(pipeline: str) -> None:
     assert [v.lane for v in views] == [1, 1]
     with zf.Loader(spec, rank=1, world_size=2) as loader:
         batch = next(b for s, b in loader if s == 3)
-    for v, ids, docs in zip(views, batch["input_ids"], zf.batches.split_ragged(batch), strict=True):
+    for v, ids, docs in zip(views, batch["input_ids"], split_ragged(batch), strict=True):
         (d,) = v.documents
         assert (d.split, d.offset) == (int(docs[0][1]), int(docs[0][2]))
         assert d.source == ("web", "code")[int(docs[0][0])]

@@ -18,11 +18,11 @@ from apache_beam.testing.util import assert_that, equal_to
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import files
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Split
 from zephon_flow.operators import jsonl as jsonl_module
 from zephon_flow.operators.jsonl import ReadJsonl
-from zephon_flow.operators.splits import START, Record, Split
 
 OP = "ReadJsonl('web')"
 

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zephon_flow as zf
-from zephon_flow.errors import SpecError
-from zephon_flow.lanes import RankSlice, check_batch_geometry
+from zephon_flow.core.errors import SpecError
+from zephon_flow.core.lanes import RankSlice, check_batch_geometry
 
 
 def rs(rank: int, world_size: int, lanes: int, batch: int) -> RankSlice:

@@ -19,8 +19,8 @@ from helpers import Corpus, DocKey, chain_spec, example_spec, run_batches, tagge
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.batches import split_ragged
-from zephon_flow.errors import (
+from zephon_flow.core.batches import split_ragged
+from zephon_flow.core.errors import (
     DataError,
     FingerprintMismatchError,
     LaneCountMismatchError,
@@ -30,9 +30,9 @@ from zephon_flow.errors import (
     StateError,
     ZephonError,
 )
-from zephon_flow.operators.dealing import Dealing
-from zephon_flow.operators.splits import START, Split
-from zephon_flow.simulate import global_batches, global_digests
+from zephon_flow.core.source import START, Split
+from zephon_flow.engine.simulate import global_batches, global_digests
+from zephon_flow.runners.dealing import Dealing
 
 
 def state_after(spec: zf.LoaderSpec, steps: int, **loader_kwargs: Any) -> dict[str, Any]:

@@ -20,10 +20,10 @@ from helpers import chain_spec, run_batches, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import SpecError, StageError
-from zephon_flow.identity import function_identity
+from zephon_flow.core.errors import SpecError, StageError
+from zephon_flow.core.identity import function_identity
+from zephon_flow.engine.simulate import global_digests
 from zephon_flow.runners.dofns import StatelessInvoker
-from zephon_flow.simulate import global_digests
 
 # Records "a b | c | d e f": FlatMap splits on "|", Filter drops pieces of one token, Map parses.
 RECORDS = ["1 2 3 | 4 | 5 6", "7 8 | 9 10 11 12 | 13 14", "15", "16 17 | 18 | 19 20 21", "22 | 23"] * 3
@@ -327,7 +327,7 @@ def test_the_fingerprint_names_the_function_and_changes_with_it(records: str) ->
 @pytest.mark.slow
 def test_a_function_s_identity_does_not_depend_on_the_process() -> None:
     code = (
-        "import textwrap; from zephon_flow.identity import function_identity; ns = {'__name__': 'm'}; "
+        "import textwrap; from zephon_flow.core.identity import function_identity; ns = {'__name__': 'm'}; "
         f"exec(textwrap.dedent({CLEAN!r}), ns); print(function_identity(ns['clean']))"
     )
     seen = {

@@ -13,8 +13,8 @@ from helpers import CODE, WEB, DocKey, run_batches, source_epochs, tagged_texts,
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow import rng
-from zephon_flow.errors import SpecError
+from zephon_flow.core import rng
+from zephon_flow.core.errors import SpecError
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.dofns import dofn_seed
 

@@ -14,8 +14,8 @@ from helpers import CODE, WEB, DocKey, run_batches, tagged_texts, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateConflictError
-from zephon_flow.simulate import global_digests
+from zephon_flow.core.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateConflictError
+from zephon_flow.engine.simulate import global_digests
 
 
 class Triple(beam.DoFn):  # type: ignore[misc]

@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 
 HAND = ["1 2 3", "4 5", "6 7 8 9 10 11 12", "13"]
 

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zephon_flow as zf
-from zephon_flow import codec
 from zephon_flow import operators as ops
-from zephon_flow.errors import SpecError
+from zephon_flow.core import codec
+from zephon_flow.core.errors import SpecError
 
 
 class _Cell:

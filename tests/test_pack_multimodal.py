@@ -13,8 +13,8 @@ from helpers import Corpus, chain_spec, run_batches, write_jsonl
 from vlm_helpers import ParseSample, vlm_spec, write_captioned_images
 
 from zephon_flow import operators as ops
-from zephon_flow.batches import split_ragged
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.batches import split_ragged
+from zephon_flow.core.errors import DataError, SpecError
 
 # key | caption ids | image fill value
 HAND = ["a|5 6|10", "b|7|20", "c|8 9 10 11 12|30", "d|13|40"]

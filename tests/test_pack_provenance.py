@@ -11,8 +11,8 @@ from helpers import ParseIds, chain_spec, run_batches, write_jsonl
 from test_pack_best_fit import best_fit, pack_direct, table
 
 from zephon_flow import operators as ops
-from zephon_flow.batches import split_ragged
-from zephon_flow.errors import SpecError
+from zephon_flow.core.batches import split_ragged
+from zephon_flow.core.errors import SpecError
 
 # pack_direct gives document i the id (0, 1, 10 * i).
 

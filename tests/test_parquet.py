@@ -12,10 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 from apache_beam.testing.util import assert_that, equal_to
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Split
 from zephon_flow.operators import _column, parquet
 from zephon_flow.operators.parquet import ReadParquet
-from zephon_flow.operators.splits import START, Record, Split
 
 OP = "ReadParquet('code')"
 

@@ -17,9 +17,9 @@ from helpers import make_corpus, run_batches
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.batches import batch_digest, concat, split_ragged, stack
-from zephon_flow.errors import SpecError, StageError
-from zephon_flow.simulate import global_digests
+from zephon_flow.core.batches import batch_digest, concat, split_ragged, stack
+from zephon_flow.core.errors import SpecError, StageError
+from zephon_flow.engine.simulate import global_digests
 
 
 class Trace(beam.DoFn):  # type: ignore[misc]

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from zephon_flow.errors import StageError
+from zephon_flow.core.errors import StageError
 from zephon_flow.runners.reorder import ReorderBuffer
 
 

@@ -11,7 +11,7 @@ from helpers import Corpus, DocKey, run_batches
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import SpecError, UnsupportedTransformError
+from zephon_flow.core.errors import SpecError, UnsupportedTransformError
 
 Build = Callable[[beam.Pipeline], beam.PCollection]
 

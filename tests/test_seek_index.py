@@ -15,10 +15,10 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zephon_flow.errors import DataError
+from zephon_flow.core.errors import DataError
+from zephon_flow.core.source import START, Split
 from zephon_flow.operators import seek_index
 from zephon_flow.operators.jsonl import ReadJsonl
-from zephon_flow.operators.splits import START, Split
 
 OP = "ReadJsonl('web')"
 

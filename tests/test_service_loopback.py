@@ -14,8 +14,8 @@ from helpers import Corpus, example_spec
 from service_helpers import ServerProcess, parse_digests, rank_digests, start_clients, write_pipeline
 
 import zephon_flow as zf
-from zephon_flow.batches import concat
-from zephon_flow.simulate import global_digests
+from zephon_flow.core.batches import concat
+from zephon_flow.engine.simulate import global_digests
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from zephon_flow.batches import batch_digest, concat
-from zephon_flow.errors import ServiceError
+from zephon_flow.core.batches import batch_digest, concat
+from zephon_flow.core.errors import ServiceError
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.wire import StepAssembler, encode_step, slice_rows, split_payload
 

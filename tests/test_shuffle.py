@@ -10,7 +10,7 @@ from helpers import DocKey, chain_spec, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 
 
 def shuffle_spec(path: str, buffer: int, **kwargs: object) -> zf.LoaderSpec:

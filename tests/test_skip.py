@@ -17,8 +17,8 @@ from helpers import DocKey, run_batches, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, StageError
-from zephon_flow.simulate import global_digests
+from zephon_flow.core.errors import DataError, StageError
+from zephon_flow.engine.simulate import global_digests
 
 BAD = {5: "{not json", 11: '{"text": "web 11 ok"', 17: "[1, 2]", 23: '"just a string"'}
 

@@ -12,12 +12,12 @@ import apache_beam as beam
 import pytest
 from lane_parts import Lines, write_lines
 
-from zephon_flow.errors import CorruptStateError, DataError, StageError
-from zephon_flow.operators.dealing import Dealing, Share
-from zephon_flow.operators.splits import START, Record
+from zephon_flow.core.errors import CorruptStateError, DataError, StageError
+from zephon_flow.core.source import START, Record
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.backends.threads import ThreadBackend
+from zephon_flow.runners.dealing import Dealing, Share
 from zephon_flow.runners.dofns import StatelessInvoker
 from zephon_flow.runners.plan import SourcePlan
 from zephon_flow.runners.segment import Chunk, FrontSegment, Skipped

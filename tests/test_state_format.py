@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from vlm_helpers import encode, gradient
 
 import zephon_flow as zf
-from zephon_flow import codec, compact, compact_read, state_file
 from zephon_flow import operators as ops
-from zephon_flow.errors import CorruptStateError, StateError
+from zephon_flow.core import codec, compact, compact_read, state_file
+from zephon_flow.core.errors import CorruptStateError, StateError
+from zephon_flow.core.state import FeedCursor, LaneState, LoaderState, StageState, to_loader_state
+from zephon_flow.engine.simulate import global_digests
 from zephon_flow.operators.pack import PACKED_SEGMENTS
-from zephon_flow.simulate import global_digests
-from zephon_flow.state import FeedCursor, LaneState, LoaderState, StageState, to_loader_state
 
 STEPS = 6
 

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import zephon_flow as zf
-from zephon_flow import codec, state_file
-from zephon_flow.errors import CorruptStateError, StateError
-from zephon_flow.simulate import global_digests
-from zephon_flow.state import to_loader_state
+from zephon_flow.core import codec, state_file
+from zephon_flow.core.errors import CorruptStateError, StateError
+from zephon_flow.core.state import to_loader_state
+from zephon_flow.engine.simulate import global_digests
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -15,8 +15,8 @@ from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators.splits import START, Record, Split
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Split
 from zephon_flow.operators.text_files import WHOLE_FILE, ReadTextFiles
 
 OP = "ReadTextFiles('notes')"

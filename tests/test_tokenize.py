@@ -12,8 +12,8 @@ from helpers import Corpus, chain_spec, run_batches, train_tokenizer
 from tokenizers import Tokenizer
 
 from zephon_flow import operators as ops
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.demo_data import DemoData
-from zephon_flow.errors import DataError, SpecError
 
 
 def hf_ids(path: str, text: str) -> list[int]:

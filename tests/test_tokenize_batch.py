@@ -9,9 +9,9 @@ from helpers import Corpus
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError
+from zephon_flow.core.errors import DataError
+from zephon_flow.engine.simulate import global_digests
 from zephon_flow.runners.dofns import StatelessInvoker
-from zephon_flow.simulate import global_digests
 
 TEXTS = ["", "alpha beta", "  the quick brown fox  ", "déjà vu ✓ 数据", "omega\n\npsi\tchi", "x" * 300]
 

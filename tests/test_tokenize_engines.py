@@ -30,12 +30,12 @@ from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.demo_data import DemoData
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.engine.simulate import global_digests
 from zephon_flow.operators import bpe_engines, tokenize
 from zephon_flow.operators.bpe_engines import byte_alphabet, vocabulary_bytes
 from zephon_flow.operators.bpe_regex import PatternNotExpressible, translate
-from zephon_flow.simulate import global_digests
 
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"

@@ -10,7 +10,7 @@ import pytest
 from helpers import Corpus
 
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 
 
 def run(fn: ops.TokenizeField, sample: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from helpers import EOS, random_text, train_tokenizer
 from tokenizers import Tokenizer, processors
 
 from zephon_flow import operators as ops
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 
 BOS = "<s>"
 TEXTS = ["hello world", "  leading spaces and a\nnew line", random_text(random.Random(1), 30)]

@@ -19,9 +19,9 @@ from helpers import Corpus, example_spec
 from torch.utils.data import DataLoader
 
 import zephon_flow as zf
-from zephon_flow.batches import split_ragged
-from zephon_flow.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError
-from zephon_flow.simulate import global_batches, global_digests
+from zephon_flow.core.batches import split_ragged
+from zephon_flow.core.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError
+from zephon_flow.engine.simulate import global_batches, global_digests
 from zephon_flow.torch import ZephonDataset, gather_states
 
 LANES, BATCH = 4, 8

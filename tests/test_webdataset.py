@@ -19,9 +19,9 @@ from helpers import Corpus, DocKey, run_batches, source_epochs, tagged_texts
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Split
 from zephon_flow.operators import webdataset
-from zephon_flow.operators.splits import START, Record, Split
 from zephon_flow.operators.webdataset import ReadWebDataset, TarSample, member_key
 
 OP = "ReadWebDataset('pics')"

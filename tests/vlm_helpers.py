@@ -20,7 +20,7 @@ from PIL import Image
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.operators.splits import START, Record, Source, Split
+from zephon_flow.core.source import START, Record, Source, Split
 
 
 def encode(image: Image.Image, fmt: str, **save: Any) -> bytes:

@@ -1,27 +1,27 @@
 """zephon-flow: elastically deterministic data loading for foundation-model training.
 
 The global batch sequence is a pure function of the pipeline and its data, whatever the world
-size, worker count, backend or resume point. See DESIGN.md for the contract.
+size, worker count, backend or resume point. ``docs/design.md`` in the repository is the map.
 """
 
 import zephon_flow._quiet as _quiet
 
 _quiet.quiet_beam_import_warnings()
 
-from zephon_flow.batches import batch_digest  # noqa: E402
-from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
-from zephon_flow.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
-from zephon_flow.errors import (  # noqa: E402
+from zephon_flow.core.batches import batch_digest  # noqa: E402
+from zephon_flow.core.errors import (  # noqa: E402
     DataError,
     ServiceError,
     SpecError,
     StateError,
     ZephonError,
 )
-from zephon_flow.loader import Loader  # noqa: E402
+from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
+from zephon_flow.core.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
+from zephon_flow.engine.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
+from zephon_flow.engine.loader import Loader  # noqa: E402
+from zephon_flow.engine.spec import LoaderSpec  # noqa: E402
 from zephon_flow.service.client import Client  # noqa: E402
-from zephon_flow.spec import LoaderSpec  # noqa: E402
-from zephon_flow.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
 
 __version__ = "0.1.0"
 

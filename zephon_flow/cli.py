@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zephon_flow import __version__
-from zephon_flow.errors import SpecError, ZephonError
+from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.progress import Progress
 from zephon_flow.runners.backends.base import BACKENDS
-from zephon_flow.spec import LoaderSpec
 
 logger = logging.getLogger("zephon_flow.cli")
 
@@ -107,9 +107,9 @@ def load_spec(target: str) -> LoaderSpec:
 
 
 def _digest(args: argparse.Namespace) -> int:
-    from zephon_flow.batches import batch_digest
-    from zephon_flow.simulate import global_batches
-    from zephon_flow.state import load_state, save_state
+    from zephon_flow.core.batches import batch_digest
+    from zephon_flow.core.state import load_state, save_state
+    from zephon_flow.engine.simulate import global_batches
 
     spec = load_spec(args.target)
     state = load_state(args.state) if args.state else None
@@ -173,8 +173,8 @@ def _inspect(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from zephon_flow.inspection import inspect_step, render
-    from zephon_flow.state import load_state
+    from zephon_flow.core.state import load_state
+    from zephon_flow.engine.inspection import inspect_step, render
 
     spec = load_spec(args.target)
     state = load_state(args.state) if args.state else None
@@ -207,7 +207,7 @@ def _inspect_splits(spec: Any, state: Any, *, as_json: bool) -> int:
     import dataclasses
     import json
 
-    from zephon_flow.splitreport import render_splits, split_report
+    from zephon_flow.engine.splitreport import render_splits, split_report
 
     report = split_report(spec, state)
     if as_json:
@@ -234,7 +234,7 @@ def _serve(args: argparse.Namespace) -> int:
     except SpecError as exc:
         raise UsageError(str(exc)) from exc
     if args.resume:
-        from zephon_flow.state import load_state
+        from zephon_flow.core.state import load_state
 
         logger.info("zephon serve: resuming from %s at step %d", args.resume, load_state(args.resume)["step"])
     else:

@@ -9,12 +9,12 @@ from typing import Any
 import apache_beam as beam
 
 from zephon_flow import operators as ops
-from zephon_flow.batches import batch_digest
+from zephon_flow.core.batches import batch_digest
+from zephon_flow.core.state import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 from zephon_flow.demo_data import build_demo_data, corpus_bytes
+from zephon_flow.engine.simulate import global_batches
+from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.progress import Progress
-from zephon_flow.simulate import global_batches
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 
 SEQ_LEN = 512
 LANES = 8

@@ -16,12 +16,12 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-from zephon_flow.errors import CorruptStateError, SpecError, StateConflictError, StateError
-from zephon_flow.lanes import RankSlice
-from zephon_flow.loader import Loader
+from zephon_flow.core.errors import CorruptStateError, SpecError, StateConflictError, StateError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import encode_state, merge_states, to_loader_state
+from zephon_flow.engine.loader import Loader
+from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends.base import BACKENDS
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import encode_state, merge_states, to_loader_state
 
 TorchBatch = dict[str, torch.Tensor]
 

@@ -3,7 +3,7 @@ factory that picks one by name."""
 
 from __future__ import annotations
 
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 from zephon_flow.runners.backends.base import BACKENDS, DEFAULT_CHUNK_TIMEOUT, Backend
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.backends.processes import ProcessBackend

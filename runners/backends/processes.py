@@ -20,7 +20,7 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
-from zephon_flow.errors import ChunkTimeoutError, WorkerLostError
+from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 

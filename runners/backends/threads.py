@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 
-from zephon_flow.errors import ChunkTimeoutError
+from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 
 TOKEN_ENV = "ZEPHON_TOKEN"
 METADATA_KEY = "authorization"

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from zephon_flow.errors import ServiceError, SpecError
+from zephon_flow.core.errors import ServiceError, SpecError
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler

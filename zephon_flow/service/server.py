@@ -16,15 +16,15 @@ from typing import Any, NoReturn
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from zephon_flow.errors import SpecError, ZephonError
-from zephon_flow.lanes import RankSlice
-from zephon_flow.loader import Loader
+from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import load_state, save_state
+from zephon_flow.engine.loader import Loader
+from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.window import StepWindow, WindowError
 from zephon_flow.service.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_step, slice_rows
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import load_state, save_state
 
 SERVICE = "zephon.v1.BatchService"
 MAX_REQUEST_BYTES = 64 << 10

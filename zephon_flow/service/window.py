@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.batches import Batch
+from zephon_flow.core.batches import Batch
 
 
 class WindowError(Exception):

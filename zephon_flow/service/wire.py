@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.batches import Batch
-from zephon_flow.errors import ServiceError
+from zephon_flow.core.batches import Batch
+from zephon_flow.core.errors import ServiceError
 from zephon_flow.service._proto import batch_service_pb2 as pb
 
 ALIGN = 64

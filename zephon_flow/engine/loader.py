@@ -13,22 +13,22 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.batches import Batch, SampleLayout, stack, with_valid
-from zephon_flow.core.roles import MixPolicy
-from zephon_flow.endsync import EndSync, default_end_sync
-from zephon_flow.errors import (
+from zephon_flow.core.batches import Batch, SampleLayout, stack, with_valid
+from zephon_flow.core.errors import (
     SpecError,
     StageError,
     StateError,
     ZephonError,
 )
-from zephon_flow.lanes import RankSlice
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.roles import MixPolicy
+from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
+from zephon_flow.engine.endsync import EndSync, default_end_sync
+from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.runners.plan import Plan
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import LaneState, LoaderState, to_loader_state
 
 _END = object()
 _log = logging.getLogger("zephon_flow")
@@ -55,7 +55,7 @@ class Loader:
     refactor; without it such a state is refused with ``operator <label>: code changed``.
 
     ``end_sync`` is how the ranks of a finite pipeline agree on its last step (see
-    ``zephon_flow.endsync``); by default ``torch.distributed`` when it is initialised.
+    ``zephon_flow.engine.endsync``); by default ``torch.distributed`` when it is initialised.
 
     ``chunk_timeout`` (seconds) bounds one chunk's stateless work: past it the processes backend
     kills the stuck worker, replaces it and raises ``ChunkTimeoutError`` naming the DoFn and the

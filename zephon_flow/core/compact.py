@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow import derived
-from zephon_flow.errors import StateError
+from zephon_flow.core import derived
+from zephon_flow.core.errors import StateError
 
 LEN_PREFIX = struct.Struct("<Q")
 ROW_DIGEST = 16

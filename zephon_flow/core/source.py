@@ -1,7 +1,7 @@
 """Sources' common contract: splits, records, globs; every record in exactly one split.
 
 A source lists its data as *splits* (a byte range of a file, a run of rows, ...), each with a
-cost; ``operators/dealing.py`` deals them to lanes pass by pass. **The contract**: within pass
+cost; ``runners/dealing.py`` deals them to lanes pass by pass. **The contract**: within pass
 ``e`` of a source, each record is delivered to exactly one lane, once, and a lane starts pass
 ``e + 1`` only after its own share of pass ``e``. A source keeps its part of it by listing every
 record in exactly one split (``make_splits``) and reading a split from any position it handed
@@ -16,8 +16,8 @@ from typing import Any
 
 import apache_beam as beam
 
-from zephon_flow.errors import DataError, SpecError
-from zephon_flow.operators import files
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
 
 #: A position inside one split: an integer whose meaning is the source's (a byte offset, a
 #: record number). ``START`` means "at the beginning of the split".

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
+from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
 
 MAGIC = b"ZEPHONCK"
 #: The newest checkpoint format, the one ``state_file`` writes. Version 3: compact frames

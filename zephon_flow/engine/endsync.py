@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Protocol
 
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 
 
 class EndSync(Protocol):

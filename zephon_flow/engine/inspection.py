@@ -8,14 +8,14 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.batches import COUNT_SUFFIX, Batch, split_ragged
-from zephon_flow.errors import SpecError, StateError
-from zephon_flow.lanes import RankSlice
-from zephon_flow.loader import Loader
-from zephon_flow.operators.splits import relative_name
+from zephon_flow.core.batches import COUNT_SUFFIX, Batch, split_ragged
+from zephon_flow.core.errors import SpecError, StateError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.source import relative_name
+from zephon_flow.core.state import to_loader_state
+from zephon_flow.engine.loader import Loader
+from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.plan import Plan
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import to_loader_state
 
 #: Characters of decoded text shown per document.
 EXCERPT_CHARS = 160

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.operators.dealing import Dealing
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import LoaderState, to_loader_state
+from zephon_flow.core.state import LoaderState, to_loader_state
+from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.runners.dealing import Dealing
 
 
 @dataclass(frozen=True, kw_only=True)

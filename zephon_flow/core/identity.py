@@ -11,7 +11,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from zephon_flow.code import function_code_digest, global_names
+from zephon_flow.core.code import function_code_digest, global_names
 
 _PLAIN = (int, float, complex, str, bytes, bool, type(None))
 

@@ -10,9 +10,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from zephon_flow import codec, state_file
-from zephon_flow.batches import SampleLayout
-from zephon_flow.errors import (
+from zephon_flow.core import codec, state_file
+from zephon_flow.core.batches import SampleLayout
+from zephon_flow.core.errors import (
     CorruptStateError,
     FingerprintMismatchError,
     FormatVersionError,

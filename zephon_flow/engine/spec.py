@@ -11,9 +11,9 @@ from typing import Any
 import apache_beam as beam
 from apache_beam.options.pipeline_options import PipelineOptions
 
-from zephon_flow.errors import SpecError
-from zephon_flow.lanes import check_batch_geometry
-from zephon_flow.operators.dealing import DEALING_VERSION
+from zephon_flow.core.errors import SpecError
+from zephon_flow.core.lanes import check_batch_geometry
+from zephon_flow.runners.dealing import DEALING_VERSION
 from zephon_flow.runners.deterministic import DeterministicRunner
 from zephon_flow.runners.plan import Plan
 

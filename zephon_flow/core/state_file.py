@@ -28,8 +28,8 @@ from typing import IO, Any
 
 import zstandard
 
-from zephon_flow import codec, compact, compact_read
-from zephon_flow.errors import CorruptStateError, FormatVersionError, StateError
+from zephon_flow.core import codec, compact, compact_read
+from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
 
 #: The version this module writes: the newest checkpoint format. Every version after
 #: ``codec.BLOB_VERSION`` has this module's layout (a later change to the plain state bumps

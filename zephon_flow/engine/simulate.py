@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
-from zephon_flow.batches import Batch, batch_digest, concat
-from zephon_flow.endsync import ThreadEndSync
-from zephon_flow.loader import Loader
-from zephon_flow.spec import LoaderSpec
-from zephon_flow.state import merge_states
+from zephon_flow.core.batches import Batch, batch_digest, concat
+from zephon_flow.core.state import merge_states
+from zephon_flow.engine.endsync import ThreadEndSync
+from zephon_flow.engine.loader import Loader
+from zephon_flow.engine.spec import LoaderSpec
 
 
 def global_batches(

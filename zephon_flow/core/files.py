@@ -26,7 +26,7 @@ from typing import IO, TypeVar, cast
 from apache_beam.io.filesystem import CompressionTypes, FileMetadata
 from apache_beam.io.filesystems import FileSystems
 
-from zephon_flow.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError
 
 _log = logging.getLogger("zephon_flow.sources")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow import derived
-from zephon_flow.compact import LEN_PREFIX, ROW_DIGEST, Path, RowIndex, RowSlicer, offsets
+from zephon_flow.core import derived
+from zephon_flow.core.compact import LEN_PREFIX, ROW_DIGEST, Path, RowIndex, RowSlicer, offsets
 
 
 class FrameError(ValueError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from zephon_flow.errors import SpecError
+from zephon_flow.core.errors import SpecError
 
 
 def check_batch_geometry(*, lanes: int, global_batch_size: int) -> None:

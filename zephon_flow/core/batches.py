@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.errors import CorruptStateError, StageError
+from zephon_flow.core.errors import CorruptStateError, StageError
 
 Batch = dict[str, np.ndarray]
 

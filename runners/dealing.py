@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from zephon_flow.rng import generator, stable_hash
+from zephon_flow.core.rng import generator, stable_hash
 
 #: Changes whenever the dealing rule changes: it is part of every source's fingerprint, so a
 #: checkpoint written under another rule is refused by name.

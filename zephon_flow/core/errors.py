@@ -1,0 +1,106 @@
+"""The exception hierarchy of zephon-flow: every error a user can see is one of these.
+
+    ZephonError
+     +-- SpecError            the pipeline, the spec or a topology is invalid (before any work)
+     |    +-- UnsupportedTransformError   the runner cannot run a transform of the graph
+     +-- DataError            bad input: names the file, the offset or row, and the operator
+     +-- StageError           a DoFn raised; carries the worker's traceback
+     |    +-- WorkerLostError         a worker process died on the same chunk too many times
+     |    +-- ChunkTimeoutError       a stateless call ran past the chunk deadline (chunk_timeout)
+     +-- StateError           a checkpoint cannot be used
+          +-- FingerprintMismatchError    written for another pipeline (names the part)
+          +-- LaneCountMismatchError      written for another lane count
+          +-- FormatVersionError          written by a newer format
+          +-- CorruptStateError           bytes or structure are damaged
+          +-- StateConflictError          merged ranks disagree about a lane
+     +-- ServiceError         the batch service refused a call or failed (carries its message)
+
+Every class also derives from the builtin a caller would naturally catch (``ValueError``
+for invalid input, ``RuntimeError`` for failures while running).
+"""
+
+from __future__ import annotations
+
+
+class ZephonError(Exception):
+    """Base class of every error raised by zephon-flow."""
+
+
+class SpecError(ZephonError, ValueError):
+    """The pipeline definition, the spec or the requested topology is invalid."""
+
+
+class UnsupportedTransformError(SpecError):
+    """The deterministic runner cannot run a transform of the graph."""
+
+
+class DataError(ZephonError, ValueError):
+    """Bad input data; the message names the file, the offset or row, and the operator."""
+
+
+class StageError(ZephonError, RuntimeError):
+    """A DoFn raised while processing; the message carries the original traceback."""
+
+
+class WorkerLostError(StageError):
+    """A worker process died (killed, out of memory, ``os._exit``) each time it ran the same
+    chunk; names the worker, the lane, the operator and the record."""
+
+
+class ChunkTimeoutError(StageError):
+    """A stateless call ran longer than the loader's ``chunk_timeout``; names the DoFn and the
+    record. On the processes backend the stuck worker has been killed and replaced."""
+
+
+class StateError(ZephonError, ValueError):
+    """A checkpoint (lane state) cannot be used."""
+
+
+class FingerprintMismatchError(StateError):
+    """The checkpoint was written for another pipeline."""
+
+
+class LaneCountMismatchError(StateError):
+    """The checkpoint was written for another number of lanes."""
+
+
+class FormatVersionError(StateError):
+    """The checkpoint was written by a newer checkpoint format."""
+
+
+class CorruptStateError(StateError):
+    """The checkpoint bytes or its structure are damaged."""
+
+
+class StateConflictError(StateError):
+    """States being merged disagree (different steps, or different contents for a lane)."""
+
+
+class ServiceError(ZephonError, RuntimeError):
+    """The batch service refused a request or could not be reached; carries the server's message.
+
+    ``code`` is the gRPC status code name (e.g. ``"OUT_OF_RANGE"``), or ``""`` for errors found
+    on the client side (a malformed message).
+    """
+
+    def __init__(self, message: str, *, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+__all__ = [
+    "ChunkTimeoutError",
+    "CorruptStateError",
+    "DataError",
+    "FingerprintMismatchError",
+    "FormatVersionError",
+    "LaneCountMismatchError",
+    "ServiceError",
+    "SpecError",
+    "StageError",
+    "StateConflictError",
+    "StateError",
+    "UnsupportedTransformError",
+    "WorkerLostError",
+    "ZephonError",
+]
