@@ -32,7 +32,6 @@ import io
 import json
 import os
 import struct
-import tempfile
 from dataclasses import dataclass
 from typing import IO, cast
 
@@ -166,7 +165,7 @@ def _build_gzip(path: str, spacing: int, out: str, operator: str) -> SeekIndex:
             size = fh.seek(0, os.SEEK_END)
             points = tuple((int(c), int(u)) for u, c in fh.seek_points())
             try:
-                _atomic(out, lambda f: fh.export_index(fileobj=f))
+                files.atomic_write(out, lambda f: fh.export_index(fileobj=f))
             except OSError as exc:
                 # Not a fallback to reading whole: the plan must not depend on the machine.
                 raise DataError(
@@ -313,24 +312,7 @@ def _store(meta: str, index: SeekIndex) -> None:
         }
     ).encode()
     with contextlib.suppress(OSError):  # a read-only cache only costs a rebuild next time
-        _atomic(meta, lambda f: f.write(body))
-
-
-def _atomic(target: str, write: object) -> None:
-    """Writes ``target`` through ``write(file)`` into a temporary file renamed into place."""
-    directory = os.path.dirname(target)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)  # type: ignore[operator]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        files.atomic_write(meta, lambda f: f.write(body))
 
 
 # -- reading -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import logging
 import os
 import posixpath
 import re
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, TypeVar, cast
@@ -168,3 +169,36 @@ def _match(pattern: str, operator: str) -> list[FileMetadata]:
             "installed (apache-beam[gcp], [aws], [hadoop])?"
         ) from exc
     return list(result.metadata_list)
+
+
+def atomic_write(path: str, write: Callable[[IO[bytes]], T], *, prefix: str = ".tmp-") -> T:
+    """Writes a local file all or nothing: ``write(f)`` into a temporary file in the same folder,
+    fsync, rename over ``path``, fsync of the folder (so the rename survives a crash); returns
+    what ``write`` returned. The temporary file is removed if anything fails."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            result = write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)
+    return result
+
+
+def _fsync_directory(directory: str) -> None:
+    """Makes a rename durable (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

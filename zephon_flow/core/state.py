@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 import numpy as np
 
-from zephon_flow.core import codec, state_file
+from zephon_flow.core import codec, files, state_file
 from zephon_flow.core.batches import SampleLayout
 from zephon_flow.core.errors import (
     CorruptStateError,
@@ -487,31 +486,11 @@ def save_state(
     directory. With ``base`` (an earlier checkpoint file of the same pipeline) only what changed
     since is written; loading needs the base, next to where it was. Returns what was written."""
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".zephon-state-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            stats = write_state(state, f, base=base, relative_to=directory)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_directory(directory)
-    return stats
-
-
-def _fsync_directory(directory: str) -> None:
-    """Makes the rename durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    return files.atomic_write(
+        os.fspath(path),
+        lambda f: write_state(state, f, base=base, relative_to=directory),
+        prefix=".zephon-state-",
+    )
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
