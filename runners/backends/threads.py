@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
 
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners.backends.base import ChunkResult
@@ -84,12 +86,25 @@ class Deadlines:
 
 
 class ThreadBackend:
-    """``workers`` threads sharing the DoFns. ``close`` does not wait for running calls (a stuck
-    one would hold it forever): their threads finish, or not, in the background."""
+    """``workers`` daemon threads sharing the DoFns. ``close`` does not wait for running calls (a
+    stuck one would hold it forever): their threads finish, or not, in the background, and being
+    daemon threads they never keep the process from exiting (a ``ThreadPoolExecutor`` joins its
+    threads at exit, so one stuck call would hang the trainer's exit)."""
 
     def __init__(self, segment: FrontSegment, workers: int, *, chunk_timeout: float = 300.0) -> None:
         self._deadlines = Deadlines(segment, chunk_timeout, "threads")
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zephon-stateless")
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._serve, name=f"zephon-stateless_{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
 
     def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
         # Our own future, never marked running: a closing stream can always cancel it.
@@ -97,15 +112,19 @@ class ThreadBackend:
         call = _Call(chunk, lane, future)
 
         def work() -> None:
+            if self._closed:  # queued when the backend closed: settle it, do not run it
+                future.cancel()
             if future.cancelled():
                 return
             result = self._deadlines.run(call)
             with contextlib.suppress(InvalidStateError):
                 future.set_result(result)
 
-        self._pool.submit(work)
+        self._jobs.put(work)
         return future
 
     def close(self) -> None:
+        self._closed = True
         self._deadlines.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._jobs.put(None)
