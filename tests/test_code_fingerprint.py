@@ -221,15 +221,20 @@ def test_the_same_source_gives_the_same_digests_on_other_python_versions(tmp_pat
     probe.write_text(PROBE)
     code_py = Path(__file__).resolve().parent.parent / "zephon_flow" / "core" / "code.py"
     results = {}
-    for python in [sys.executable, *other_pythons()]:
+    # This interpreter twice under different hash seeds (always), then every other one found.
+    runs = [(sys.executable, "0"), (sys.executable, "12345"), *((p, "0") for p in other_pythons())]
+    for python, hash_seed in runs:
         out = subprocess.run(
-            [python, str(probe), str(code_py), str(tmp_path)], capture_output=True, text=True, timeout=60
+            [python, str(probe), str(code_py), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONHASHSEED": hash_seed},
         )
         if out.returncode == 0:  # (a pyenv shim without that version fails: not an interpreter)
             version, digests = out.stdout.split("|")
-            results[version.strip()] = digests
-    if len(results) < 2:
-        pytest.skip("no other Python 3.10+ interpreter on this machine")
+            results[f"{version.strip()} (hash seed {hash_seed})"] = digests
+    assert sum(1 for label in results if label.endswith("(hash seed 12345)")) == 1, results
     assert len(set(results.values())) == 1, results
 
 
