@@ -37,13 +37,14 @@ from typing import Any
 import numpy as np
 
 from bench.stats import median
+from zephon_flow.core.state import LoaderState
 
 COLS = 4096  # int32 tokens per row: 16 KiB rows
 SIZES = {"1MiB": 64, "4MiB": 252}  # rows per message; 252 rows stay under the 4 MiB chunk
 RAW_METHOD = "/bench.Raw/Stream"
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "service_throughput.json")
 TOKENS_PER_STEP = 32 * 512  # the demo pipeline's global batch
-WINDOW = 32  # the server's window (its default); messages carry it, so the raw ones are as long
+AHEAD = 32  # the server's ahead (its default); messages carry it, so the raw ones are as long
 
 
 class RepeatingLoader:
@@ -57,8 +58,8 @@ class RepeatingLoader:
             self.step += 1
             yield self.step - 1, self.batch
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "lane_states": []}
+    def state(self) -> LoaderState:
+        return LoaderState(step=self.step, lanes=1, fingerprint={}, lane_states={})
 
     def close(self) -> None:
         pass
@@ -84,7 +85,7 @@ def _serve_service(rows: int, ports: Any) -> None:
 
     spec = zf.LoaderSpec(build, lanes=1, global_batch_size=rows)
     # Every repeat reconnects where the previous one stopped: keep enough steps for that.
-    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), window=WINDOW, keep=64).start()
+    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), ahead=AHEAD, keep=64).start()
     ports.put(server.port)
     server.wait()
 
@@ -162,7 +163,7 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for label, rows in SIZES.items():
-        (message,) = encode_step(0, synthetic_batch(rows), window=WINDOW)
+        (message,) = encode_step(0, synthetic_batch(rows), ahead=AHEAD)
         size = len(message)
         messages = max(20, (total_mib << 20) // size)
         raw_proc, raw_port = _start(_serve_raw, size)

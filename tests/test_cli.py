@@ -252,3 +252,26 @@ def test_serve_logs_where_it_resumes(
         assert main(["serve", f"{pipeline_file}:spec", "--port", "0", "--resume", str(ck)]) == 0
     assert f"zephon serve: resuming from {ck} at step 3" in caplog.messages
     assert len(started) == 1
+
+
+def test_serve_takes_ahead_held_bytes_and_the_former_window_flag(
+    pipeline_file: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from zephon_flow.service import server
+
+    started: list[server.BatchServer] = []
+    monkeypatch.setattr(server, "serve_forever", lambda srv: started.append(srv) or 0)
+    target = f"{pipeline_file}:spec"
+    assert main(["serve", target, "--port", "0", "--ahead", "5", "--held-bytes", "2MiB"]) == 0
+    assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (5, 2 << 20)
+    with caplog.at_level("WARNING", logger="zephon_flow"):
+        assert main(["serve", target, "--port", "0", "--window", "6", "--window-bytes", "1000"]) == 0
+    assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (6, 1000)
+    assert "zephon serve: --window is now --ahead (the old name still works)" in caplog.messages
+    assert main(["serve", target, "--port", "0"]) == 0
+    assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (32, None)
+    for srv in started:
+        srv.stop(grace=None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", target, "--port", "0", "--held-bytes", "lots"])
+    assert exit_.value.code == 2

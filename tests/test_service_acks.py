@@ -1,5 +1,5 @@
 """Ranks' positions are what they have taken (``Ack``): a slow trainer checkpoints the step it
-is at, the server sends and produces at most the window past acknowledged steps, and the new
+is at, the server sends and produces at most ``ahead`` steps past acknowledged steps, and the new
 RPC is validated and token-checked like the others (an in-process server on loopback)."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def spec(corpus: Corpus) -> zf.LoaderSpec:
 @pytest.fixture
 def server(spec: zf.LoaderSpec, tmp_path: Path) -> Iterator[BatchServer]:
     # keep=0: nothing is held behind the slowest rank's acknowledged step.
-    srv = BatchServer(spec, window=WINDOW, keep=0, checkpoint_dir=str(tmp_path)).start()
+    srv = BatchServer(spec, ahead=WINDOW, keep=0, checkpoint_dir=str(tmp_path)).start()
     yield srv
     srv.stop(grace=None)
 
@@ -128,13 +128,13 @@ def test_acks_need_the_token(spec: zf.LoaderSpec) -> None:
         srv.stop(grace=None)
 
 
-@pytest.mark.parametrize("window", [1, 8])
-def test_acks_every_half_window_and_a_checkpoint_after_unacked_steps(
-    spec: zf.LoaderSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window: int
+@pytest.mark.parametrize("ahead", [1, 8])
+def test_acks_every_half_ahead_and_a_checkpoint_after_unacked_steps(
+    spec: zf.LoaderSpec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ahead: int
 ) -> None:
-    stride = max(1, window // 2)
-    steps = 3 * window + stride - 1  # ends stride - 1 steps past the last acknowledgement sent
-    srv = BatchServer(spec, window=window, keep=0, checkpoint_dir=str(tmp_path)).start()
+    stride = max(1, ahead // 2)
+    steps = 3 * ahead + stride - 1  # ends stride - 1 steps past the last acknowledgement sent
+    srv = BatchServer(spec, ahead=ahead, keep=0, checkpoint_dir=str(tmp_path)).start()
     try:
         client = zf.Client(_address(srv), 0, 1, fingerprint=spec.fingerprint)
         sent: list[int] = []
@@ -145,8 +145,8 @@ def test_acks_every_half_window_and_a_checkpoint_after_unacked_steps(
             send(step, timeout)
 
         monkeypatch.setattr(client, "_send_ack", recording)
-        # window=1: the stream waits for each step's acknowledgement, so this never finishes
-        # if one is held back; window=8: the acknowledgements go every 4 steps (coalesced).
+        # ahead=1: the stream waits for each step's acknowledgement, so this never finishes
+        # if one is held back; ahead=8: the acknowledgements go every 4 steps (coalesced).
         got = [(s, zf.batch_digest(b)) for _, (s, b) in zip(range(steps), client, strict=False)]
         assert got == rank_digests(spec, 0, 1, steps)
         background = list(sent)
@@ -168,7 +168,7 @@ def test_acks_every_half_window_and_a_checkpoint_after_unacked_steps(
 
 
 def test_close_acknowledges_the_steps_taken(spec: zf.LoaderSpec) -> None:
-    srv = BatchServer(spec, window=8, keep=0).start()
+    srv = BatchServer(spec, ahead=8, keep=0).start()
     try:
         with zf.Client(_address(srv), 0, 1) as client:
             assert [s for _, (s, _) in zip(range(3), client, strict=False)] == [0, 1, 2]  # below the stride

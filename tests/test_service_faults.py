@@ -73,7 +73,7 @@ def _steps(client: zf.Client, n: int) -> list[int]:
 
 
 def test_a_failed_pipeline_turns_health_not_serving_and_tells_the_clients(tmp_path: Path) -> None:
-    srv = BatchServer(numbers_spec(tmp_path, fail_at=12), window=4).start()
+    srv = BatchServer(numbers_spec(tmp_path, fail_at=12), ahead=4).start()
     address = _address(srv)
     try:
         wait_serving(address)
@@ -129,7 +129,7 @@ def _reap(proc: subprocess.Popen[str]) -> tuple[int, str]:
 
 
 def test_serve_exits_non_zero_after_the_pipeline_fails(tmp_path: Path) -> None:
-    proc = _serve(tmp_path, "--window", "2", fail_at=8)
+    proc = _serve(tmp_path, "--ahead", "2", fail_at=8)
     try:
         with zf.Client(proc.address, 0, 1, retries=0) as client, pytest.raises(zf.ServiceError) as info:  # type: ignore[attr-defined]
             _steps(client, 100)
@@ -144,7 +144,7 @@ def test_checkpoints_every_n_steps_keep_the_newest_and_resume_exactly(tmp_path: 
     spec = numbers_spec(tmp_path)
     directory = tmp_path / "ckpt"
     srv = BatchServer(
-        spec, window=2, keep=1, checkpoint_dir=str(directory), checkpoint_every=5, keep_checkpoints=2
+        spec, ahead=2, keep=1, checkpoint_dir=str(directory), checkpoint_every=5, keep_checkpoints=2
     ).start()
     try:
         with zf.Client(_address(srv), 0, 1) as client:
@@ -167,7 +167,7 @@ def test_checkpoint_every_needs_a_directory(tmp_path: Path) -> None:
 
 
 def test_a_ranks_new_stream_replaces_its_old_one(tmp_path: Path) -> None:
-    srv = BatchServer(numbers_spec(tmp_path), window=4).start()
+    srv = BatchServer(numbers_spec(tmp_path), ahead=4).start()
     address = _address(srv)
     try:
         with grpc.insecure_channel(address) as channel:
@@ -187,7 +187,7 @@ def test_a_ranks_new_stream_replaces_its_old_one(tmp_path: Path) -> None:
 
 
 def test_streams_that_do_not_read_are_dropped_and_a_full_server_is_waited_for(tmp_path: Path) -> None:
-    srv = BatchServer(numbers_spec(tmp_path, batch=2), window=2, max_streams=2, stream_timeout=1.0).start()
+    srv = BatchServer(numbers_spec(tmp_path, batch=2), ahead=2, max_streams=2, stream_timeout=1.0).start()
     address = _address(srv)
     try:
         with grpc.insecure_channel(address) as channel:
@@ -249,7 +249,7 @@ def test_ranks_that_outran_the_last_checkpoint_reconnect_to_the_resumed_server(t
     path = tmp_path / "step-10.zfstate"
     save_state(state, path)
     srv = BatchServer(
-        spec, window=2, resume=str(path), checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5
+        spec, ahead=2, resume=str(path), checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5
     ).start()
     try:
         with zf.Client(_address(srv), 0, 1, start_step=17, retries=0) as client:

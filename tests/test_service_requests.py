@@ -14,6 +14,7 @@ from helpers import Corpus, DocKey, chain_spec, example_spec, tagged_texts, writ
 from service_helpers import rank_digests, wait_serving
 
 import zephon_flow as zf
+from zephon_flow.core.clock import ManualClock
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.server import BatchServer
 
@@ -27,7 +28,7 @@ def spec(corpus: Corpus) -> zf.LoaderSpec:
 
 @pytest.fixture
 def server(spec: zf.LoaderSpec) -> Iterator[BatchServer]:
-    srv = BatchServer(spec, window=4, keep=2).start()
+    srv = BatchServer(spec, ahead=4, keep=2).start()
     yield srv
     srv.stop(grace=None)
 
@@ -103,8 +104,47 @@ def test_bad_requests_are_refused_and_other_ranks_keep_being_served(
         c.close()
 
 
+def test_held_bytes_bound_the_server_and_the_batches_stay_the_same(spec: zf.LoaderSpec) -> None:
+    # A budget below one global batch: the server holds one step at a time and still serves
+    # both ranks the embedded Loader's slices.
+    srv = BatchServer(spec, ahead=4, keep=2, held_bytes=1).start()
+    try:
+        address = _address(srv)
+        clients = [zf.Client(address, r, 2, fingerprint=spec.fingerprint) for r in range(2)]
+        iters = [iter(c) for c in clients]
+        got: dict[int, list[tuple[int, str]]] = {0: [], 1: []}
+        for _ in range(6):
+            for r, it in enumerate(iters):
+                step, batch = next(it)
+                got[r].append((step, zf.batch_digest(batch)))
+        status = clients[0].status()
+        assert status["produced_step"] - status["first_step"] <= 2  # never the 4 + 2 steps allowed
+        for r in range(2):
+            assert got[r] == rank_digests(spec, r, 2, 6)
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop(grace=None)
+
+
+def test_retries_back_off_on_the_client_clock() -> None:
+    import socket
+
+    with socket.socket() as sock:  # a loopback port nobody listens on once closed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    clock = ManualClock()
+    client = zf.Client(f"127.0.0.1:{port}", 0, 1, retries=3, backoff=1.0, max_backoff=3.0, clock=clock)
+    with pytest.raises(
+        zf.ServiceError, match=r"status from 127\.0\.0\.1:\d+ failed after 4 tries: UNAVAILABLE"
+    ):
+        client.status()
+    assert clock.waited == 1.0 + 2.0 + 3.0  # doubling, capped at max_backoff, and no real sleep
+    client.close()
+
+
 def test_checkpoints_are_written_for_held_steps(spec: zf.LoaderSpec, tmp_path: Path) -> None:
-    srv = BatchServer(spec, window=4, keep=2, checkpoint_dir=str(tmp_path)).start()
+    srv = BatchServer(spec, ahead=4, keep=2, checkpoint_dir=str(tmp_path)).start()
     try:
         with zf.Client(_address(srv), 0, 1) as client:
             it = iter(client)

@@ -90,16 +90,16 @@ def test_payload_is_raw_bytes_not_repeated_numbers() -> None:
 
 
 def test_the_servers_window_travels_in_part_zero_only() -> None:
-    messages = encode_step(3, _batch(rows=64, seq=100), chunk_bytes=4096, window=8)
+    messages = encode_step(3, _batch(rows=64, seq=100), chunk_bytes=4096, ahead=8)
     assert [pb.BatchChunk.FromString(m).window for m in messages] == [8] + [0] * (len(messages) - 1)
     asm = StepAssembler()
-    assert asm.window == 0  # nothing seen yet: a client acknowledges every step
+    assert asm.ahead == 0  # nothing seen yet: a client acknowledges every step
     for m in messages:
         asm.feed(m)
-        assert asm.window == 8
+        assert asm.ahead == 8
     (old,) = encode_step(4, _batch())  # as an older server sends it
     asm.feed(old)
-    assert asm.window == 0
+    assert asm.ahead == 0
 
 
 def test_large_step_is_split_into_chunks_and_reassembled() -> None:

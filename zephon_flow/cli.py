@@ -223,6 +223,44 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, workers=args.workers, backend=args.backend)
 
 
+def _ahead(args: argparse.Namespace) -> int:
+    """``--ahead``, or its former name ``--window`` (with a notice); 32 if neither is given."""
+    if args.window is not None:
+        if args.ahead is not None:
+            raise UsageError("zephon serve: --window is the former name of --ahead: give only --ahead")
+        logger.warning("zephon serve: --window is now --ahead (the old name still works)")
+        return int(args.window)
+    return 32 if args.ahead is None else int(args.ahead)
+
+
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+}
+
+
+def _byte_size(text: str) -> int:
+    """``"512MiB"``, ``"2GB"`` or a plain number of bytes, as bytes."""
+    number = text.strip().rstrip("bBiIkKmMgG")
+    unit = text.strip()[len(number) :].upper()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in _SIZE_UNITS or not value > 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size: give bytes as a number with an optional unit "
+            f"(B, KB, MB, GB, KiB, MiB, GiB), e.g. 512MiB"
+        )
+    return max(1, int(value * _SIZE_UNITS[unit]))
+
+
 def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.auth import read_token
     from zephon_flow.service.server import BatchServer, serve_forever
@@ -247,8 +285,9 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
-        window=args.window,
+        ahead=_ahead(args),
         keep=args.keep,
+        held_bytes=args.held_bytes,
         token=token,
         tls=(args.tls_cert, args.tls_key) if args.tls_cert else None,
         checkpoint_every=args.checkpoint_every,
@@ -345,7 +384,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1)
     s.add_argument("--checkpoint-dir", help="where Checkpoint(step) writes DIR/step-<step>.zfstate")
     s.add_argument("--resume", metavar="DIR/step-STEP.zfstate", help="start from this checkpoint file")
-    s.add_argument("--window", type=int, default=32, help="steps produced ahead of the slowest rank")
+    s.add_argument(
+        "--ahead",
+        type=int,
+        default=None,
+        metavar="N",
+        help="steps produced ahead of the slowest rank (default 32)",
+    )
+    s.add_argument("--window", type=int, default=None, help=argparse.SUPPRESS)  # --ahead's former name
+    s.add_argument(
+        "--held-bytes",
+        "--window-bytes",
+        type=_byte_size,
+        default=None,
+        metavar="SIZE",
+        help="bound the bytes of held global batches (e.g. 512MiB; default: no bound): steps behind "
+        "the slowest rank are released first, then production waits",
+    )
     s.add_argument("--keep", type=int, default=8, help="steps held behind the slowest rank, for reconnects")
     s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")

@@ -328,6 +328,10 @@ class Loader:
             self._last = after
             yield step, batch
 
+    def state(self) -> LoaderState:
+        """This rank's lanes, positioned after the last batch yielded (``save_state`` takes it)."""
+        return self._last
+
     def state_dict(self) -> dict[str, Any]:
         """Plain data: this rank's lanes, positioned after the last batch yielded."""
         return self._last.to_plain()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
 import grpc
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError, SpecError
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
@@ -112,13 +112,39 @@ class _Acker:
             self._cond.notify()
 
 
+def _check_position(rank: int, world_size: int, start_step: int) -> None:
+    """Refuses a rank, world size or start step that is not a fitting integer, by name."""
+    for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1), ("start_step", start_step, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise SpecError(f"Client: {name} must be an integer >= {low}, got {value!r}")
+    if rank >= world_size:
+        raise SpecError(f"Client: rank must be in [0, {world_size}), got {rank}")
+
+
+def _open_channel(address: str, root_certificates: bytes | None) -> grpc.Channel:
+    """A channel to ``address`` (TLS with ``root_certificates``) taking messages as large as
+    the server sends, reconnecting on a short backoff of its own (our retries pace the rest)."""
+    options = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", 1 << 20),
+        # Reconnect attempts follow our own backoff, not grpc's (which grows to 2 minutes).
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+    if root_certificates is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return grpc.secure_channel(address, creds, options=options)
+
+
 class Client:
     """Iterates ``(step, batch)`` for rank ``rank`` of ``world_size``, from ``start_step`` on.
 
     ``batch`` maps field names to numpy arrays (torch tensors with ``as_torch=True``) viewing
     the received bytes without a copy; treat them as read-only. Iteration ends when the
     server's data ends. The steps handed out are acknowledged to the server (``Ack``, from a
-    background thread, coalesced) every ``max(1, window // 2)`` steps, ``window`` being what
+    background thread, coalesced) every ``max(1, ahead // 2)`` steps, ``ahead`` being what
     the server says in its messages (every step if it does not say), and always before
     ``checkpoint()`` and at ``close()``: the server holds steps and sends ahead counting from
     acknowledged steps, so ``checkpoint()`` at the step a trainer is at finds it held. A
@@ -130,7 +156,7 @@ class Client:
     of surrounding whitespace (a trailing newline). ``fingerprint``
     (``spec.fingerprint`` or its ``"total"``) makes the server check that it serves that
     pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
-    (PEM bytes) switches to TLS.
+    (PEM bytes) switches to TLS. ``clock`` paces the retries (tests pass a ``ManualClock``).
     """
 
     def __init__(
@@ -148,16 +174,9 @@ class Client:
         backoff: float = 0.1,
         max_backoff: float = 5.0,
         timeout: float = 300.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        for name, value, low in (
-            ("rank", rank, 0),
-            ("world_size", world_size, 1),
-            ("start_step", start_step, 0),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise SpecError(f"Client: {name} must be an integer >= {low}, got {value!r}")
-        if rank >= world_size:
-            raise SpecError(f"Client: rank must be in [0, {world_size}), got {rank}")
+        _check_position(rank, world_size, start_step)
         if not isinstance(retries, int) or retries < 0 or backoff <= 0 or max_backoff < backoff:
             raise SpecError(
                 f"Client: retries must be >= 0 and 0 < backoff <= max_backoff, got "
@@ -169,47 +188,28 @@ class Client:
         token = auth.clean_token(token, "Client") if token is not None else auth.env_token("Client")
         self._metadata = auth.bearer(token) if token else ()
         self._tls = root_certificates is not None
-        self._retries, self._backoff, self._max_backoff, self._timeout = (
-            retries,
-            backoff,
-            max_backoff,
-            timeout,
-        )
+        self._retries, self._backoff, self._max_backoff = retries, backoff, max_backoff
+        self._timeout = timeout
+        self._clock = clock
         self._next_step = start_step
         self._acked = start_step  # the server knows the rank has taken every step before this
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", 1 << 20),
-            # Reconnect attempts follow our own backoff, not grpc's (which grows to 2 minutes).
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = _open_channel(address, root_certificates)
         self._stream = self._channel.unary_stream(
             _METHOD + "StreamBatches", request_serializer=pb.StreamBatchesRequest.SerializeToString
         )
-        self._ack = self._channel.unary_unary(
-            _METHOD + "Ack",
-            request_serializer=pb.AckRequest.SerializeToString,
-            response_deserializer=pb.AckReply.FromString,
-        )
+        self._ack = self._method("Ack", pb.AckRequest, pb.AckReply)
+        self._checkpoint = self._method("Checkpoint", pb.CheckpointRequest, pb.CheckpointReply)
+        self._status = self._method("Status", pb.StatusRequest, pb.StatusReply)
         self._acker: _Acker | None = None
-        self._checkpoint = self._channel.unary_unary(
-            _METHOD + "Checkpoint",
-            request_serializer=pb.CheckpointRequest.SerializeToString,
-            response_deserializer=pb.CheckpointReply.FromString,
-        )
-        self._status = self._channel.unary_unary(
-            _METHOD + "Status",
-            request_serializer=pb.StatusRequest.SerializeToString,
-            response_deserializer=pb.StatusReply.FromString,
-        )
         self._closed = False
+
+    def _method(self, method: str, request: Any, reply: Any) -> grpc.UnaryUnaryMultiCallable:
+        """The callable for the service's unary ``method``."""
+        return self._channel.unary_unary(
+            _METHOD + method,
+            request_serializer=request.SerializeToString,
+            response_deserializer=reply.FromString,
+        )
 
     @property
     def next_step(self) -> int:
@@ -226,7 +226,7 @@ class Client:
                 f"{what} from {self.address} failed{tries}: {code.name}: {exc.details()}{self._hint(exc)}",
                 code=code.name,
             ) from None
-        time.sleep(min(self._max_backoff, self._backoff * 2**attempt))
+        self._clock.sleep(min(self._max_backoff, self._backoff * 2**attempt))
 
     def _hint(self, exc: grpc.RpcError) -> str:
         """What a bare transport error most likely means, for the message."""
@@ -282,8 +282,8 @@ class Client:
                         raise acker.error
                     self._next_step = step + 1
                     attempt = 0
-                    # Within the window: the stream never waits for an acknowledgement not sent.
-                    if self._next_step - self._acked >= max(1, assembler.window // 2):
+                    # Within ``ahead``: the stream never waits for an acknowledgement not sent.
+                    if self._next_step - self._acked >= max(1, assembler.ahead // 2):
                         self._acked = self._next_step
                         acker.ack(self._next_step)
                     yield step, batch
@@ -299,6 +299,7 @@ class Client:
                 call.cancel()
 
     def _unary(self, method: Any, request: Any, what: str) -> Any:
+        """Calls ``method`` with retries as the class says; ``what`` names it in errors."""
         attempt = 0
         while True:
             try:
@@ -319,7 +320,7 @@ class Client:
         return str(reply.path)
 
     def status(self) -> dict[str, Any]:
-        """The server's status: produced step, held window, lanes' progress, ranks, throughput."""
+        """The server's status: produced step, held steps, lanes' progress, ranks, throughput."""
         reply = self._unary(self._status, pb.StatusRequest(), "status")
         return dict(_plain(reply))
 

@@ -8,22 +8,24 @@ import os
 import re
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from zephon_flow.core.batches import Batch
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.state import load_state, save_state
+from zephon_flow.core.state import LoaderState, load_state, save_state
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
-from zephon_flow.service.window import StepWindow, WindowError
+from zephon_flow.service.held import HeldSteps, HeldStepsError
 from zephon_flow.service.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_step, slice_rows
 
 SERVICE = "zephon.v1.BatchService"
@@ -72,16 +74,28 @@ def _abort(context: grpc.ServicerContext, code: str, message: str) -> NoReturn:
     raise AssertionError("grpc's abort returned")
 
 
+class ServedLoader(Protocol):
+    """What the server serves from: the embedded ``Loader``, or any object that iterates
+    ``(step, batch)``, says the state after the last batch yielded, and closes."""
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]: ...
+
+    def state(self) -> LoaderState: ...
+
+    def close(self) -> None: ...
+
+
 class BatchServer:
     """Serves ``spec``'s global batches to ranks of any world size over gRPC.
 
     Runs one ``zf.Loader`` (world size 1, all lanes, on ``backend`` with ``workers``) from
-    ``resume`` (a checkpoint file) or the start, holding a ``StepWindow`` of ``window`` steps
-    ahead of the slowest rank's acknowledged step and ``keep`` behind it; each rank's stream
-    sends at most ``window`` steps past its acknowledged step. ``token`` (shared secret) is required
-    on every call but health checks; ``tls`` is ``(cert_path, key_path)``. ``loader`` replaces
-    the embedded Loader by any object with its iteration, ``state_dict()`` and ``close()``
-    (benchmarks feed synthetic batches this way).
+    ``resume`` (a checkpoint file) or the start, holding global batches (``HeldSteps``) up to
+    ``ahead`` steps past the slowest rank's acknowledged step and ``keep`` behind it, and, with
+    ``held_bytes``, at most that many bytes of them (the step the slowest rank needs next is
+    always made); each rank's stream sends at most ``ahead`` steps past its acknowledged step.
+    ``token`` (shared secret) is required on every call but health checks; ``tls`` is
+    ``(cert_path, key_path)``. ``loader`` replaces the embedded Loader by any ``ServedLoader``
+    (benchmarks feed synthetic batches this way). ``window`` is ``ahead``'s former name.
 
     Faults: when the pipeline fails, health turns NOT_SERVING, every stream and checkpoint call
     gets the error (``INTERNAL``), and ``failed`` is set (``zephon serve`` then exits with
@@ -104,57 +118,54 @@ class BatchServer:
         workers: int = 1,
         checkpoint_dir: str | None = None,
         resume: str | None = None,
-        window: int = 32,
+        ahead: int = 32,
         keep: int = 8,
+        held_bytes: int | None = None,
         token: str | None = None,
         tls: tuple[str, str] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         max_streams: int = 64,
-        loader: Any = None,
+        loader: ServedLoader | None = None,
         checkpoint_every: int | None = None,
         keep_checkpoints: int = 3,
         stream_timeout: float = 300.0,
         chunk_timeout: float = 300.0,
+        window: int | None = None,
     ) -> None:
-        for name, value, low in (
-            ("window", window, 1),
-            ("keep", keep, 0),
-            ("max_streams", max_streams, 1),
-            ("keep_checkpoints", keep_checkpoints, 1),
-            ("checkpoint_every", 1 if checkpoint_every is None else checkpoint_every, 1),
-        ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise SpecError(
-                    f"zephon serve: --{name.replace('_', '-')} must be an integer >= {low}, got {value!r}"
-                )
-        if checkpoint_every is not None and checkpoint_dir is None:
-            raise SpecError("zephon serve: --checkpoint-every needs --checkpoint-dir (where to write them)")
-        if not isinstance(stream_timeout, int | float) or not stream_timeout > 0:
-            raise SpecError(f"zephon serve: --stream-timeout must be > 0 seconds, got {stream_timeout!r}")
-        if not isinstance(port, int) or not 0 <= port < 65536:
-            raise SpecError(f"zephon serve: --port must be in [0, 65535], got {port!r}")
-        if not 0 < chunk_bytes <= CHUNK_BYTES:
-            raise SpecError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes!r}")
+        if window is not None:
+            warnings.warn("BatchServer(window=) is now BatchServer(ahead=)", DeprecationWarning, stacklevel=2)
+            ahead = window
+        _check_options(
+            ahead=ahead,
+            keep=keep,
+            held_bytes=held_bytes,
+            max_streams=max_streams,
+            keep_checkpoints=keep_checkpoints,
+            checkpoint_every=checkpoint_every,
+            checkpoint_dir=checkpoint_dir,
+            stream_timeout=stream_timeout,
+            port=port,
+            chunk_bytes=chunk_bytes,
+        )
         self.spec = spec
         self.fingerprint = spec.fingerprint["total"]
         self._checkpoint_dir = checkpoint_dir
         if checkpoint_dir is not None:
             os.makedirs(checkpoint_dir, exist_ok=True)
         if loader is None:
-            state = load_state(resume) if resume is not None else None
             loader = Loader(
                 spec,
                 rank=0,
                 world_size=1,
                 backend=backend,
                 workers=workers,
-                state=state,
+                state=load_state(resume) if resume is not None else None,
                 chunk_timeout=chunk_timeout,
             )
         self._loader = loader
-        first = self._loader.state_dict()
+        first = self._loader.state()
         self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
-        self._last_checkpoint = int(first["step"])
+        self._last_checkpoint = first.step
         self._checkpoint_lock = threading.Lock()
         self._stream_timeout = float(stream_timeout)
         self._open: set[_OpenStream] = set()
@@ -162,11 +173,16 @@ class BatchServer:
         #: The pipeline's error once it has failed (the server then only reports it).
         self.failed: BaseException | None = None
         # Resumed from its own --checkpoint-every checkpoint, the server can be up to N steps
-        # (plus the window and an acknowledgement stride) behind its ranks: they may reconnect
+        # (plus ``ahead`` and an acknowledgement stride) behind its ranks: they may reconnect
         # that far ahead, and production replays the steps in between.
-        reach = window if checkpoint_every is None else 2 * window + checkpoint_every
-        self._window = StepWindow(
-            first_step=int(first["step"]), first_state=first, ahead=window, keep=keep, reach=reach
+        reach = ahead if checkpoint_every is None else 2 * ahead + checkpoint_every
+        self._held: HeldSteps[LoaderState] = HeldSteps(
+            first_step=first.step,
+            first_state=first,
+            ahead=ahead,
+            keep=keep,
+            reach=reach,
+            max_bytes=held_bytes,
         )
         self._chunk_bytes = chunk_bytes
         self._stop = threading.Event()
@@ -176,8 +192,13 @@ class BatchServer:
         self._bytes_lock = threading.Lock()
         self._started = time.monotonic()
         self._health = health.HealthServicer()
+        self._server = self._grpc_server(token, max_streams)
+        self.host, self.port = host, self._listen(host, port, tls)
+
+    def _grpc_server(self, token: str | None, max_streams: int) -> grpc.Server:
+        """The gRPC server with the batch service, health, and the token check if any."""
         interceptors = [auth.TokenInterceptor(token)] if token else []
-        self._server = grpc.server(
+        server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_streams + 4, thread_name_prefix="zephon-serve"),
             handlers=[self._handlers()],
             interceptors=interceptors,
@@ -188,20 +209,25 @@ class BatchServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        return server
+
+    def _listen(self, host: str, port: int, tls: tuple[str, str] | None) -> int:
+        """Binds ``host:port`` (TLS with ``tls``); returns the port. On failure the loader is
+        closed and the error names the address."""
         address = f"{host}:{port}"
         try:
             if tls is not None:
-                self.port = self._server.add_secure_port(address, auth.server_credentials(*tls))
+                bound = self._server.add_secure_port(address, auth.server_credentials(*tls))
             else:
-                self.port = self._server.add_insecure_port(address)
+                bound = self._server.add_insecure_port(address)
         except RuntimeError as exc:
             self._loader.close()
             raise ZephonError(f"zephon serve: cannot listen on {address}: {exc}") from exc
-        if not self.port:
+        if not bound:
             self._loader.close()
             raise ZephonError(f"zephon serve: cannot listen on {address} (in use?)")
-        self.host = host
+        return int(bound)
 
     # -- life cycle ----------------------------------------------------------------------------
     def start(self) -> BatchServer:
@@ -228,12 +254,12 @@ class BatchServer:
     def _produce(self) -> None:
         try:
             batches = iter(self._loader)
-            while self._window.wait_for_room(self._stop.is_set):
+            while self._held.wait_for_room(self._stop.is_set):
                 item = next(batches, None)
                 if item is None:
-                    self._window.finish()
+                    self._held.finish()
                     return
-                self._window.add(item[1], self._loader.state_dict())
+                self._held.add(item[1], self._loader.state())
         except BaseException as exc:  # carried to every stream as INTERNAL
             self._fail(exc)
 
@@ -244,7 +270,7 @@ class BatchServer:
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         _log.error("zephon serve: the pipeline failed: %s", exc)
-        self._window.finish(
+        self._held.finish(
             RuntimeError(
                 f"{type(exc).__name__}: {exc}\n(the server is exiting with status {EXIT_PIPELINE_FAILED}; "
                 f"a supervisor restarts it with --resume from its last checkpoint)"
@@ -263,12 +289,12 @@ class BatchServer:
         if self._checkpoint_every is None or self._checkpoint_dir is None or self.failed is not None:
             return
         with self._checkpoint_lock:
-            step = self._window.slowest()
+            step = self._held.slowest()
             if step < self._last_checkpoint + self._checkpoint_every:
                 return
             try:
-                state = self._window.state_for(step, timeout=0.0)
-            except WindowError:
+                state = self._held.state_for(step, timeout=0.0)
+            except HeldStepsError:
                 return  # released meanwhile: the next acknowledgement brings another
             path = checkpoint_path(self._checkpoint_dir, step)
             try:
@@ -287,7 +313,7 @@ class BatchServer:
                 o
                 for o in self._open
                 if now - o.progress > self._stream_timeout
-                and self._window.waiting_for_client(o.rank, o.world_size, o.step)
+                and self._held.waiting_for_client(o.rank, o.world_size, o.step)
             ]
         for o in idle:
             _log.warning(
@@ -360,25 +386,25 @@ class BatchServer:
         self._check_fingerprint(request.fingerprint, context)
         rank, world_size, step = int(request.rank), int(request.world_size), int(request.start_step)
         rows = self._rank_slice(rank, world_size, context)
-        window = self._window
+        held = self._held
         try:
-            stream = window.join(rank, world_size, step)
-        except WindowError as exc:
+            stream = held.join(rank, world_size, step)
+        except HeldStepsError as exc:
             _abort(context, exc.code, str(exc))
-        start, stop, ahead = rows.start, rows.stop, window.ahead
+        start, stop = rows.start, rows.stop
         me = _OpenStream(rank, world_size, context, step, time.monotonic())
         with self._open_lock:
             self._open.add(me)
         try:
             while True:
                 try:
-                    batch = window.take(rank, world_size, step, context.is_active, stream)
-                except WindowError as exc:
+                    batch = held.take(rank, world_size, step, context.is_active, stream)
+                except HeldStepsError as exc:
                     _abort(context, exc.code, str(exc))
                 if batch is None:
                     return
                 messages = encode_step(
-                    step, slice_rows(batch, start, stop), chunk_bytes=self._chunk_bytes, window=ahead
+                    step, slice_rows(batch, start, stop), chunk_bytes=self._chunk_bytes, ahead=held.advised_ahead()
                 )
                 with self._bytes_lock:
                     self._bytes_served += sum(len(m) for m in messages)
@@ -390,15 +416,15 @@ class BatchServer:
         finally:
             with self._open_lock:
                 self._open.discard(me)
-            window.leave(rank, world_size, stream)
+            held.leave(rank, world_size, stream)
 
     def _ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
         self._check_fingerprint(request.fingerprint, context)
         rank, world_size = int(request.rank), int(request.world_size)
         self._rank_slice(rank, world_size, context)
         try:
-            self._window.ack(rank, world_size, int(request.step))
-        except WindowError as exc:
+            self._held.ack(rank, world_size, int(request.step))
+        except HeldStepsError as exc:
             _abort(context, exc.code, str(exc))
         self._touch(rank, world_size)
         self._maybe_checkpoint()
@@ -417,8 +443,8 @@ class BatchServer:
         timeout = CHECKPOINT_TIMEOUT if remaining is None else min(CHECKPOINT_TIMEOUT, remaining)
         step = int(request.step)
         try:
-            state = self._window.state_for(step, timeout=timeout)
-        except WindowError as exc:
+            state = self._held.state_for(step, timeout=timeout)
+        except HeldStepsError as exc:
             _abort(context, exc.code, str(exc))
         path = checkpoint_path(directory, step)
         try:
@@ -428,14 +454,12 @@ class BatchServer:
         return pb.CheckpointReply(step=step, path=os.path.abspath(path))
 
     def _status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
-        st = self._window.status()
+        st = self._held.status()
         with self._bytes_lock:
             served = self._bytes_served
         lanes = [
-            pb.LaneProgress(
-                lane=int(ls["lane"]), records=int(ls["cursor"]["mix_position"]), ended=bool(ls["ended"])
-            )
-            for ls in st.latest_state["lane_states"]
+            pb.LaneProgress(lane=lane.lane, records=lane.cursor.mix_position, ended=lane.ended)
+            for _, lane in sorted(st.latest_state.lane_states.items())
         ]
         ranks = [
             pb.RankPosition(
@@ -484,8 +508,44 @@ def serve_forever(server: BatchServer) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            done.wait(FAILURE_NOTICE_SECONDS)  # streams waiting on the window get the error
+            done.wait(FAILURE_NOTICE_SECONDS)  # streams waiting on held steps get the error
             server.stop(grace=1.0)
             return EXIT_PIPELINE_FAILED
     server.stop(grace=1.0)
     return 0
+
+
+def _check_options(
+    *,
+    ahead: int,
+    keep: int,
+    held_bytes: int | None,
+    max_streams: int,
+    keep_checkpoints: int,
+    checkpoint_every: int | None,
+    checkpoint_dir: str | None,
+    stream_timeout: float,
+    port: int,
+    chunk_bytes: int,
+) -> None:
+    """Refuses a server option out of range, naming its ``zephon serve`` flag."""
+    for name, value, low in (
+        ("ahead", ahead, 1),
+        ("keep", keep, 0),
+        ("held_bytes", 1 if held_bytes is None else held_bytes, 1),
+        ("max_streams", max_streams, 1),
+        ("keep_checkpoints", keep_checkpoints, 1),
+        ("checkpoint_every", 1 if checkpoint_every is None else checkpoint_every, 1),
+    ):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise SpecError(
+                f"zephon serve: --{name.replace('_', '-')} must be an integer >= {low}, got {value!r}"
+            )
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise SpecError("zephon serve: --checkpoint-every needs --checkpoint-dir (where to write them)")
+    if not isinstance(stream_timeout, int | float) or not stream_timeout > 0:
+        raise SpecError(f"zephon serve: --stream-timeout must be > 0 seconds, got {stream_timeout!r}")
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise SpecError(f"zephon serve: --port must be in [0, 65535], got {port!r}")
+    if not 0 < chunk_bytes <= CHUNK_BYTES:
+        raise SpecError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes!r}")

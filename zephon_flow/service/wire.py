@@ -101,9 +101,10 @@ def _cut(segments: list[memoryview | bytes], start: int, stop: int) -> list[memo
 
 
 def encode_step(
-    step: int, batch: Mapping[str, np.ndarray], *, chunk_bytes: int = CHUNK_BYTES, window: int = 0
+    step: int, batch: Mapping[str, np.ndarray], *, chunk_bytes: int = CHUNK_BYTES, ahead: int = 0
 ) -> list[bytes]:
-    """The serialized ``BatchChunk`` messages of one step's slice; part 0 carries ``window``."""
+    """The serialized ``BatchChunk`` messages of one step's slice; part 0 carries ``ahead`` (in the
+    message's ``window`` field, its name in protocol v1)."""
     headers, segments, size = _layout(batch)
     parts = max(1, -(-size // chunk_bytes))
     out: list[bytes] = []
@@ -116,7 +117,7 @@ def encode_step(
             parts=parts,
             arrays=headers if first else [],
             payload_size=size,
-            window=window if first else 0,
+            window=ahead if first else 0,
         ).SerializeToString()
         length = _varint(hi - lo)
         # Pad so the payload starts at a multiple of 16 in the message: 2 + k bytes of padding field.
@@ -190,13 +191,14 @@ class StepAssembler:
     def __init__(self, *, as_torch: bool = False) -> None:
         self._as_torch = as_torch
         self._pending: _Pending | None = None
-        self.window = 0
-        """The server's window, from the last part 0 fed (0: the server does not say)."""
+        self.ahead = 0
+        """The server's ``ahead`` (steps a stream sends past its acknowledged step), from the
+        last part 0 fed (0: the server does not say)."""
 
     def feed(self, raw: bytes) -> tuple[int, dict[str, Any]] | None:
         chunk, payload = split_payload(raw)
         if chunk.part == 0:
-            self.window = chunk.window
+            self.ahead = chunk.window
         if chunk.parts == 1 and chunk.part == 0 and self._pending is None:
             if len(payload) != chunk.payload_size:
                 raise ServiceError(
