@@ -150,7 +150,7 @@ class ParseIds(beam.DoFn):  # type: ignore[misc]
 class DocKey(beam.DoFn):  # type: ignore[misc]
     """``"web 17 ..."`` -> ``{"src": 0, "doc": 17}``: a fixed-shape sample naming its document."""
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         tag, index = text.split()[:2]
         yield {"src": np.int64(_TAGS.get(tag, -1)), "doc": np.int64(int(index))}
 
@@ -205,7 +205,7 @@ def run_batches(
     spec: zf.LoaderSpec, steps: int | None = None, **loader_kwargs: Any
 ) -> list[dict[str, np.ndarray]]:
     """Up to ``steps`` batches of one loader (all of them when ``steps`` is None)."""
-    out = []
+    out: list[dict[str, np.ndarray]] = []
     with zf.Loader(spec, **loader_kwargs) as loader:
         for step, batch in loader:
             assert step == len(out)

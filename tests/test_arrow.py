@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import apache_beam as beam
@@ -31,7 +32,7 @@ def fine_splits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_column, "MIN_SPLIT_ROWS", 1)
 
 
-def write(path: Path, batches: list[dict[str, list[object]]], *, stream: bool = False) -> str:
+def write(path: Path, batches: Sequence[Mapping[str, Sequence[object]]], *, stream: bool = False) -> str:
     """One record batch per dict of columns, as an IPC file (or stream)."""
     rbs = [pa.record_batch(cols) for cols in batches]
     open_writer = ipc.new_stream if stream else ipc.new_file

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import numpy as np
@@ -37,7 +38,7 @@ class Fault(beam.DoFn):  # type: ignore[misc]
     def __init__(self, mode: str, marker_dir: str) -> None:
         self.mode, self.marker_dir = mode, marker_dir
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         n = int(text)
         if n == TARGET and self.mode != "none":
             if self.mode.startswith("once-"):
@@ -60,7 +61,7 @@ class Fault(beam.DoFn):  # type: ignore[misc]
 class Inflate(beam.DoFn):  # type: ignore[misc]
     """A large record in, a larger array out: chunks and results that fill the worker pipes."""
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         n = int(text.split()[0])
         yield {"n": np.int64(n), "big": np.full(400_000, n, dtype=np.int32)}
 

@@ -163,7 +163,7 @@ def test_vlm_report_flags_impossible_rates() -> None:
         }
 
     raw = [run_("limit", 100.0, None), run_("zephon_processes", 150.0), run_("torch_dataloader", 90.0, 1.6)]
-    config = {"steps": 1, "warmup": 1, "rounds": 1, "workers": 2, "cpu_count": 2}
+    config: dict[str, Any] = {"steps": 1, "warmup": 1, "rounds": 1, "workers": 2, "cpu_count": 2}
     config |= {"loadavg_start": [0.0] * 3, "loadavg_end": [0.0] * 3}
     checks = {"samples_checked": 1, "pixels_equal": True, "caption_ids_equal": True}
     res = vlm_report.summarise(raw, workload=_workload_dict(), config=config, checks=checks)
@@ -185,4 +185,5 @@ def test_vlm_report_flags_impossible_rates() -> None:
 def _workload_dict() -> dict[str, Any]:
     from bench.vlm import VlmWorkload
 
-    return json.loads(VlmWorkload(tars="x/*.tar", tokenizer="t.json").to_json())
+    workload: dict[str, Any] = json.loads(VlmWorkload(tars="x/*.tar", tokenizer="t.json").to_json())
+    return workload

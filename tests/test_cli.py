@@ -247,7 +247,12 @@ def test_serve_logs_where_it_resumes(
         ck = tmp_path / "step-3.zfstate"
         zf.save_state(loader.state_dict(), ck)
     started: list[object] = []
-    monkeypatch.setattr(server, "serve_forever", lambda srv: started.append(srv) or 0)
+
+    def serve_forever(srv: object) -> int:
+        started.append(srv)
+        return 0
+
+    monkeypatch.setattr(server, "serve_forever", serve_forever)
     with caplog.at_level("INFO", logger="zephon_flow"):
         assert main(["serve", f"{pipeline_file}:spec", "--port", "0", "--resume", str(ck)]) == 0
     assert f"zephon serve: resuming from {ck} at step 3" in caplog.messages
@@ -260,7 +265,12 @@ def test_serve_takes_ahead_held_bytes_and_the_former_window_flag(
     from zephon_flow.service import server
 
     started: list[server.BatchServer] = []
-    monkeypatch.setattr(server, "serve_forever", lambda srv: started.append(srv) or 0)
+
+    def serve_forever(srv: server.BatchServer) -> int:
+        started.append(srv)
+        return 0
+
+    monkeypatch.setattr(server, "serve_forever", serve_forever)
     target = f"{pipeline_file}:spec"
     assert main(["serve", target, "--port", "0", "--ahead", "5", "--held-bytes", "2MiB"]) == 0
     assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (5, 2 << 20)

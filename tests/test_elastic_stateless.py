@@ -8,6 +8,8 @@ single-rank inline run.
 
 from __future__ import annotations
 
+from typing import Any
+
 import apache_beam as beam
 import numpy as np
 import pytest
@@ -49,7 +51,7 @@ def long_enough_batch(docs: list[np.ndarray]) -> list[bool]:
     return [len(d) >= 4 for d in docs]
 
 
-def with_total(sample: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def with_total(sample: dict[str, np.ndarray]) -> dict[str, Any]:
     return {**sample, "total": np.int64(sample["input_ids"].sum())}
 
 

@@ -32,10 +32,10 @@ class DocNumber(beam.DoFn):  # type: ignore[misc]
     It declares its padding sample, as the README asks of a pipeline's last operator when a lane
     may end without ever making a sample (tiny data, many lanes)."""
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         yield {"doc": np.int64(int(text.split()[0]))}
 
-    def padding_sample(self) -> dict[str, np.ndarray]:
+    def padding_sample(self) -> dict[str, Any]:
         return {"doc": np.int64(-1)}
 
 
@@ -103,7 +103,7 @@ def test_the_dealing_gives_each_record_of_a_pass_to_exactly_one_lane(
     costs: list[int], lanes: int, epoch: int
 ) -> None:
     dealing = Dealing(costs, lanes=lanes, seed=3, source="src")
-    got = collections.Counter()
+    got: collections.Counter[tuple[int, int]] = collections.Counter()
     for lane in range(lanes):
         shares = dealing.shares(lane, epoch)
         assert shares, f"lane {lane} has no share"
@@ -195,7 +195,7 @@ def test_every_rank_yields_the_same_number_of_steps_and_the_tail_is_padding(tmp_
 class Unpadded(beam.DoFn):  # type: ignore[misc]
     """Like ``DocNumber``, without a declared padding sample."""
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         yield {"doc": np.int64(int(text.split()[0]))}
 
 

@@ -60,7 +60,7 @@ def test_a_state_of_another_pipeline_names_the_differing_part(corpus: Corpus) ->
 def test_a_state_for_changed_data_names_the_source(corpus: Corpus, tmp_path: Path) -> None:
     copy = Corpus(
         root=tmp_path,
-        web_jsonl=shutil.copy(corpus.web_jsonl, tmp_path / "web.jsonl"),
+        web_jsonl=shutil.copy(corpus.web_jsonl, str(tmp_path / "web.jsonl")),
         code_parquet=corpus.code_parquet,
         tokenizer_json=corpus.tokenizer_json,
         web_texts=corpus.web_texts,

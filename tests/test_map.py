@@ -104,9 +104,10 @@ def test_numpy_bools_are_bools() -> None:
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ops.Map("upper"), "ops.Map: function must be callable, got str"),
-        (lambda: ops.Filter(None), "ops.Filter: predicate must be callable, got NoneType"),
-        (lambda: ops.FlatMap(pieces, batched=1), "ops.FlatMap: batched must be True or False, got 1"),
+        # Wrong types on purpose: the operators refuse them at run time.
+        (lambda: ops.Map("upper"), "ops.Map: function must be callable, got str"),  # type: ignore[arg-type]
+        (lambda: ops.Filter(None), "ops.Filter: predicate must be callable, got NoneType"),  # type: ignore[arg-type]
+        (lambda: ops.FlatMap(pieces, batched=1), "ops.FlatMap: batched must be True or False, got 1"),  # type: ignore[arg-type]
     ],
 )
 def test_bad_options_are_refused(make: Any, message: str) -> None:

@@ -21,7 +21,7 @@ from zephon_flow.engine.simulate import global_digests
 class Triple(beam.DoFn):  # type: ignore[misc]
     """``"web 17 ..."`` -> three samples of document 17: records whose outputs span windows."""
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         for sample in DocKey().process(text):
             for part in range(3):
                 yield {**sample, "part": np.int64(part)}

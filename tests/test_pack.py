@@ -99,13 +99,13 @@ def test_no_token_is_lost_or_repeated_over_a_long_run(tmp_path: Path) -> None:
         ]
         records.append(" | ".join(docs))
     path = write_jsonl(tmp_path / "rand.jsonl", records)
-    docs = [[int(t) for t in part.split()] for r in records for part in r.split("|")]
+    tokens = [[int(t) for t in part.split()] for r in records for part in r.split("|")]
     seq_len, steps, batch = 7, 100, 2
     got = rows(run_batches(pack_spec(path, seq_len, global_batch_size=batch), steps))
-    n_tokens = sum(map(len, docs))
+    n_tokens = sum(map(len, tokens))
     epochs = steps * batch * seq_len // n_tokens + 1
     assert epochs >= 3, "the run should cover several epochs"
-    assert got == reference_pack(docs * epochs, seq_len)[: steps * batch]
+    assert got == reference_pack(tokens * epochs, seq_len)[: steps * batch]
 
 
 def test_seq_len_must_be_a_positive_integer() -> None:

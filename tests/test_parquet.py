@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import apache_beam as beam
@@ -20,7 +21,7 @@ from zephon_flow.operators.parquet import ReadParquet
 OP = "ReadParquet('code')"
 
 
-def write(path: Path, rows_per_group: int, **columns: list[object]) -> str:
+def write(path: Path, rows_per_group: int, **columns: Sequence[object]) -> str:
     pq.write_table(pa.table(columns), path, row_group_size=rows_per_group)
     return str(path)
 
@@ -29,7 +30,7 @@ def read(source: ReadParquet, split: Split, position: int = START) -> list[tuple
     return list(source.read_split(split, position))
 
 
-def texts(n: int) -> list[object]:
+def texts(n: int) -> list[str]:
     return [f"doc {i}" for i in range(n)]
 
 

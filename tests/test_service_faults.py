@@ -11,6 +11,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import grpc
@@ -37,7 +38,7 @@ class Number(beam.DoFn):  # type: ignore[misc]
     def __init__(self, fail_at: int = -1) -> None:
         self.fail_at = fail_at
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         n = int(text)
         if n == self.fail_at:
             raise ValueError(f"record {n} is poison")

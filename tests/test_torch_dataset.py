@@ -252,7 +252,7 @@ def _rank_main(rank: int, world: int, port: int, corpus: Corpus, out: str, steps
 def test_two_gloo_ranks_gather_a_state_that_resumes_on_one_and_four(corpus: Corpus, tmp_path: Path) -> None:
     spec = spec_of(corpus)
     steps, more = 3, 3
-    mp.spawn(_rank_main, args=(2, free_port(), corpus, str(tmp_path), steps), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(2, free_port(), corpus, str(tmp_path), steps), nprocs=2, join=True)  # type: ignore[no-untyped-call]
     gathered = [(tmp_path / f"gathered-{r}.zfstate").read_bytes() for r in range(2)]
     assert gathered[0] == gathered[1]
     lanes = zf.decode_state(gathered[0])["lane_states"]
