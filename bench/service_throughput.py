@@ -8,8 +8,9 @@ Run from the repository root::
 Two measurements:
 
 1. **transport**: a client (``zf.Client``, one rank) reading synthetic batches of 1 MiB and
-   ~4 MiB per message from a ``BatchServer`` fed by a loader that repeats one batch, against a
-   raw gRPC server-streaming method that sends pre-made ``bytes`` of the same message size,
+   ~4 MiB per message from a ``BatchServer`` fed by a loader that repeats one batch (once with
+   the default bounds, once with ``held_bytes`` = ``HELD_MESSAGES`` messages, ``--held-bytes``),
+   against a raw gRPC server-streaming method that sends pre-made ``bytes`` of the same message size,
    with identity (de)serializers on both ends. Each server runs in its own spawned process;
    the client is this process. Client-observed MB/s and batches/s, and the service/raw ratio.
 2. **end to end**: tokens/s of ``zephon serve`` on the demo pipeline (``zephon_flow.demo``),
@@ -69,7 +70,11 @@ def synthetic_batch(rows: int) -> dict[str, np.ndarray]:
     return {"tokens": np.arange(rows * COLS, dtype=np.int32).reshape(rows, COLS)}
 
 
-def _serve_service(rows: int, ports: Any) -> None:
+#: ``--held-bytes`` of the bounded service contender, in messages: 8 MiB at 1 MiB per message.
+HELD_MESSAGES = 8
+
+
+def _serve_service(config: tuple[int, int | None], ports: Any) -> None:
     import apache_beam as beam
 
     import zephon_flow as zf
@@ -83,9 +88,13 @@ def _serve_service(rows: int, ports: Any) -> None:
     def build(p: beam.Pipeline) -> beam.PCollection:
         return p | "src" >> ops.ReadJsonl(os.path.join(tmp, "one.jsonl"))
 
+    rows, held_bytes = config
     spec = zf.LoaderSpec(build, lanes=1, global_batch_size=rows)
-    # Every repeat reconnects where the previous one stopped: keep enough steps for that.
-    server = BatchServer(spec, loader=RepeatingLoader(synthetic_batch(rows)), ahead=AHEAD, keep=64).start()
+    # Every repeat reconnects where the previous one stopped: keep enough steps for that
+    # (with ``held_bytes``, the kept steps go first, and the reconnect is at the next step).
+    server = BatchServer(
+        spec, loader=RepeatingLoader(synthetic_batch(rows)), ahead=AHEAD, keep=64, held_bytes=held_bytes
+    ).start()
     ports.put(server.port)
     server.wait()
 
@@ -115,7 +124,7 @@ def _serve_raw(size: int, ports: Any) -> None:
     server.wait_for_termination()
 
 
-def _start(target: Any, arg: int) -> tuple[Any, int]:
+def _start(target: Any, arg: object) -> tuple[Any, int]:
     ctx = get_context("spawn")
     ports = ctx.Queue()
     proc = ctx.Process(target=target, args=(arg, ports), daemon=True)
@@ -166,31 +175,35 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
         (message,) = encode_step(0, synthetic_batch(rows), ahead=AHEAD)
         size = len(message)
         messages = max(20, (total_mib << 20) // size)
-        raw_proc, raw_port = _start(_serve_raw, size)
-        svc_proc, svc_port = _start(_serve_service, rows)
-        runs: dict[str, list[float]] = {"raw": [], "service": []}
+        procs = {
+            "raw": _start(_serve_raw, size),
+            "service": _start(_serve_service, (rows, None)),
+            "service_held": _start(_serve_service, (rows, HELD_MESSAGES * size)),
+        }
+        runs: dict[str, list[float]] = {name: [] for name in procs}
         # CPU milliseconds per message of each side: steadier than MB/s on a shared machine.
         cpu: dict[str, list[float]] = {f"{n}_{side}": [] for n in runs for side in ("server", "client")}
-        next_step = 0
+        next_step = dict.fromkeys(procs, 0)
         try:
             for rep in range(repeats):
-                order = ["raw", "service"] if rep % 2 == 0 else ["service", "raw"]
+                order = list(procs) if rep % 2 == 0 else list(reversed(procs))
                 for name in order:
-                    pid = (raw_proc if name == "raw" else svc_proc).pid
+                    proc, port = procs[name]
+                    pid = proc.pid
                     server_cpu, client_cpu = _cpu_seconds(pid), time.process_time()
                     if name == "raw":
-                        seconds, nbytes = read_raw(raw_port, messages)
+                        seconds, nbytes = read_raw(port, messages)
                     else:
-                        seconds, nbytes, next_step = read_service(svc_port, messages, size, next_step)
+                        seconds, nbytes, next_step[name] = read_service(port, messages, size, next_step[name])
                     cpu[f"{name}_server"].append((_cpu_seconds(pid) - server_cpu) * 1e3 / messages)
                     cpu[f"{name}_client"].append((time.process_time() - client_cpu) * 1e3 / messages)
                     runs[name].append(nbytes / seconds)
                     _say(f"{label} {name}: {nbytes / seconds / 1e6:,.0f} MB/s")
         finally:
-            for proc in (raw_proc, svc_proc):
+            for proc, _ in procs.values():
                 proc.kill()
                 proc.join()
-        raw_bps, svc_bps = median(runs["raw"]), median(runs["service"])
+        raw_bps, svc_bps, held_bps = (median(runs[n]) for n in ("raw", "service", "service_held"))
         out[label] = {
             "message_bytes": size,
             "messages": messages,
@@ -200,6 +213,9 @@ def transport(repeats: int, total_mib: int) -> dict[str, Any]:
             "service_batches_per_s": svc_bps / size,
             "service_over_raw": svc_bps / raw_bps,
             "paired_ratios": [s / r for s, r in zip(runs["service"], runs["raw"], strict=True)],
+            "held_bytes": HELD_MESSAGES * size,
+            "service_held_mb_per_s": held_bps / 1e6,
+            "service_held_over_raw": held_bps / raw_bps,
             **{f"{key}_cpu_ms_per_message": median(v) for key, v in cpu.items()},
         }
     return out
