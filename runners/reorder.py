@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import StageError
 
 T = TypeVar("T")
@@ -16,10 +17,12 @@ class ReorderBuffer(Generic[T]):
     ``put`` may be called from any thread; ``take`` returns items strictly in order, one
     position at a time (the lane's ordered watermark). A duplicate or an already-taken
     sequence number raises, and so does taking a number that was never submitted (a gap).
+    ``clock`` is what ``take``'s timeout is measured on (tests pass a ``ManualClock``).
     """
 
-    def __init__(self, name: str, first: int = 0) -> None:
+    def __init__(self, name: str, first: int = 0, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self._name = name
+        self._clock = clock
         self._next = first
         self._submitted = first
         self._items: dict[int, T] = {}
@@ -51,8 +54,17 @@ class ReorderBuffer(Generic[T]):
         with self._cond:
             if self._next >= self._submitted:
                 raise StageError(f"{self._name}: gap, sequence number {self._next} was never submitted")
-            if not self._cond.wait_for(lambda: self._next in self._items, timeout=timeout):
-                raise StageError(f"{self._name}: timed out waiting for sequence number {self._next}")
+            deadline = None if timeout is None else self._clock.now() + timeout
+            while self._next not in self._items:
+                left = None if deadline is None else deadline - self._clock.now()
+                if left is not None and left <= 0:
+                    raise StageError(
+                        f"{self._name}: timed out after {timeout:g} s waiting for sequence number {self._next}"
+                    )
+                if left is None:
+                    self._cond.wait()
+                else:
+                    self._clock.wait(self._cond, left)
             item = self._items.pop(self._next)
             self._next += 1
             return item

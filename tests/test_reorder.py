@@ -7,12 +7,13 @@ import threading
 
 import pytest
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock, ManualClock
 from zephon_flow.core.errors import StageError
 from zephon_flow.runners.reorder import ReorderBuffer
 
 
-def submitted(n: int, first: int = 0) -> ReorderBuffer[str]:
-    buf: ReorderBuffer[str] = ReorderBuffer("lane 3 results", first=first)
+def submitted(n: int, first: int = 0, clock: Clock = SYSTEM_CLOCK) -> ReorderBuffer[str]:
+    buf: ReorderBuffer[str] = ReorderBuffer("lane 3 results", first=first, clock=clock)
     assert [buf.expect() for _ in range(n)] == list(range(first, first + n))
     return buf
 
@@ -27,13 +28,16 @@ def test_out_of_order_puts_come_out_in_order() -> None:
 
 
 def test_the_watermark_moves_one_position_at_a_time() -> None:
-    buf = submitted(3, first=10)
+    clock = ManualClock()
+    buf = submitted(3, first=10, clock=clock)
     buf.put(12, "c")
     buf.put(10, "a")
     assert buf.take(timeout=1) == "a" and buf.watermark == 11
-    with pytest.raises(StageError, match=r"lane 3 results: timed out waiting for sequence number 11"):
-        buf.take(timeout=0.05)  # 12 is there, but 11 is not
-    assert buf.watermark == 11
+    with pytest.raises(
+        StageError, match=r"lane 3 results: timed out after 30 s waiting for sequence number 11"
+    ):
+        buf.take(timeout=30)  # 12 is there, but 11 is not
+    assert buf.watermark == 11 and clock.waited == 30  # on the manual clock: no real wait
     buf.put(11, "b")
     assert [buf.take(timeout=1), buf.take(timeout=1)] == ["b", "c"]
 
