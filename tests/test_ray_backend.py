@@ -189,10 +189,6 @@ def test_text_pipeline_batches_equal_inline_and_resume_a_processes_checkpoint(
     # All lanes under ray, two actors; the cluster is the fixture's and stays up afterwards.
     assert _digests(run_batches(spec, steps=8, backend="ray", workers=2)) == expected
     assert ray.is_initialized()
-    # Rank 1 of 2 under ray, fed by the same pool size.
-    halves = [run_batches(spec, steps=8, rank=r, world_size=2, backend="ray", workers=2) for r in (0, 1)]
-    joined = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves, strict=True)]
-    assert _digests(joined) == expected
     # A checkpoint taken under processes continues under ray, byte for byte.
     with zf.Loader(spec, backend="processes", workers=2) as loader:
         for step, _ in loader:
@@ -232,7 +228,7 @@ def test_setup_runs_once_per_actor_not_per_chunk(tmp_path: Path, ray_cluster: No
 
 @pytest.mark.timeout(120)
 def test_actors_killed_mid_run_are_replaced_with_batches_unchanged(tmp_path: Path, ray_cluster: None) -> None:
-    spec = _spec(tmp_path, Fault("none", str(tmp_path)), records=240)
+    spec = _spec(tmp_path, Fault("none", str(tmp_path)), records=120)
     expected = _digests(run_batches(spec))
     got: list[str] = []
     with zf.Loader(spec, backend="ray", workers=2, chunk_records=4, prefetch=1, prefetch_chunks=2) as loader:
@@ -249,6 +245,7 @@ def test_actors_killed_mid_run_are_replaced_with_batches_unchanged(tmp_path: Pat
     assert replaced >= 4, "the killed actors were never replaced: the test tests nothing"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_actor_that_dies_on_a_record_is_replaced_and_the_chunk_rerun(
     tmp_path: Path, ray_cluster: None

@@ -26,7 +26,7 @@ FEATURE = "backend='ray'"
 #: A chunk whose actor dies this many times (each time while running it) fails the loader.
 MAX_ATTEMPTS = 3
 #: Chunks queued on one actor (one runs, the next waits in the actor's mailbox).
-PER_WORKER = 2
+PER_WORKER = 4
 #: Seconds ``close`` (and a deadline's probe) waits on the dispatcher or an actor.
 CLOSE_GRACE = 1.0
 #: Seconds a chunk may wait for an actor that does not answer a probe (still starting, or
@@ -103,7 +103,7 @@ class RayBackend:
     """``workers`` Ray actors (one CPU each), each holding its own copy of the DoFns: the
     segment is pickled once with Beam's pickler, put in Ray's object store once and loaded
     once per actor, so a DoFn's ``setup`` (a tokenizer load) runs once per actor, not per
-    chunk. Chunks, not records, are what travels; one dispatcher thread sends them, two at a
+    chunk. Chunks, not records, are what travels; one dispatcher thread sends them, four at a
     time per actor, and collects the results, which may complete in any order.
 
     ``ray_address=None`` joins the Ray this process is already connected to, or starts a local
