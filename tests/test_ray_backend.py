@@ -22,6 +22,7 @@ import zephon_flow as zf
 from zephon_flow.cli import main
 from zephon_flow.core.batches import batch_digest
 from zephon_flow.core.errors import ChunkTimeoutError, SpecError, StageError, WorkerLostError
+from zephon_flow.engine.simulate import global_batches
 from zephon_flow.runners.backends import BACKENDS, RayBackend
 from zephon_flow.runners.ray_env import RayUnavailableError
 
@@ -151,6 +152,7 @@ def test_serve_names_an_unreachable_ray_address(tmp_path: Path) -> None:
     assert "Check the address (ray://HOST:10001" in done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_a_local_ray_is_started_for_the_loader_and_shut_down_at_close(tmp_path: Path) -> None:
     assert not ray.is_initialized()
@@ -189,6 +191,10 @@ def test_text_pipeline_batches_equal_inline_and_resume_a_processes_checkpoint(
     # All lanes under ray, two actors; the cluster is the fixture's and stays up afterwards.
     assert _digests(run_batches(spec, steps=8, backend="ray", workers=2)) == expected
     assert ray.is_initialized()
+    # Two ranks' loaders at once in this process, each with two actors, on the 2 CPUs: they share
+    # the Ray and neither waits for the other's actors to go.
+    both = global_batches(spec, steps=8, world_size=2, backend="ray", workers=2)
+    assert [batch_digest(batch) for _, batch in both] == expected
     # A checkpoint taken under processes continues under ray, byte for byte.
     with zf.Loader(spec, backend="processes", workers=2) as loader:
         for step, _ in loader:

@@ -16,7 +16,7 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
-from zephon_flow.core.errors import ChunkTimeoutError, SpecError, WorkerLostError
+from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners import ray_env
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
@@ -25,8 +25,12 @@ from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 FEATURE = "backend='ray'"
 #: A chunk whose actor dies this many times (each time while running it) fails the loader.
 MAX_ATTEMPTS = 3
-#: Chunks queued on one actor (one runs, the next waits in the actor's mailbox).
-PER_WORKER = 4
+#: Calls queued on one actor (one runs, the next waits in the actor's mailbox).
+PER_WORKER = 2
+#: One call carries the chunks waiting when it is sent, up to this many chunks or records (a
+#: Ray call costs about a millisecond of CPU, far more than a pipe write).
+BUNDLE_CHUNKS = 32
+BUNDLE_RECORDS = 512
 #: Seconds ``close`` (and a deadline's probe) waits on the dispatcher or an actor.
 CLOSE_GRACE = 1.0
 #: Seconds a chunk may wait for an actor that does not answer a probe (still starting, or
@@ -54,16 +58,19 @@ class _FrontActor:
     def _report(self, stage: int, first: int, last: int) -> None:
         self._where = (stage, first, last)
 
-    def run(self, task_id: int, chunk: Chunk) -> tuple[bool, int, ChunkResult]:
-        """(the segment loaded, this actor's pid, the chunk's result)."""
+    def run(self, bundle: list[tuple[int, Chunk]]) -> tuple[bool, int, list[ChunkResult]]:
+        """(the segment loaded, this actor's pid, each chunk's result, in order)."""
         if self._segment is None:
             assert self._load_error is not None
-            return False, os.getpid(), self._load_error
-        self._where, self._started, self._task = (0, 0, 0), time.monotonic(), task_id
+            return False, os.getpid(), [self._load_error]
+        results: list[ChunkResult] = []
         try:
-            return True, os.getpid(), self._segment.run_chunk(chunk, self._report)
+            for task_id, chunk in bundle:
+                self._where, self._started, self._task = (0, 0, 0), time.monotonic(), task_id
+                results.append(self._segment.run_chunk(chunk, self._report))
         finally:
             self._task = -1
+        return True, os.getpid(), results
 
     def where(self) -> tuple[int, float, int, int, int, int]:
         """(running task or -1, seconds it has run, stage, first, last record, pid)."""
@@ -85,26 +92,41 @@ class _Task:
     future: Future[ChunkResult]
     lane: int
     deaths: list[str] = field(default_factory=list)
+    #: In a bundle whose actor died: sent alone from now on, so that a death names its chunk.
+    alone: bool = False
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call to an actor: the chunks it runs, in order."""
+
+    tasks: list[_Task]
 
 
 @dataclass(eq=False)
 class _Actor:
     number: int
     handle: Any  # a Ray ActorHandle
-    #: Chunks sent to it, in the order it runs them: the first is running (or next to run).
-    tasks: deque[_Task] = field(default_factory=deque)
-    #: ``time.monotonic()`` when the first of ``tasks`` could start (a lower bound of its start).
+    #: Calls sent to it, in the order it runs them: the first is running (or next to run).
+    calls: deque[_Call] = field(default_factory=deque)
+    #: ``time.monotonic()`` when the chunk it runs could start (a lower bound of its start).
     head_since: float = 0.0
     pid: int | None = None
     dead: bool = False
 
 
 class RayBackend:
-    """``workers`` Ray actors (one CPU each), each holding its own copy of the DoFns: the
+    """``workers`` Ray actors, each holding its own copy of the DoFns: the
     segment is pickled once with Beam's pickler, put in Ray's object store once and loaded
     once per actor, so a DoFn's ``setup`` (a tokenizer load) runs once per actor, not per
-    chunk. Chunks, not records, are what travels; one dispatcher thread sends them, four at a
-    time per actor, and collects the results, which may complete in any order.
+    chunk. Chunks, not records, are what travels: one dispatcher thread sends each actor the
+    chunks waiting, several per call (``BUNDLE_CHUNKS``, ``BUNDLE_RECORDS``, shared out among
+    the actors with room), two calls in flight per actor, and collects the results, which may
+    complete in any order.
+
+    Actors take Ray's default resources (placed on a node with a CPU, holding none while they
+    run), so several loaders in one process (simulated ranks, ``zephon digest --world-size``)
+    share one Ray without waiting on each other; ``SPREAD`` places them across a cluster's nodes.
 
     ``ray_address=None`` joins the Ray this process is already connected to, or starts a local
     one on loopback with at least ``workers`` CPUs and shuts it down at ``close``; an address
@@ -128,7 +150,6 @@ class RayBackend:
         self._address = ray_address
         self._started_ray = ray_env.connect(FEATURE, ray_address, num_cpus=max(workers, os.cpu_count() or 1))
         try:
-            self._check_room(workers)
             self._segment = segment
             self._timeout = chunk_timeout
             self._payload = self._ray.put(pickler.dumps(segment))
@@ -146,20 +167,6 @@ class RayBackend:
             raise
         self._thread = threading.Thread(target=self._dispatch, name="zephon-ray", daemon=True)
         self._thread.start()
-
-    def _check_room(self, workers: int) -> None:
-        """Refuses a pool the cluster cannot place (its actors would wait forever)."""
-        cpus = float(self._ray.cluster_resources().get("CPU", 0.0))
-        if cpus < workers:
-            where = (
-                f"the Ray cluster at {self._address!r}"
-                if self._address
-                else "the Ray this process is connected to"
-            )
-            raise SpecError(
-                f"backend='ray' with workers={workers} needs {workers} CPUs, one per actor, but "
-                f"{where} has {cpus:g}; lower Loader(workers=...) or add nodes to the cluster"
-            )
 
     # -- the caller's side -----------------------------------------------------------------
     def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
@@ -184,9 +191,9 @@ class RayBackend:
         self._thread.join(timeout=CLOSE_GRACE)
         for actor in list(self._actors):
             self._kill(actor)
-            for task in actor.tasks:
+            for task in _tasks(actor):
                 task.future.cancel()
-            actor.tasks.clear()
+            actor.calls.clear()
         for task in self._drain():
             task.future.cancel()
         ray_env.disconnect_if_started(self._started_ray)
@@ -195,7 +202,7 @@ class RayBackend:
     def _start_actor(self) -> _Actor:
         handle = (
             _actor_class()
-            .options(num_cpus=1, max_restarts=0, scheduling_strategy="SPREAD", name=None)
+            .options(max_restarts=0, scheduling_strategy="SPREAD")
             .remote(self._payload, self._sys_path)
         )
         actor = _Actor(self._numbers, handle)
@@ -213,7 +220,7 @@ class RayBackend:
         except Exception as exc:  # a bug here must fail the loader, not hang it
             self._broken = Failure.of(exc, f"the ray backend's dispatcher failed: {exc}")
             for actor in self._actors:
-                for task in actor.tasks:
+                for task in _tasks(actor):
                     _settle(task.future, self._broken)
             for task in self._drain():
                 _settle(task.future, self._broken)
@@ -244,54 +251,75 @@ class RayBackend:
                 _settle(task.future, self._broken)
             return
         for actor in self._actors:
-            while len(actor.tasks) < PER_WORKER:
-                with self._lock:
-                    if not self._pending:
-                        return
-                    task = self._pending.popleft()
-                if task.future.cancelled():
-                    continue
+            while len(actor.calls) < PER_WORKER:
+                bundle = self._bundle()
+                if not bundle:
+                    return
                 try:
-                    ref = actor.handle.run.remote(task.id, task.chunk)
-                except Exception as exc:  # the chunk does not serialise: say so, run the rest
-                    _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
+                    ref = actor.handle.run.remote([(t.id, t.chunk) for t in bundle])
+                except Exception as exc:  # a chunk does not serialise: say so
+                    for task in bundle:
+                        _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
                     continue
-                if not actor.tasks:
+                call = _Call(bundle)
+                if not actor.calls:
                     actor.head_since = time.monotonic()
-                actor.tasks.append(task)
+                actor.calls.append(call)
                 ref.future().add_done_callback(
-                    lambda done, actor=actor, task=task: self._events.put(("done", actor, task, done))
+                    lambda done, actor=actor, call=call: self._events.put(("done", actor, call, done))
                 )
 
-    def _done(self, actor: _Actor, task: _Task, done: Future[Any]) -> None:
-        if actor.dead or task not in actor.tasks:
-            return  # the actor was replaced meanwhile and the chunk settled or queued again
+    def _bundle(self) -> list[_Task]:
+        """The next call's chunks: the waiting ones shared out among the calls the actors have
+        room for, within ``BUNDLE_CHUNKS`` and ``BUNDLE_RECORDS``; a chunk marked ``alone``
+        goes by itself."""
+        room = sum(PER_WORKER - len(a.calls) for a in self._actors) or 1
+        bundle: list[_Task] = []
+        records = 0
+        with self._lock:
+            share = min(BUNDLE_CHUNKS, -(-len(self._pending) // room))
+            while self._pending and len(bundle) < share and records < BUNDLE_RECORDS:
+                task = self._pending[0]
+                if task.future.cancelled():
+                    self._pending.popleft()
+                    continue
+                if task.alone and bundle:
+                    break
+                self._pending.popleft()
+                bundle.append(task)
+                records += len(task.chunk)
+                if task.alone:
+                    break
+        return bundle
+
+    def _done(self, actor: _Actor, call: _Call, done: Future[Any]) -> None:
+        if actor.dead or call not in actor.calls:
+            return  # the actor was replaced meanwhile and its chunks settled or queued again
         try:
-            loaded, pid, result = done.result()
+            loaded, pid, results = done.result()
         except self._ray.exceptions.RayActorError as exc:
             self._replace(actor, self._death_note(actor, exc))
             return
-        except Exception as exc:  # the result could not come back (it does not deserialise)
-            actor.tasks.remove(task)
-            _settle(
-                task.future,
+        except Exception as exc:  # the results could not come back (they do not deserialise)
+            results = [
                 Failure.of(
-                    exc, f"lane {task.lane}: a chunk's outputs cannot be sent back from a Ray actor: {exc}"
-                ),
-            )
-            return
+                    exc, f"lane {t.lane}: a chunk's outputs cannot be sent back from a Ray actor: {exc}"
+                )
+                for t in call.tasks
+            ]
+            loaded, pid = True, actor.pid
         actor.pid = pid
         if not loaded:  # the actor could not install the DoFns: no actor can
-            self._broken = result
-            for queued in [*actor.tasks, *self._drain()]:
-                _settle(queued.future, result)
-            actor.tasks.clear()
+            self._broken = results[0]
+            for queued in [*_tasks(actor), *self._drain()]:
+                _settle(queued.future, results[0])
+            actor.calls.clear()
             return
-        was_head = actor.tasks[0] is task
-        actor.tasks.remove(task)
-        if was_head:
+        if actor.calls[0] is call:
             actor.head_since = time.monotonic()
-        _settle(task.future, result)
+        actor.calls.remove(call)
+        for task, result in zip(call.tasks, results, strict=True):
+            _settle(task.future, result)
 
     def _drain(self) -> list[_Task]:
         with self._lock:
@@ -307,30 +335,38 @@ class RayBackend:
     def _replace(
         self, actor: _Actor, note: str, *, failed: _Task | None = None, error: Failure | None = None
     ) -> None:
-        """Swaps a dead (or killed) actor for a new one; its chunks run again, except ``failed``."""
+        """Swaps a dead (or killed) actor for a new one; its chunks run again, except ``failed``.
+
+        A death counts against the chunk it was running when that chunk was sent alone; the
+        chunks of a bundle that died are sent alone from then on, so a chunk that kills its
+        actor is found and named, and the others are not blamed."""
         self._kill(actor)
         again: list[_Task] = []
-        for k, task in enumerate(sorted(actor.tasks, key=lambda t: t.id)):
-            if task is failed:
-                assert error is not None
-                _settle(task.future, error)
-                continue
-            if k == 0:  # the one it was running (an actor runs its chunks in order)
-                task.deaths.append(f"{note} {_records(self._segment, task.chunk)}")
-                if len(task.deaths) >= MAX_ATTEMPTS:
-                    _settle(task.future, Failure.of(WorkerLostError(_lost_message(task))))
+        for k, call in enumerate(actor.calls):
+            running = k == 0  # an actor runs its calls in order
+            for task in call.tasks:
+                if task is failed:
+                    assert error is not None
+                    _settle(task.future, error)
                     continue
-            again.append(task)
-        actor.tasks.clear()
+                if running and failed is None and len(call.tasks) > 1:
+                    task.alone = True
+                elif running and failed is None:
+                    task.deaths.append(f"{note} {_records(self._segment, task.chunk)}")
+                    if len(task.deaths) >= MAX_ATTEMPTS:
+                        _settle(task.future, Failure.of(WorkerLostError(_lost_message(task))))
+                        continue
+                again.append(task)
+        actor.calls.clear()
         self._actors.remove(actor)
         with self._lock:
-            self._pending.extendleft(reversed(again))
+            self._pending.extendleft(sorted(again, key=lambda t: t.id, reverse=True))
             if self._closing or self._broken is not None:
                 return
         self._actors.append(self._start_actor())
 
     def _next_check(self) -> float:
-        heads = [a.head_since for a in self._actors if a.tasks]
+        heads = [a.head_since for a in self._actors if a.calls]
         if not heads:
             return 1.0
         return max(0.01, min(min(heads) + self._timeout - time.monotonic(), 1.0))
@@ -338,26 +374,30 @@ class RayBackend:
     def _check_deadlines(self) -> None:
         now = time.monotonic()
         for actor in list(self._actors):
-            if not actor.tasks or now - actor.head_since <= self._timeout:
+            if not actor.calls or now - actor.head_since <= self._timeout:
                 continue
-            head = actor.tasks[0]
+            head = actor.calls[0]
             try:
                 task_id, ran, stage, first, last, pid = self._ray.get(
                     actor.handle.where.options(concurrency_group="probe").remote(), timeout=CLOSE_GRACE
                 )
             except Exception:  # still starting, wedged or dead (a death arrives as an event)
                 if now - actor.head_since > self._timeout + UNANSWERED_GRACE:
-                    where = f"{_records(self._segment, head.chunk)}, in an actor that does not answer"
-                    self._time_out(actor, head, where)
+                    task = head.tasks[0]
+                    where = f"{_records(self._segment, task.chunk)}, in an actor that does not answer"
+                    if actor.pid is None:
+                        where += " and never started (see `ray status` for the cluster's resources)"
+                    self._time_out(actor, task, where)
                 continue
             actor.pid = pid
-            if task_id != head.id:  # not started yet (or just finished): look again later
-                actor.head_since = now if task_id == -1 else actor.head_since
+            running = next((t for t in head.tasks if t.id == task_id), None)
+            if running is None:  # not started yet, or between chunks: look again later
+                actor.head_since = now
                 continue
             if ran <= self._timeout:
                 actor.head_since = now - ran
                 continue
-            self._time_out(actor, head, self._segment.describe(head.chunk, stage, first, last))
+            self._time_out(actor, running, self._segment.describe(running.chunk, stage, first, last))
 
     def _time_out(self, actor: _Actor, task: _Task, where: str) -> None:
         message = (
@@ -367,6 +407,10 @@ class RayBackend:
             f"Loader(chunk_timeout=...) if such records legitimately take this long."
         )
         self._replace(actor, "killed", failed=task, error=Failure.of(ChunkTimeoutError(message)))
+
+
+def _tasks(actor: _Actor) -> list[_Task]:
+    return [task for call in actor.calls for task in call.tasks]
 
 
 def _records(segment: FrontSegment, chunk: Chunk) -> str:
