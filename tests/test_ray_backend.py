@@ -219,6 +219,32 @@ def test_a_raising_stateless_op_fails_as_under_processes(tmp_path: Path, ray_clu
     assert "DoFn 'fault'" in messages[1] and "docs40.jsonl byte 245" in messages[1]
 
 
+class Unloadable(beam.DoFn):  # type: ignore[misc]
+    """Loads only in the process that made it: what a DoFn whose module a node lacks does."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if state["pid"] != os.getpid():
+            raise RuntimeError("this DoFn's module is not installed here")
+        self.__dict__.update(state)
+
+    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+        yield {"n": np.int64(int(text))}
+
+
+@pytest.mark.timeout(60)
+def test_an_actor_that_cannot_load_the_dofns_fails_the_loader_saying_so(
+    tmp_path: Path, ray_cluster: None
+) -> None:
+    with pytest.raises(StageError) as info:
+        run_batches(_spec(tmp_path, Unloadable()), backend="ray", workers=2)
+    text = str(info.value)
+    assert "a Ray actor could not load the pipeline's DoFns: this DoFn's module is not installed here" in text
+    assert "RuntimeError" in text  # the actor's traceback comes with it
+
+
 @pytest.mark.timeout(120)
 def test_setup_runs_once_per_actor_not_per_chunk(tmp_path: Path, ray_cluster: None) -> None:
     log = tmp_path / "setups.txt"
