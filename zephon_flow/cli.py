@@ -267,6 +267,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("zephon serve: --tls-cert and --tls-key go together")
+    if args.ray_address is not None and args.backend != "ray":
+        raise UsageError("zephon serve: --ray-address goes with --backend ray")
     try:
         token = read_token(args.token_file)
     except SpecError as exc:
@@ -277,8 +279,22 @@ def _serve(args: argparse.Namespace) -> int:
         logger.info("zephon serve: resuming from %s at step %d", args.resume, load_state(args.resume)["step"])
     else:
         logger.info("zephon serve: starting at step 0")
+    spec, loader = load_spec(args.target), None
+    if args.ray_address is not None:  # BatchServer's own Loader knows no Ray address: build it here
+        from zephon_flow.core.state import load_state
+        from zephon_flow.engine.loader import Loader
+
+        state = load_state(args.resume) if args.resume else None
+        loader = Loader(
+            spec,
+            backend="ray",
+            workers=args.workers,
+            state=state,
+            chunk_timeout=args.chunk_timeout,
+            ray_address=args.ray_address,
+        )
     server = BatchServer(
-        load_spec(args.target),
+        spec,
         host=args.host,
         port=args.port,
         backend=args.backend,
@@ -294,6 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
         keep_checkpoints=args.keep_checkpoints,
         stream_timeout=args.stream_timeout,
         chunk_timeout=args.chunk_timeout,
+        loader=loader,
     )
     return serve_forever(server)
 
@@ -431,6 +448,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=300.0,
         metavar="SECONDS",
         help="a stateless call running longer than this fails the pipeline (default 300)",
+    )
+    s.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="with --backend ray: join this Ray cluster (ray://HOST:10001 or HOST:6379); default: start a local Ray",
     )
     s.set_defaults(func=_serve)
     return parser

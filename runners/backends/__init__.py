@@ -1,4 +1,4 @@
-"""Backends that run the stateless part of a pipeline (inline, threads, processes), and the
+"""Backends that run the stateless part of a pipeline (inline, threads, processes, ray), and the
 factory that picks one by name."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from zephon_flow.core.errors import SpecError
 from zephon_flow.runners.backends.base import BACKENDS, DEFAULT_CHUNK_TIMEOUT, Backend
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.backends.processes import ProcessBackend
+from zephon_flow.runners.backends.ray import RayBackend
 from zephon_flow.runners.backends.threads import ThreadBackend
 from zephon_flow.runners.segment import FrontSegment
 
@@ -16,20 +17,33 @@ __all__ = [
     "Backend",
     "InlineBackend",
     "ProcessBackend",
+    "RayBackend",
     "ThreadBackend",
     "make_backend",
 ]
 
 
 def make_backend(
-    name: str, *, workers: int, segment: FrontSegment, chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
+    name: str,
+    *,
+    workers: int,
+    segment: FrontSegment,
+    chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
+    ray_address: str | None = None,
 ) -> Backend:
+    """The backend ``name`` running ``segment``; ``ray_address`` is the Ray cluster of ``"ray"``
+    (``None``: the Ray this process is connected to, or a local one it starts)."""
     if not isinstance(workers, int) or workers < 1:
         raise SpecError(f"workers must be a positive integer, got {workers!r}")
     if isinstance(chunk_timeout, bool) or not isinstance(chunk_timeout, int | float) or not chunk_timeout > 0:
         raise SpecError(
             f"chunk_timeout must be a positive number of seconds, got {chunk_timeout!r} "
             f"(the default is {DEFAULT_CHUNK_TIMEOUT:g})"
+        )
+    if ray_address is not None and (name != "ray" or not isinstance(ray_address, str) or not ray_address):
+        raise SpecError(
+            f"ray_address={ray_address!r} goes with backend='ray' and must be a non-empty address "
+            f"such as 'ray://HOST:10001' or 'HOST:6379' (got backend={name!r})"
         )
     timeout = float(chunk_timeout)
     if name == "inline":
@@ -38,4 +52,6 @@ def make_backend(
         return ThreadBackend(segment, workers, chunk_timeout=timeout)
     if name == "processes":
         return ProcessBackend(segment, workers, chunk_timeout=timeout)
+    if name == "ray":  # Ray itself is imported only now: it is an extra
+        return RayBackend(segment, workers, chunk_timeout=timeout, ray_address=ray_address)
     raise SpecError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -9,7 +9,7 @@ from zephon_flow.runners.segment import Chunk, Failure, RecordResult
 
 ChunkResult = list[RecordResult] | Failure
 
-BACKENDS = ("inline", "threads", "processes")
+BACKENDS = ("inline", "threads", "processes", "ray")
 
 #: Seconds one chunk's stateless work may take before it counts as stuck (``chunk_timeout``).
 DEFAULT_CHUNK_TIMEOUT = 300.0

@@ -40,7 +40,8 @@ class Loader:
     ``step``.
 
     Only the lanes under this rank's rows are run. Stateless work goes to ``backend``
-    (``"inline"``, ``"threads"`` or ``"processes"`` with ``workers``); ``prefetch`` batches are
+    (``"inline"``, ``"threads"``, ``"processes"`` or ``"ray"`` with ``workers``; ``ray_address``
+    joins a Ray cluster, ``None`` a local Ray started for the loader); ``prefetch`` batches are
     produced ahead on a background thread. ``state`` (from ``state_dict``, ``merge_states``
     or checkpoint bytes) resumes the global sequence under any topology.
 
@@ -79,6 +80,7 @@ class Loader:
         allow_code_change: bool = False,
         end_sync: EndSync | None = None,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
+        ray_address: str | None = None,
     ) -> None:
         # Phases: check the options, restore the state, build the lanes, take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
@@ -103,6 +105,7 @@ class Loader:
             chunk_records=chunk_records,
             depth=prefetch_chunks,
             chunk_timeout=chunk_timeout,
+            ray_address=ray_address,
         )
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
@@ -160,13 +163,18 @@ class Loader:
         chunk_records: int,
         depth: int,
         chunk_timeout: float,
+        ray_address: str | None = None,
     ) -> None:
         """The stateless backend and one ``LaneRunner`` per lane under this rank's rows."""
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
         self._backend = make_backend(
-            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
+            backend,
+            workers=workers,
+            segment=plan.front_segment(),
+            chunk_timeout=chunk_timeout,
+            ray_address=ray_address,
         )
         self._lanes = [
             LaneRunner(
