@@ -404,7 +404,10 @@ class BatchServer:
                 if batch is None:
                     return
                 messages = encode_step(
-                    step, slice_rows(batch, start, stop), chunk_bytes=self._chunk_bytes, ahead=held.advised_ahead()
+                    step,
+                    slice_rows(batch, start, stop),
+                    chunk_bytes=self._chunk_bytes,
+                    ahead=held.advised_ahead(),
                 )
                 with self._bytes_lock:
                     self._bytes_served += sum(len(m) for m in messages)
