@@ -38,7 +38,7 @@ class Fault(beam.DoFn):  # type: ignore[misc]
     def __init__(self, mode: str, marker_dir: str) -> None:
         self.mode, self.marker_dir = mode, marker_dir
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         n = int(text)
         if n == TARGET and self.mode != "none":
             if self.mode.startswith("once-"):
@@ -68,7 +68,7 @@ class CountSetup(beam.DoFn):  # type: ignore[misc]
         with open(self.log, "a", encoding="utf-8") as f:
             f.write(f"{os.getpid()}\n")
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         yield {"n": np.int64(int(text))}
 
 
@@ -230,7 +230,7 @@ class Unloadable(beam.DoFn):  # type: ignore[misc]
             raise RuntimeError("this DoFn's module is not installed here")
         self.__dict__.update(state)
 
-    def process(self, text: str) -> Iterator[dict[str, np.ndarray]]:
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
         yield {"n": np.int64(int(text))}
 
 
