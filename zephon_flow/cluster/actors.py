@@ -1,0 +1,129 @@
+"""The lane owners and their coordinator as Ray actors (Ray is imported through ``ray_env``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
+from zephon_flow.cluster.owner import OwnerActor, OwnerOptions
+from zephon_flow.core.state import LaneState, LoaderState
+from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.runners.ray_env import require_ray
+
+FEATURE = "lane owners (lane_owners=N, zephon serve --lane-owners)"
+#: Concurrent calls an owner answers (each rank's reads wait on it for their step).
+OWNER_CONCURRENCY = 64
+#: How long one owner call waits for a step before the caller asks again (seconds).
+CALL_WAIT = 2.0
+
+
+def _ray() -> Any:
+    return require_ray(FEATURE)
+
+
+def owner_launcher(spec: LoaderSpec, options: OwnerOptions, owner_cpus: float) -> Any:
+    """A ``Launch`` that starts an owner as a Ray actor (spread over the cluster's nodes) and
+    waits until it has built its lanes, so a failure to start is raised here."""
+    ray = _ray()
+    actor = ray.remote(OwnerActor)
+
+    def launch(
+        index: int, name: str, lanes: list[int], state: LoaderState | None, readers: dict[int, int]
+    ) -> Any:
+        handle = actor.options(
+            num_cpus=owner_cpus, max_concurrency=OWNER_CONCURRENCY, scheduling_strategy="SPREAD"
+        ).remote(spec, lanes, state, readers, options, name)
+        ray.get(handle.pid.remote())
+        return handle
+
+    return launch
+
+
+def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
+    """An owner's lane snapshots at ``step`` (None while it does not hold that step)."""
+    result: Mapping[int, LaneState] | None = _ray().get(handle.snapshot.remote(step), timeout=60)
+    return result
+
+
+def stop_owner(handle: Any) -> None:
+    ray = _ray()
+    try:
+        ray.get(handle.close.remote(), timeout=10)
+    except Exception:  # already dead or stuck: killing it is all that is left
+        pass
+    ray.kill(handle)
+
+
+class CoordinatorActor:
+    """The body of the coordinator's Ray actor: a ``Coordinator`` with Ray owners."""
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        owners: int,
+        world_size: int,
+        state: LoaderState | None,
+        options: OwnerOptions,
+        owner_cpus: float,
+        snapshot_every: int,
+        max_replacements: int,
+    ) -> None:
+        self._coordinator = Coordinator(
+            spec,
+            owners=owners,
+            world_size=world_size,
+            state=state,
+            launch=owner_launcher(spec, options, owner_cpus),
+            gather=gather_snapshot,
+            stop=stop_owner,
+            snapshot_every=snapshot_every,
+            max_replacements=max_replacements,
+            allow_mix_change=options.allow_mix_change,
+            allow_code_change=options.allow_code_change,
+        )
+
+    def join(self, rank: int, world_size: int, first_step: int) -> OwnerTable:
+        return self._coordinator.join(rank, world_size, first_step)
+
+    def table(self) -> OwnerTable:
+        return self._coordinator.table()
+
+    def leave(self, rank: int) -> int:
+        return self._coordinator.leave(rank)
+
+    def progress(self, rank: int, step: int) -> None:
+        self._coordinator.progress(rank, step)
+
+    def replace(self, index: int, generation: int) -> OwnerTable:
+        return self._coordinator.replace(index, generation)
+
+    def checkpoint(self, step: int) -> LoaderState:
+        return self._coordinator.checkpoint(step)
+
+    def positions(self) -> dict[int, int]:
+        return self._coordinator.positions()
+
+    def shutdown(self) -> None:
+        self._coordinator.shutdown()
+
+
+def coordinator_handle(
+    name: str,
+    spec: LoaderSpec,
+    *,
+    owners: int,
+    world_size: int,
+    state: LoaderState | None,
+    options: OwnerOptions,
+    owner_cpus: float,
+    snapshot_every: int,
+    max_replacements: int,
+) -> Any:
+    """The coordinator actor named ``name``: the running one, or a new one with these options
+    (every rank calls this; the first creates it)."""
+    ray = _ray()
+    actor = ray.remote(CoordinatorActor)
+    return actor.options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY).remote(
+        spec, owners, world_size, state, options, owner_cpus, snapshot_every, max_replacements
+    )
