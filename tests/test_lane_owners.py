@@ -76,7 +76,9 @@ def owned_digests(
     **options: Any,
 ) -> tuple[list[tuple[int, str]], LoaderState]:
     """Global batches assembled from ``world_size`` OwnedLoaders read in step (as trainer ranks
-    would), and the checkpoint gathered after the last one."""
+    would), and the checkpoint gathered after the last one (``tables`` in ``options``: a list
+    that gets each rank's last owner table)."""
+    tables = options.pop("tables", None)
     name = f"test-{uuid.uuid4().hex[:8]}"
     out: list[tuple[int, str]] = []
     with ExitStack() as stack:
@@ -102,6 +104,8 @@ def owned_digests(
             if on_step is not None:
                 on_step(parts[0][0], loaders[0])
         final = loaders[0].checkpoint()
+        if tables is not None:
+            tables.extend(ld.table for ld in loaders)
     return out, final
 
 
@@ -238,10 +242,13 @@ def test_sigkilled_owner_is_replaced_with_the_same_bytes(
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
 
+    tables: list[Any] = []
     got, _ = owned_digests(
-        spec, owners=2, world_size=2, steps=2 * STEPS, on_step=kill_owner_1, snapshot_every=2
+        spec, owners=3, world_size=2, steps=2 * STEPS, on_step=kill_owner_1, snapshot_every=2, tables=tables
     )
     assert killed
+    # Owner 1 (lanes 2 and 3) serves both ranks: both found it dead, one replacement serves both.
+    assert [t.generations for t in tables] == [(0, 1, 0), (0, 1, 0)]
     assert got == reference[: 2 * STEPS]
 
 

@@ -126,21 +126,28 @@ class OwnedLoader:
             raise
 
     # -- iteration -----------------------------------------------------------------------------
-    def _ask(self, owner: int, lanes: list[int], step: int) -> Any:
+    def _ask(self, owner: int, lanes: list[int], step: int) -> tuple[Any, int]:
+        """Asks ``owner`` for step ``step``'s rows of ``lanes``: the pending reply, and the
+        generation of the owner asked (the one to report if it turns out dead)."""
         handle = self._table.handles[owner]
-        return handle.rows.remote(self._slice.rank, step, lanes, actors.CALL_WAIT)
+        return handle.rows.remote(self._slice.rank, step, lanes, actors.CALL_WAIT), self._table.generations[owner]
 
-    def _fetch(self, step: int, owner: int, lanes: list[int], ref: Any) -> OwnerRows:
+    def _replace(self, owner: int, generation: int) -> None:
+        """Owner ``owner`` of ``generation`` died: the coordinator replaces it (once, whichever
+        rank reports it first) and this rank reads the new table."""
+        self._table = self._call(self._coordinator.replace.remote(owner, generation))
+
+    def _fetch(self, step: int, owner: int, lanes: list[int], asked: tuple[Any, int]) -> OwnerRows:
         """The rows of ``lanes`` at ``step`` from ``owner``: asks again while the owner has not
         produced the step yet, and replaces the owner if it died."""
         waited = 0.0
+        ref, generation = asked
         while True:
             try:
                 got: OwnerRows | None = self._call(ref)
             except self._ray.exceptions.RayActorError:
-                generation = self._table.generations[owner]
-                self._table = self._call(self._coordinator.replace.remote(owner, generation))
-                ref = self._ask(owner, lanes, step)
+                self._replace(owner, generation)
+                ref, generation = self._ask(owner, lanes, step)
                 continue
             if got is not None:
                 return got
@@ -151,7 +158,7 @@ class OwnedLoader:
                     f"lane owner {owner}: its other readers (ranks) may have stopped reading, or the "
                     f"owner is stuck; see its status"
                 )
-            ref = self._ask(owner, lanes, step)
+            ref, generation = self._ask(owner, lanes, step)
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         if self._closed:
@@ -197,11 +204,11 @@ class OwnedLoader:
             return True
         for owner in range(len(self._table.lanes)):
             while True:
+                generation = self._table.generations[owner]
                 try:
                     live = self._call(self._table.handles[owner].live.remote(step, actors.CALL_WAIT))
                 except self._ray.exceptions.RayActorError:
-                    generation = self._table.generations[owner]
-                    self._table = self._call(self._coordinator.replace.remote(owner, generation))
+                    self._replace(owner, generation)
                     continue
                 if live is not None:
                     break
