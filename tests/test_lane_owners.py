@@ -273,3 +273,30 @@ def test_another_world_size_is_refused_by_running_owners(ray_session: None, spec
         pytest.raises(SpecError, match=r"these lane owners serve world_size=2, not 3"),
     ):
         OwnedLoader(spec, lane_owners=1, rank=0, world_size=3, name=name)
+
+
+# -- served: zephon serve --ray --lane-owners N, read by zf.Client(lane_owners=True) -----------
+def test_served_owners_give_clients_the_loaders_bytes_through_a_sigkill(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    from zephon_flow.cluster.serve import OwnersServer
+
+    server = OwnersServer(spec, owners=3, world_size=2, snapshot_every=2)
+    clients = [
+        zf.Client(f"127.0.0.1:{server.port}", r, 2, lane_owners=True, fingerprint=spec.fingerprint)
+        for r in range(2)
+    ]
+    try:
+        iters = [iter(c) for c in clients]
+        got = []
+        for i in range(2 * STEPS):
+            if i == STEPS:  # owner 1 (lanes 2 and 3) serves both ranks
+                os.kill(server.owner_pids()[1], signal.SIGKILL)
+            parts = [next(it) for it in iters]
+            got.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
+        assert got == reference[: 2 * STEPS]
+        assert server.table().generations == (0, 1, 0)
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()

@@ -227,6 +227,10 @@ def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.auth import read_token
     from zephon_flow.service.server import BatchServer, serve_forever
 
+    if args.ray:  # lanes on Ray lane owners (zephon_flow/cluster/serve.py)
+        from zephon_flow.cluster import serve as owners
+
+        return owners.serve(args, load_spec(args.target))
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("zephon serve: --tls-cert and --tls-key go together")
     try:
@@ -377,6 +381,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a stateless call running longer than this fails the pipeline (default 300)",
     )
+    s.add_argument("--ray", action="store_true", help="run the lanes on Ray lane owners (--lane-owners N)")
+    s.add_argument("--address", help="with --ray: join this Ray cluster (default: start a local Ray)")
+    s.add_argument("--lane-owners", type=int, default=1, metavar="N", help="with --ray: owner actors")
+    s.add_argument("--world-size", type=int, metavar="W", help="with --ray: the trainer ranks")
     s.set_defaults(func=_serve)
     return parser
 

@@ -89,8 +89,9 @@ Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
 
 class Coordinator:
     """Coordinates ``owners`` lane owners of ``spec`` for trainer ranks of ``world_size``,
-    starting from ``state`` (None: the start). ``launch`` starts an owner and ``gather``
-    asks one for snapshots (``ray_owner_calls`` gives the Ray ones); ``stop`` ends an owner.
+    starting from ``state`` (None: the start). ``launch`` starts an owner, ``gather`` asks one
+    for snapshots, ``stop`` ends one and ``address_of`` says where one serves (the Ray ones are
+    in ``actors``).
     At most ``max_replacements`` dead owners are replaced over the run."""
 
     def __init__(
@@ -103,6 +104,7 @@ class Coordinator:
         launch: Launch,
         gather: Gather,
         stop: Callable[[Any], None] = lambda handle: None,
+        address_of: Callable[[Any], str] | None = None,
         snapshot_every: int = 8,
         max_replacements: int = 3,
         allow_mix_change: bool = False,
@@ -126,6 +128,8 @@ class Coordinator:
         self.first_step = start.step
         self._mix_history = [] if start.mixture is None else start.mixture.history()
         self._launch, self._gather, self._stop = launch, gather, stop
+        self._address_of = address_of
+        self._addresses = [""] * owners
         self._snapshot_every, self._max_replacements = snapshot_every, max_replacements
         self._lock = threading.RLock()
         self._snaps: dict[int, LaneState | None] = dict(start.lanes)
@@ -161,7 +165,15 @@ class Coordinator:
         lanes = self._groups[index]
         at = self._snap_steps[index]
         readers = {r: max(at, self._positions[r]) for r in readers_of(lanes, self.spec, self.world_size)}
-        return self._launch(index, self._owner_name(index), lanes, self._state_of(index), readers)
+        handle = self._launch(index, self._owner_name(index), lanes, self._state_of(index), readers)
+        if self._address_of is not None:
+            self._addresses[index] = self._address_of(handle)
+        return handle
+
+    def addresses(self) -> list[str]:
+        """Each owner's serving address ("" for owners that do not serve over gRPC)."""
+        with self._lock:
+            return list(self._addresses)
 
     def table(self) -> OwnerTable:
         with self._lock:

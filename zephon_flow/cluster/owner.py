@@ -265,36 +265,3 @@ class LaneOwner:
 
 def _ignore_skip(source: int, message: str) -> None:
     """Skipped records are counted in the lanes' cursors; the trainer-side loader reports them."""
-
-
-class OwnerActor:
-    """The body of a lane owner's Ray actor: builds a ``LaneOwner`` and answers its calls."""
-
-    def __init__(
-        self,
-        spec: LoaderSpec,
-        lanes: list[int],
-        state: LoaderState | None,
-        readers: dict[int, int],
-        options: OwnerOptions,
-        name: str,
-    ) -> None:
-        self._owner = LaneOwner(spec, lanes, state=state, readers=readers, options=options, name=name).start()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def rows(self, reader: int, step: int, lanes: list[int] | None, timeout: float) -> OwnerRows | None:
-        return self._owner.rows(reader, step, lanes, timeout)
-
-    def live(self, step: int, timeout: float) -> bool | None:
-        return self._owner.live(step, timeout)
-
-    def snapshot(self, step: int) -> dict[int, LaneState] | None:
-        return self._owner.snapshot(step)
-
-    def status(self) -> dict[str, Any]:
-        return self._owner.status()
-
-    def close(self) -> None:
-        self._owner.close()

@@ -13,6 +13,7 @@ import grpc
 from zephon_flow.core.errors import ServiceError, SpecError
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
+from zephon_flow.service.fanin import OwnerFanIn
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler
 
 _METHOD = "/zephon.v1.BatchService/"
@@ -130,7 +131,9 @@ class Client:
     of surrounding whitespace (a trailing newline). ``fingerprint``
     (``spec.fingerprint`` or its ``"total"``) makes the server check that it serves that
     pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
-    (PEM bytes) switches to TLS.
+    (PEM bytes) switches to TLS. ``lane_owners=True`` reads from ``zephon serve --ray
+    --lane-owners N`` (``address`` is its coordinator): this rank's rows come straight from the
+    owners of its lanes, merged in lane order (plaintext; a lost owner is replaced).
     """
 
     def __init__(
@@ -148,6 +151,7 @@ class Client:
         backoff: float = 0.1,
         max_backoff: float = 5.0,
         timeout: float = 300.0,
+        lane_owners: bool = False,
     ) -> None:
         for name, value, low in (
             ("rank", rank, 0),
@@ -210,6 +214,23 @@ class Client:
             response_deserializer=pb.StatusReply.FromString,
         )
         self._closed = False
+        # ``lane_owners=True``: ``address`` is the coordinator of ``zephon serve --ray
+        # --lane-owners N``; the rows come from the owners of this rank's lanes (fanin.py).
+        self._fan_in = (
+            OwnerFanIn(
+                address,
+                rank=rank,
+                world_size=world_size,
+                fingerprint=self._fingerprint,
+                metadata=self._metadata,
+                channel_options=options,
+                timeout=timeout,
+                retries=retries,
+                backoff=backoff,
+            )
+            if lane_owners
+            else None
+        )
 
     @property
     def next_step(self) -> int:
@@ -254,6 +275,11 @@ class Client:
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if self._closed:
             raise ServiceError("this Client is closed")
+        if self._fan_in is not None:
+            for step, batch in self._fan_in.batches(self._next_step, self.as_torch):
+                self._next_step = step + 1
+                yield step, batch
+            return
         if self._acker is None:
             self._acker = _Acker(self._send_ack)
         acker = self._acker
@@ -313,6 +339,8 @@ class Client:
         step = self._next_step if step is None else step
         if not isinstance(step, int) or step < 0:
             raise SpecError(f"Client.checkpoint: step must be an integer >= 0, got {step!r}")
+        if self._fan_in is not None:
+            return self._fan_in.checkpoint(step)
         self._flush_acks(self._timeout)
         request = pb.CheckpointRequest(step=step, fingerprint=self._fingerprint)
         reply = self._unary(self._checkpoint, request, f"checkpoint at step {step}")
@@ -338,6 +366,8 @@ class Client:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._fan_in is not None:
+                self._fan_in.close()
             if self._acker is not None:
                 self._acker.close()
                 self._flush_acks(timeout=5.0)

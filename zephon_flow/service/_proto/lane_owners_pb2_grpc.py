@@ -51,6 +51,11 @@ class LaneOwnersStub:
                 request_serializer=zephon_dot_v1_dot_batch__service__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=zephon_dot_v1_dot_batch__service__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Progress = channel.unary_unary(
+                '/zephon.v1.LaneOwners/Progress',
+                request_serializer=zephon_dot_v1_dot_batch__service__pb2.AckRequest.SerializeToString,
+                response_deserializer=zephon_dot_v1_dot_batch__service__pb2.AckReply.FromString,
+                _registered_method=True)
         self.StreamRows = channel.unary_stream(
                 '/zephon.v1.LaneOwners/StreamRows',
                 request_serializer=zephon_dot_v1_dot_lane__owners__pb2.RowsRequest.SerializeToString,
@@ -85,6 +90,14 @@ class LaneOwnersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Progress(self, request, context):
+        """A rank has taken every step before AckRequest.step (the coordinator gathers owners'
+        snapshots behind the slowest rank, for replacements).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamRows(self, request, context):
         """On each owner's address.
         """
@@ -115,6 +128,11 @@ def add_LaneOwnersServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=zephon_dot_v1_dot_batch__service__pb2.CheckpointRequest.FromString,
                     response_serializer=zephon_dot_v1_dot_batch__service__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Progress': grpc.unary_unary_rpc_method_handler(
+                    servicer.Progress,
+                    request_deserializer=zephon_dot_v1_dot_batch__service__pb2.AckRequest.FromString,
+                    response_serializer=zephon_dot_v1_dot_batch__service__pb2.AckReply.SerializeToString,
             ),
             'StreamRows': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamRows,
@@ -208,6 +226,33 @@ class LaneOwners:
             '/zephon.v1.LaneOwners/Checkpoint',
             zephon_dot_v1_dot_batch__service__pb2.CheckpointRequest.SerializeToString,
             zephon_dot_v1_dot_batch__service__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Progress(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zephon.v1.LaneOwners/Progress',
+            zephon_dot_v1_dot_batch__service__pb2.AckRequest.SerializeToString,
+            zephon_dot_v1_dot_batch__service__pb2.AckReply.FromString,
             options,
             channel_credentials,
             insecure,
