@@ -11,6 +11,7 @@ for f in zephon_flow/*.py zephon_flow/py.typed; do ln -s "$PWD/$f" "$tree/zephon
 ln -s "$PWD/zephon_flow/service" "$tree/zephon_flow/service"
 ln -s "$PWD/zephon_flow/engine" "$tree/zephon_flow/engine"
 ln -s "$PWD/zephon_flow/core" "$tree/zephon_flow/core"
+ln -s "$PWD/zephon_flow/cluster" "$tree/zephon_flow/cluster"
 ln -s "$PWD/operators" "$tree/zephon_flow/operators"
 ln -s "$PWD/runners" "$tree/zephon_flow/runners"
 ln -s "$PWD/bench" "$tree/bench"

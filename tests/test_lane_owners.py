@@ -125,7 +125,9 @@ def test_readers_are_the_ranks_on_the_owners_lanes(spec: zf.LoaderSpec) -> None:
     assert readers_of([4, 5], spec, 4) == [2, 3]
 
 
-def _in_process(spec: zf.LoaderSpec, owners: int, world_size: int, state: Any = None, **kw: Any) -> Coordinator:
+def _in_process(
+    spec: zf.LoaderSpec, owners: int, world_size: int, state: Any = None, **kw: Any
+) -> Coordinator:
     options = OwnerOptions()
 
     def launch(index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int]) -> LaneOwner:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Mapping
 from typing import Any
-
-import os
 
 from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerOptions, OwnerRows
@@ -106,10 +106,8 @@ def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
 
 def stop_owner(handle: Any) -> None:
     ray = _ray()
-    try:
+    with contextlib.suppress(Exception):  # already dead or stuck: killing it is all that is left
         ray.get(handle.close.remote(), timeout=10)
-    except Exception:  # already dead or stuck: killing it is all that is left
-        pass
     ray.kill(handle)
 
 

@@ -130,7 +130,9 @@ class OwnedLoader:
         """Asks ``owner`` for step ``step``'s rows of ``lanes``: the pending reply, and the
         generation of the owner asked (the one to report if it turns out dead)."""
         handle = self._table.handles[owner]
-        return handle.rows.remote(self._slice.rank, step, lanes, actors.CALL_WAIT), self._table.generations[owner]
+        return handle.rows.remote(self._slice.rank, step, lanes, actors.CALL_WAIT), self._table.generations[
+            owner
+        ]
 
     def _replace(self, owner: int, generation: int) -> None:
         """Owner ``owner`` of ``generation`` died: the coordinator replaces it (once, whichever
@@ -174,9 +176,7 @@ class OwnedLoader:
                 pending.append((asked, [self._ask(o, lanes, asked) for o, lanes in groups]))
                 asked += 1
             step, refs = pending.popleft()
-            parts = [
-                self._fetch(step, o, lanes, ref) for (o, lanes), ref in zip(groups, refs, strict=True)
-            ]
+            parts = [self._fetch(step, o, lanes, ref) for (o, lanes), ref in zip(groups, refs, strict=True)]
             windows = [w for p in parts for w in p.windows]
             layouts = [(lane, ly) for p in parts for lane, ly in zip(p.lanes, p.layouts, strict=True)]
             if not self._goes_on(step, windows):

@@ -196,14 +196,18 @@ class LaneOwner:
         return self._cond.wait_for(lambda: self._produced > step or self._error is not None, timeout)
 
     # -- what readers and the coordinator ask ------------------------------------------------
-    def rows(self, reader: int, step: int, lanes: list[int] | None = None, timeout: float = 5.0) -> OwnerRows | None:
+    def rows(
+        self, reader: int, step: int, lanes: list[int] | None = None, timeout: float = 5.0
+    ) -> OwnerRows | None:
         """Step ``step``'s windows of ``lanes`` (default: all of the owner's), for rank
         ``reader``, which has thereby taken every step before ``step``; None if ``step`` was not
         produced within ``timeout`` seconds (ask again)."""
         wanted = self.lanes if lanes is None else lanes
         index = [self.lanes.index(lane) for lane in wanted if lane in self.lanes]
         if len(index) != len(wanted):
-            raise OwnerError(f"{self.name} runs lanes {self.lanes}, not {sorted(set(wanted) - set(self.lanes))}")
+            raise OwnerError(
+                f"{self.name} runs lanes {self.lanes}, not {sorted(set(wanted) - set(self.lanes))}"
+            )
         with self._cond:
             self._expected.pop(reader, None)
             if step > self._positions.get(reader, -1):
@@ -225,9 +229,11 @@ class LaneOwner:
         some lane has one); None if not known within ``timeout`` seconds."""
         with self._cond:
             if not self._cond.wait_for(
-                lambda: self._produced > step
-                or self._error is not None
-                or (self._dead_from is not None and step >= self._dead_from),
+                lambda: (
+                    self._produced > step
+                    or self._error is not None
+                    or (self._dead_from is not None and step >= self._dead_from)
+                ),
                 timeout,
             ):
                 return None

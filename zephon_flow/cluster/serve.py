@@ -10,6 +10,7 @@ world_size, lane_owners=True)``; their rows never pass through this process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
 import sys
 import threading
@@ -50,7 +51,9 @@ class OwnersServer:
     ) -> None:
         # Phases: check, connect to Ray, start the coordinator and its owners, listen.
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise SpecError(f"zephon serve --lane-owners needs --world-size (the trainer ranks), got {world_size!r}")
+            raise SpecError(
+                f"zephon serve --lane-owners needs --world-size (the trainer ranks), got {world_size!r}"
+            )
         self.spec = spec
         state = None if resume is None else to_loader_state(load_state(resume))
         self._ray = require_ray(actors.FEATURE)
@@ -74,7 +77,12 @@ class OwnersServer:
             self._shutdown()
             raise getattr(exc, "cause", exc) from None
         self._server = CoordinatorServer(
-            spec, self._coordinator, world_size=world_size, host=host, port=port, checkpoint_dir=checkpoint_dir
+            spec,
+            self._coordinator,
+            world_size=world_size,
+            host=host,
+            port=port,
+            checkpoint_dir=checkpoint_dir,
         )
         self.host, self.port = host, self._server.port
 
@@ -88,10 +96,8 @@ class OwnersServer:
         return [int(self._ray.get(h.pid.remote())) for h in self.table().handles]
 
     def _shutdown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the coordinator is gone already, with its owners
             self._ray.get(self._coordinator.shutdown.remote(), timeout=60)
-        except Exception:  # the coordinator is gone already: its owners went with it
-            pass
         self._ray.kill(self._coordinator)
         disconnect_if_started(self._started_ray)
 

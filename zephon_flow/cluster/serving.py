@@ -66,7 +66,9 @@ def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
 class OwnerServer:
     """Serves one ``LaneOwner``'s rows over gRPC on ``host`` (port 0: any free one)."""
 
-    def __init__(self, owner: LaneOwner, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 256) -> None:
+    def __init__(
+        self, owner: LaneOwner, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 256
+    ) -> None:
         self._owner = owner
         self._fingerprint = owner.spec.fingerprint["total"]
         plan = owner.spec.compile()

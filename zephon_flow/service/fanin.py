@@ -71,7 +71,9 @@ class _OwnerStream:
             self._ask()
         asked, call = self._calls.popleft()
         if asked != step:
-            raise ServiceError(f"rank {self._fan.rank} asked lane owner {self.owner.index} for step {asked}, expected {step}")
+            raise ServiceError(
+                f"rank {self._fan.rank} asked lane owner {self.owner.index} for step {asked}, expected {step}"
+            )
         assembler = StepAssembler()
         for raw in call:
             got = assembler.feed(raw)
@@ -82,7 +84,9 @@ class _OwnerStream:
                     f"lane owner {self.owner.index} at {self.owner.address} sent step {got[0]}, expected {step}"
                 )
             return got[1]
-        raise ServiceError(f"lane owner {self.owner.index} at {self.owner.address} sent nothing for step {step}")
+        raise ServiceError(
+            f"lane owner {self.owner.index} at {self.owner.address} sent nothing for step {step}"
+        )
 
     def close(self) -> None:
         for _, call in self._calls:
@@ -170,7 +174,9 @@ class OwnerFanIn:
 
     def table(self) -> lo.TableReply:
         if self._reply is None:
-            self._reply = self._unary(self._table_call, lo.TableRequest(fingerprint=self.fingerprint), "the table")
+            self._reply = self._unary(
+                self._table_call, lo.TableRequest(fingerprint=self.fingerprint), "the table"
+            )
         return self._reply
 
     def _replace(self, owner: _Owner, step: int, exc: grpc.RpcError) -> _Owner:
@@ -236,7 +242,9 @@ class OwnerFanIn:
             parts = [part for _, part in shares]
             if finite and not any(bool(np.any(p[VALID_FIELD])) for p in parts) and not self._live(step):
                 return
-            batch = parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            batch = (
+                parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+            )
             step += 1
             if step % self._progress_every == 0:
                 self._report(step)
@@ -253,7 +261,11 @@ class OwnerFanIn:
             return
 
     def checkpoint(self, step: int) -> str:
-        reply = self._unary(self._checkpoint_call, pb.CheckpointRequest(step=step, fingerprint=self.fingerprint), f"checkpoint at step {step}")
+        reply = self._unary(
+            self._checkpoint_call,
+            pb.CheckpointRequest(step=step, fingerprint=self.fingerprint),
+            f"checkpoint at step {step}",
+        )
         return str(reply.path)
 
     def close(self) -> None:
