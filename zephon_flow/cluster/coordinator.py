@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,16 +43,16 @@ def plan_owners(lanes: int, owners: int) -> list[list[int]]:
 
 
 def readers_of(lanes: list[int], spec: LoaderSpec, world_size: int) -> list[int]:
-    """The ranks of ``world_size`` whose rows fall on any of ``lanes``."""
-    mine = set(lanes)
-    out = []
-    for rank in range(world_size):
-        rs = RankSlice(
-            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
-        )
-        if mine.intersection(rs.lane_ids):
-            out.append(rank)
-    return out
+    """The ranks of ``world_size`` whose rows fall on any of ``lanes`` (contiguous lanes: the
+    ranks whose row ranges meet ``[lanes[0]*B/L, (lanes[-1]+1)*B/L)``)."""
+    if not lanes:
+        return []
+    per_lane = spec.global_batch_size // spec.lanes
+    per_rank = spec.global_batch_size // world_size
+    if lanes != list(range(lanes[0], lanes[-1] + 1)):
+        return sorted({r for lane in lanes for r in readers_of([lane], spec, world_size)})
+    first_row, end_row = lanes[0] * per_lane, (lanes[-1] + 1) * per_lane
+    return list(range(first_row // per_rank, (end_row - 1) // per_rank + 1))
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class Coordinator:
         self._snaps: dict[int, LaneState | None] = dict(start.lanes)
         self._snap_steps = [start.step] * owners
         self._positions = dict.fromkeys(range(world_size), start.step)
+        # How many ranks are at each position: the slowest is the least key, found without a
+        # pass over every rank (ranks report in strides, so there are few distinct positions).
+        self._at = Counter({start.step: world_size})
         self._joined: set[int] = set()
         self._replaced = 0
         self._generations = [0] * owners
@@ -210,9 +214,14 @@ class Coordinator:
         ``snapshot_every`` steps past an owner's last gathered snapshot, gathers a new one."""
         with self._lock:
             self.messages += 1
-            if step > self._positions.get(rank, -1):
+            old = self._positions.get(rank)
+            if old is not None and step > old:
                 self._positions[rank] = step
-            slowest = min(self._positions.values())
+                self._at[old] -= 1
+                if not self._at[old]:
+                    del self._at[old]
+                self._at[step] += 1
+            slowest = min(self._at)
             due = [i for i, at in enumerate(self._snap_steps) if slowest >= at + self._snapshot_every]
             handles = [(i, self._handles[i], self._generations[i]) for i in due]
         for i, handle, generation in handles:
@@ -237,7 +246,7 @@ class Coordinator:
             self.messages += 1
             if self._generations[index] != generation:
                 return self.table()
-            lanes, step = self._groups[index], min(self._positions.values())
+            lanes, step = self._groups[index], min(self._at)
             if self._replaced >= self._max_replacements:
                 raise OwnerLostError(
                     f"{self._owner_name(index)} (lanes {lanes}) died at step {step} and cannot be "
