@@ -16,7 +16,8 @@ global batch 32), one trainer rank (world size 1, so it needs every lane) reads:
   ``zf.Client(lane_owners=True)``: the rank's rows straight from the two owners over gRPC.
 
 Each contender is started, warmed up (its first ``--warmup`` batches untimed), timed over
-``--steps`` batches and stopped; contenders alternate within each repeat and medians over
+``--steps`` batches and stopped; each may run ``AHEAD`` = 4 steps ahead of its reader (the
+server's window, the owners' ``ahead``; the Loader's prefetch is 2); contenders alternate within each repeat and medians over
 repeats are reported. Ray runs locally with 2 CPUs. Timings are never asserted anywhere.
 """
 
@@ -36,13 +37,16 @@ from bench.stats import median
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "owners.json")
 TOKENS_PER_STEP = 32 * 512
+#: Steps every contender may make ahead of its reader (server window, owners' ``ahead``): small,
+#: so that what was made before the clock starts hardly counts.
+AHEAD = 4
 
 
 def _serve_loader(root: str, ports: Any) -> None:
     from zephon_flow.demo import demo_spec
     from zephon_flow.service.server import BatchServer
 
-    server = BatchServer(demo_spec(root)).start()
+    server = BatchServer(demo_spec(root), window=AHEAD).start()
     ports.put(server.port)
     server.wait()
 
@@ -86,7 +90,7 @@ def contenders(root: str) -> dict[str, Callable[[], AbstractContextManager[Itera
     def owned(n: int) -> Callable[[], AbstractContextManager[Iterator[tuple[int, Any]]]]:
         @contextmanager
         def run() -> Iterator[Iterator[tuple[int, Any]]]:
-            with zf.cluster.OwnedLoader(spec, lane_owners=n, name=f"bench-owned-{n}") as ld:
+            with zf.cluster.OwnedLoader(spec, lane_owners=n, name=f"bench-owned-{n}", ahead=AHEAD) as ld:
                 yield iter(ld)
 
         return run
@@ -98,7 +102,7 @@ def contenders(root: str) -> dict[str, Callable[[], AbstractContextManager[Itera
 
     @contextmanager
     def served2() -> Iterator[Iterator[tuple[int, Any]]]:
-        owners = OwnersServer(spec, owners=2, world_size=1)
+        owners = OwnersServer(spec, owners=2, world_size=1, ahead=AHEAD, keep=AHEAD)
         try:
             with zf.Client(f"127.0.0.1:{owners.port}", 0, 1, lane_owners=True) as client:
                 yield iter(client)
@@ -109,9 +113,11 @@ def contenders(root: str) -> dict[str, Callable[[], AbstractContextManager[Itera
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="10 steps, 1 repeat")
     parser.add_argument("--out", default=DEFAULT_OUT)
