@@ -46,23 +46,17 @@ def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    """One local Ray on loopback for the module (2 CPUs); its workers import the tests' helpers."""
+    """One local Ray on loopback for the module (2 CPUs). Its workers cannot import the tests'
+    helpers: the pipeline's module travels by value (``actors.ship_user_code``)."""
     ray = pytest.importorskip("ray")
     from zephon_flow.runners.ray_env import connect
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = here if not old else here + os.pathsep + old
     started = connect("tests", None, num_cpus=2)
     try:
         yield
     finally:
         if started:
             ray.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 def owned_digests(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
@@ -173,6 +175,20 @@ class CoordinatorActor:
         self._coordinator.shutdown()
 
 
+def ship_user_code(spec: LoaderSpec) -> None:
+    """Has Ray pickle the module defining ``spec``'s pipeline by value (with its functions and
+    DoFns), unless it is installed: a pipeline file (``examples/pipeline.py``), a script or a
+    test helper cannot be imported by Ray's worker processes, which start elsewhere."""
+    name = getattr(spec.build, "__module__", None) or ""
+    module = sys.modules.get(name)
+    if module is None or name == "__main__" or name.split(".")[0] == "zephon_flow":
+        return
+    where = Path(getattr(module, "__file__", None) or "").parts
+    if "site-packages" in where or "dist-packages" in where:
+        return
+    _ray().cloudpickle.register_pickle_by_value(module)
+
+
 def coordinator_handle(
     name: str,
     spec: LoaderSpec,
@@ -189,6 +205,7 @@ def coordinator_handle(
     """The coordinator actor named ``name``: the running one, or a new one with these options
     (every rank calls this; the first creates it)."""
     ray = _ray()
+    ship_user_code(spec)
     actor = ray.remote(CoordinatorActor)
     return actor.options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY).remote(
         spec, owners, world_size, state, options, owner_cpus, snapshot_every, max_replacements, serve_host
