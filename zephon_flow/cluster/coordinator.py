@@ -16,14 +16,19 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.loader import restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
+
+#: Owners asked at once for their snapshots (a gather is bounded by the slowest of a batch).
+GATHER_THREADS = 16
+_T = TypeVar("_T")
 
 
 class OwnerLostError(ZephonError, RuntimeError):
@@ -224,13 +229,16 @@ class Coordinator:
             slowest = min(self._at)
             due = [i for i, at in enumerate(self._snap_steps) if slowest >= at + self._snapshot_every]
             handles = [(i, self._handles[i], self._generations[i]) for i in due]
-        for i, handle, generation in handles:
+
+        def ask(item: tuple[int, Any, int]) -> Mapping[int, LaneState] | None:
             try:
-                snaps = self._gather(handle, slowest)
+                return self._gather(item[1], slowest)
             except Exception:  # a dead owner: its replacement restores from the last snapshot
-                continue
+                return None
+
+        for (i, _, generation), snaps in zip(handles, self._parallel(ask, handles), strict=True):
             if snaps is None:
-                continue  # not held: the next report brings another chance
+                continue  # not held (or dead): the next report brings another chance
             with self._lock:
                 if self._generations[i] != generation or slowest <= self._snap_steps[i]:
                     continue
@@ -273,13 +281,14 @@ class Coordinator:
         with self._lock:
             self.messages += 1
             handles = list(enumerate(self._handles))
-        lanes: dict[int, LaneState] = {}
         deadline = time.monotonic() + timeout
-        for i, handle in handles:
+
+        def ask(item: tuple[int, Any]) -> Mapping[int, LaneState]:
+            i, handle = item
             while True:
                 snaps = self._gather(handle, step)
                 if snaps is not None:
-                    break
+                    return snaps
                 if time.monotonic() > deadline:
                     raise OwnerLostError(
                         f"checkpoint at step {step}: {self._owner_name(i)} (lanes {self._groups[i]}) "
@@ -287,8 +296,19 @@ class Coordinator:
                         f"are at (an owner holds a few steps around its readers)"
                     )
                 time.sleep(0.05)
+
+        lanes: dict[int, LaneState] = {}
+        for snaps in self._parallel(ask, handles):
             lanes.update(snaps)
         return LoaderState(step, self.spec.lanes, dict(self.spec.fingerprint), lanes, list(self._mix_history))
+
+    def _parallel(self, ask: Callable[[Any], _T], items: list[Any]) -> list[_T]:
+        """``ask`` of every item, at most ``GATHER_THREADS`` at a time (owners answer in
+        parallel, so a gather takes about one round trip, not one per owner)."""
+        if len(items) <= 1:
+            return [ask(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(GATHER_THREADS, len(items))) as pool:
+            return list(pool.map(ask, items))
 
     def positions(self) -> dict[int, int]:
         with self._lock:
