@@ -112,6 +112,17 @@ def test_plan_owners_is_contiguous_and_balanced() -> None:
         plan_owners(6, 7)
 
 
+def test_bad_owner_options_are_refused_before_ray_starts(spec: zf.LoaderSpec) -> None:
+    with pytest.raises(SpecError, match=r"lane owners: unknown backend 'gpu' for the owners' stateless work"):
+        OwnedLoader(spec, lane_owners=2, backend="gpu")
+    with pytest.raises(SpecError, match=r"lane owners: ahead must be a positive integer, got 0"):
+        OwnedLoader(spec, lane_owners=2, ahead=0)
+    with pytest.raises(SpecError, match=r"world_size=5 is not divisible|not divisible by world_size=5"):
+        OwnedLoader(spec, lane_owners=2, world_size=5)
+    with pytest.raises(SpecError, match=r"lane_owners must be an integer in \[1, lanes=6\].*got 0"):
+        OwnedLoader(spec, lane_owners=0)
+
+
 def test_readers_are_the_ranks_on_the_owners_lanes(spec: zf.LoaderSpec) -> None:
     # 4 ranks of 3 rows over 6 lanes of 2 rows: rank 1 has rows 3-5 (lanes 1 and 2).
     assert readers_of([0, 1], spec, 4) == [0, 1]
@@ -330,3 +341,25 @@ def test_readers_of_agrees_with_the_rank_slices(spec: zf.LoaderSpec, world_size:
             assert readers_of(group, spec, world_size) == [
                 s.rank for s in slices if set(group) & set(s.lane_ids)
             ]
+
+
+def test_serve_with_ray_needs_the_world_size_and_refuses_tokens(
+    corpus: Corpus, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service_helpers import write_pipeline
+
+    from zephon_flow.cli import main
+
+    target = f"{write_pipeline(tmp_path / 'pipe.py', corpus, lanes=LANES, global_batch_size=BATCH)}:spec"
+    assert main(["serve", target, "--ray", "--lane-owners", "2", "--port", "0"]) == 1
+    assert (
+        "zephon serve --lane-owners needs --world-size (the trainer ranks), got None"
+        in capsys.readouterr().err
+    )
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    argv = ["serve", target, "--ray", "--world-size", "2", "--port", "0", "--token-file", str(token)]
+    assert main(argv) == 1
+    assert "zephon serve --ray does not support --token-file yet" in capsys.readouterr().err
+    assert main(["serve", target, "--ray", "--lane-owners", "7", "--world-size", "2", "--port", "0"]) == 1
+    assert "lane_owners must be an integer in [1, lanes=6]" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from types import TracebackType
 from typing import Any
 
 from zephon_flow.cluster import actors
-from zephon_flow.cluster.coordinator import OwnerTable
+from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.errors import SpecError, ZephonError
@@ -75,6 +75,7 @@ class OwnedLoader:
                 f"OwnedLoader: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
                 f"`keep` steps behind a rank's request), got {prefetch!r}"
             )
+        plan_owners(spec.lanes, lane_owners)  # refused here, before Ray starts
         options = OwnerOptions(
             backend=backend,
             workers=workers,

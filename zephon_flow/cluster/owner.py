@@ -21,7 +21,7 @@ from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.loader import build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
-from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
+from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
 
 
 class OwnerError(ZephonError, RuntimeError):
@@ -44,6 +44,11 @@ class OwnerOptions:
     allow_code_change: bool = False
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(
+                f"lane owners: unknown backend {self.backend!r} for the owners' stateless work; "
+                f"choose one of {', '.join(BACKENDS)}"
+            )
         for name in ("workers", "chunk_records", "prefetch_chunks", "ahead"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

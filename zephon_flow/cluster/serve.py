@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from zephon_flow.cluster import actors
-from zephon_flow.cluster.coordinator import OwnerTable
+from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.cluster.serving import CoordinatorServer
 from zephon_flow.core.errors import SpecError
@@ -54,6 +54,7 @@ class OwnersServer:
             raise SpecError(
                 f"zephon serve --lane-owners needs --world-size (the trainer ranks), got {world_size!r}"
             )
+        plan_owners(spec.lanes, owners)  # refused here, before Ray starts
         self.spec = spec
         state = None if resume is None else to_loader_state(load_state(resume))
         self._ray = require_ray(actors.FEATURE)
