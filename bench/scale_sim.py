@@ -8,7 +8,7 @@ Run from the repository root::
 Nothing runs a pipeline: the ``Coordinator`` (``zephon_flow/cluster/coordinator.py``) is the
 real one, with owners that answer snapshot requests at once with synthetic lane states of
 ``--lane-state-bytes`` each; the ranks' planning is the real code (``OwnerTable.groups_for``,
-``serving.share_of``); progress reports and gathers go through the real methods. Measured per
+``owner.share_of``); progress reports and gathers go through the real methods. Measured per
 configuration (lanes L, owners N, ranks W, snapshot stride K):
 
 - ``plan_seconds``: planning every rank's fetches of a step (which owners, which lanes, which
@@ -132,7 +132,7 @@ def simulate(
 ) -> Point:
     """One configuration: a run of ``steps`` steps through the real coordinator."""
     from zephon_flow.cluster.coordinator import Coordinator
-    from zephon_flow.cluster.serving import share_of
+    from zephon_flow.cluster.owner import share_of
     from zephon_flow.core.lanes import RankSlice
     from zephon_flow.core.state import encode_state
 

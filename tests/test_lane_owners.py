@@ -363,3 +363,23 @@ def test_serve_with_ray_needs_the_world_size_and_refuses_tokens(
     assert "zephon serve --ray does not support --token-file yet" in capsys.readouterr().err
     assert main(["serve", target, "--ray", "--lane-owners", "7", "--world-size", "2", "--port", "0"]) == 1
     assert "lane_owners must be an integer in [1, lanes=6]" in capsys.readouterr().err
+
+
+def test_a_finite_pass_ends_at_the_loaders_step_with_the_same_padding(
+    ray_session: None, corpus: Corpus
+) -> None:
+    # One pass over 60 documents on 4 lanes of 2 rows: lanes end at different steps, the
+    # last batches are padded and carry `valid`, and rank 1's own lanes may run dry first.
+    from helpers import DocKey, chain_spec
+
+    spec = chain_spec(corpus.web_jsonl, ("key", DocKey()), lanes=4, global_batch_size=8, epochs=1)
+    reference = global_digests(spec, steps=1000)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=3, rank=r, world_size=2, name=name))
+            for r in range(2)
+        ]
+        got = [(p0[0], batch_digest(concat([p0[1], p1[1]]))) for p0, p1 in zip(*loaders, strict=True)]
+    assert 4 < len(reference) < 1000
+    assert got == reference

@@ -12,6 +12,8 @@ from typing import Any
 from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer
+from zephon_flow.core.batches import Batch
+from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import require_ray
@@ -54,6 +56,14 @@ class OwnerActor:
 
     def rows(self, reader: int, step: int, lanes: list[int] | None, timeout: float) -> OwnerRows | None:
         return self._owner.rows(reader, step, lanes, timeout)
+
+    def share(self, rank: int, world_size: int, step: int, timeout: float) -> Batch | None:
+        """Rank ``rank`` of ``world_size``'s rows of step ``step`` on this owner's lanes."""
+        spec = self._owner.spec
+        rs = RankSlice(
+            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+        )
+        return self._owner.share(rs, step, timeout)
 
     def live(self, step: int, timeout: float) -> bool | None:
         return self._owner.live(step, timeout)

@@ -8,14 +8,15 @@ from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
-from zephon_flow.cluster.owner import OwnerError, OwnerOptions, OwnerRows
-from zephon_flow.core.batches import Batch
+from zephon_flow.cluster.owner import OwnerError, OwnerOptions
+from zephon_flow.core.batches import VALID_FIELD, Batch, concat
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LoaderState, to_loader_state
-from zephon_flow.engine.loader import assemble_rows
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 
@@ -105,7 +106,6 @@ class OwnedLoader:
         self._step = 0 if start is None else start.step
         self._table: OwnerTable = self._call(self._coordinator.join.remote(rank, world_size, self._step))
         self._finite = spec.compile().finite
-        self._padding = spec.compile().padding_sample() if self._finite else None
 
     @property
     def rank_slice(self) -> RankSlice:
@@ -127,41 +127,40 @@ class OwnedLoader:
             raise
 
     # -- iteration -----------------------------------------------------------------------------
-    def _ask(self, owner: int, lanes: list[int], step: int) -> tuple[Any, int]:
-        """Asks ``owner`` for step ``step``'s rows of ``lanes``: the pending reply, and the
+    def _ask(self, owner: int, step: int) -> tuple[Any, int]:
+        """Asks ``owner`` for this rank's share of step ``step``: the pending reply, and the
         generation of the owner asked (the one to report if it turns out dead)."""
-        handle = self._table.handles[owner]
-        return handle.rows.remote(self._slice.rank, step, lanes, actors.CALL_WAIT), self._table.generations[
-            owner
-        ]
+        handle, rs = self._table.handles[owner], self._slice
+        ref = handle.share.remote(rs.rank, rs.world_size, step, actors.CALL_WAIT)
+        return ref, self._table.generations[owner]
 
     def _replace(self, owner: int, generation: int) -> None:
         """Owner ``owner`` of ``generation`` died: the coordinator replaces it (once, whichever
         rank reports it first) and this rank reads the new table."""
         self._table = self._call(self._coordinator.replace.remote(owner, generation))
 
-    def _fetch(self, step: int, owner: int, lanes: list[int], asked: tuple[Any, int]) -> OwnerRows:
-        """The rows of ``lanes`` at ``step`` from ``owner``: asks again while the owner has not
+    def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> Batch:
+        """This rank's share of step ``step`` from ``owner``: asks again while the owner has not
         produced the step yet, and replaces the owner if it died."""
         waited = 0.0
         ref, generation = asked
         while True:
             try:
-                got: OwnerRows | None = self._call(ref)
+                got: Batch | None = self._call(ref)
             except self._ray.exceptions.RayActorError:
                 self._replace(owner, generation)
-                ref, generation = self._ask(owner, lanes, step)
+                ref, generation = self._ask(owner, step)
                 continue
             if got is not None:
                 return got
             waited += actors.CALL_WAIT
             if waited >= self._timeout:
                 raise OwnerError(
-                    f"rank {self._slice.rank} waited {waited:g} s for step {step} of lanes {lanes} from "
-                    f"lane owner {owner}: its other readers (ranks) may have stopped reading, or the "
-                    f"owner is stuck; see its status"
+                    f"rank {self._slice.rank} waited {waited:g} s for step {step} from lane owner "
+                    f"{owner} (lanes {list(self._table.lanes[owner])}): its other readers (ranks) may "
+                    f"have stopped reading, or the owner is stuck; see its status"
                 )
-            ref, generation = self._ask(owner, lanes, step)
+            ref, generation = self._ask(owner, step)
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         if self._closed:
@@ -169,39 +168,27 @@ class OwnedLoader:
         return self._batches()
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
-        groups = self._table.groups_for(self._slice.lane_ids)
+        owners = [o for o, _ in self._table.groups_for(self._slice.lane_ids)]
         pending: deque[tuple[int, list[Any]]] = deque()
         asked = self._step
         while True:
             while len(pending) < self._prefetch:
-                pending.append((asked, [self._ask(o, lanes, asked) for o, lanes in groups]))
+                pending.append((asked, [self._ask(o, asked) for o in owners]))
                 asked += 1
             step, refs = pending.popleft()
-            parts = [self._fetch(step, o, lanes, ref) for (o, lanes), ref in zip(groups, refs, strict=True)]
-            windows = [w for p in parts for w in p.windows]
-            layouts = [(lane, ly) for p in parts for lane, ly in zip(p.lanes, p.layouts, strict=True)]
-            if not self._goes_on(step, windows):
+            parts = [self._fetch(step, o, ref) for o, ref in zip(owners, refs, strict=True)]
+            if not self._goes_on(step, parts):
                 return
-            batch = assemble_rows(
-                step,
-                windows,
-                layouts,
-                rows=self._slice.rows_of_lanes(),
-                per_lane=self.spec.per_lane,
-                finite=self._finite,
-                padding=self._padding,
-            )
+            batch = parts[0] if len(parts) == 1 else concat(parts)
             self._step = step + 1
             if self._step % self._snapshot_every == 0:
                 self._coordinator.progress.remote(self._slice.rank, self._step)
             yield step, batch
 
-    def _goes_on(self, step: int, windows: list[list[Any]]) -> bool:
+    def _goes_on(self, step: int, parts: list[Batch]) -> bool:
         """As ``zf.Loader``: an endless pipeline always goes on; a finite one while any lane
-        (of any owner, asked only when this rank's lanes are all padding) has a sample."""
-        if not self._finite:
-            return all(len(w) == self.spec.per_lane for w in windows)
-        if any(windows):
+        (of any owner, asked only when this rank's rows are all padding) has a sample."""
+        if not self._finite or any(bool(np.any(p[VALID_FIELD])) for p in parts):
             return True
         for owner in range(len(self._table.lanes)):
             while True:

@@ -16,10 +16,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.core.batches import SampleLayout
+from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LaneState, LoaderState
-from zephon_flow.engine.loader import build_lane_runners, restore_lanes
+from zephon_flow.engine.loader import assemble_rows, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
 
@@ -68,6 +69,18 @@ class OwnerRows:
     layouts: tuple[SampleLayout | None, ...]
 
 
+def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
+    """The lanes among ``lanes`` under rank slice ``rs``, and the rank's rows relative to their
+    concatenated windows (what one owner of ``lanes`` sends that rank)."""
+    mine = [lane for lane in rs.lane_ids if lane in lanes]
+    if not mine:
+        return [], slice(0, 0)
+    per_lane = rs.per_lane
+    lo_row, hi_row = mine[0] * per_lane, (mine[-1] + 1) * per_lane
+    start, stop = max(rs.start, lo_row), min(rs.stop, hi_row)
+    return mine, slice(start - lo_row, stop - lo_row)
+
+
 class LaneOwner:
     """Runs ``lanes`` of ``spec`` from ``state`` (a ``LoaderState`` holding at least those lanes,
     or None: the start) for the ranks ``readers`` (rank -> the first step it may ask for);
@@ -88,6 +101,8 @@ class LaneOwner:
             raise SpecError(f"{name}: lanes must be distinct, sorted and in [0, {spec.lanes}), got {lanes}")
         self.spec, self.lanes, self.name, self.options = spec, list(lanes), name, options
         plan = spec.compile()
+        self._finite = plan.finite
+        self._padding = plan.padding_sample() if plan.finite else None
         start = restore_lanes(
             spec,
             plan,
@@ -227,6 +242,30 @@ class LaneOwner:
             tuple(wanted),
             tuple(windows[i] for i in index),
             tuple(layouts[i] for i in index),
+        )
+
+    def share(self, rs: RankSlice, step: int, timeout: float = 5.0) -> Batch | None:
+        """Rank ``rs``'s rows of step ``step`` that lie on this owner's lanes, assembled as the
+        Loader assembles them (``assemble_rows``: padding and ``valid`` for a finite pass); the
+        owners' shares, concatenated in lane order, are the rank's batch. None: not produced
+        within ``timeout`` seconds (ask again)."""
+        lanes, rows = share_of(rs, self.lanes)
+        if not lanes:
+            raise OwnerError(
+                f"rank {rs.rank} of {rs.world_size} has no rows on {self.name}'s lanes {self.lanes} "
+                f"(its rows are on lanes {list(rs.lane_ids)})"
+            )
+        got = self.rows(rs.rank, step, lanes, timeout)
+        if got is None:
+            return None
+        return assemble_rows(
+            step,
+            list(got.windows),
+            list(zip(got.lanes, got.layouts, strict=True)),
+            rows=rows,
+            per_lane=self.spec.per_lane,
+            finite=self._finite,
+            padding=self._padding,
         )
 
     def live(self, step: int, timeout: float = 5.0) -> bool | None:

@@ -17,11 +17,10 @@ from typing import Any, NoReturn
 import grpc
 
 from zephon_flow.cluster.coordinator import OwnerTable
-from zephon_flow.cluster.owner import LaneOwner, OwnerError
+from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import save_state
-from zephon_flow.engine.loader import assemble_rows
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
@@ -51,18 +50,6 @@ def _server(host: str, port: int, handlers: dict[str, Any], max_streams: int) ->
     return server, bound
 
 
-def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
-    """The lanes among ``lanes`` under rank slice ``rs``, and the rank's rows relative to their
-    concatenated windows (what one owner of ``lanes`` sends that rank)."""
-    mine = [lane for lane in rs.lane_ids if lane in lanes]
-    if not mine:
-        return [], slice(0, 0)
-    per_lane = rs.per_lane
-    lo_row, hi_row = mine[0] * per_lane, (mine[-1] + 1) * per_lane
-    start, stop = max(rs.start, lo_row), min(rs.stop, hi_row)
-    return mine, slice(start - lo_row, stop - lo_row)
-
-
 class OwnerServer:
     """Serves one ``LaneOwner``'s rows over gRPC on ``host`` (port 0: any free one)."""
 
@@ -71,9 +58,6 @@ class OwnerServer:
     ) -> None:
         self._owner = owner
         self._fingerprint = owner.spec.fingerprint["total"]
-        plan = owner.spec.compile()
-        self._finite = plan.finite
-        self._padding = plan.padding_sample() if plan.finite else None
         self._server, bound = _server(
             host,
             port,
@@ -110,8 +94,7 @@ class OwnerServer:
             )
         except SpecError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))
-        lanes, rows = share_of(rs, owner.lanes)
-        if not lanes:
+        if not share_of(rs, owner.lanes)[0]:
             _abort(
                 context,
                 "INVALID_ARGUMENT",
@@ -121,20 +104,11 @@ class OwnerServer:
         step, stop = int(request.start_step), int(request.stop_step) or None
         while context.is_active() and (stop is None or step < stop):
             try:
-                got = owner.rows(rs.rank, step, lanes, timeout=POLL)
+                part = owner.share(rs, step, timeout=POLL)
             except OwnerError as exc:
                 _abort(context, "INTERNAL", str(exc))
-            if got is None:
+            if part is None:
                 continue
-            part = assemble_rows(
-                step,
-                list(got.windows),
-                list(zip(got.lanes, got.layouts, strict=True)),
-                rows=rows,
-                per_lane=spec.per_lane,
-                finite=self._finite,
-                padding=self._padding,
-            )
             yield from encode_step(step, part, window=owner.options.ahead)
             step += 1
 
