@@ -54,7 +54,7 @@ class OwnedLoader:
         name: str | None = None,
         backend: str = "inline",
         workers: int = 1,
-        prefetch: int = 2,
+        prefetch: int = 4,
         ahead: int = 4,
         keep: int = 4,
         snapshot_every: int = 8,

@@ -112,7 +112,7 @@ class OwnerFanIn:
         retries: int,
         backoff: float,
         progress_every: int = 8,
-        prefetch: int = 2,
+        prefetch: int = 4,
     ) -> None:
         self.address, self.rank, self.world_size = address, rank, world_size
         self.fingerprint, self.metadata, self.channel_options = fingerprint, tuple(metadata), channel_options
