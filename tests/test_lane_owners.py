@@ -354,3 +354,15 @@ def test_a_finite_pass_ends_at_the_loaders_step_with_the_same_padding(
         got = [(p0[0], batch_digest(concat([p0[1], p1[1]]))) for p0, p1 in zip(*loaders, strict=True)]
     assert 4 < len(reference) < 1000
     assert got == reference
+
+
+def test_closing_the_last_loader_frees_the_name_for_the_next_run(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    for owners in (1, 2):  # the same name at once again: a new coordinator, not the dying one
+        with OwnedLoader(spec, lane_owners=owners, name=name) as loader:
+            assert [(s, batch_digest(b)) for _, (s, b) in zip(range(2), loader, strict=False)] == reference[
+                :2
+            ]
+            assert len(loader.table.lanes) == owners

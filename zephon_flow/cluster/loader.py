@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -238,7 +239,19 @@ class OwnedLoader:
             if left == 0:
                 self._call(self._coordinator.shutdown.remote(), timeout=60)
                 self._ray.kill(self._coordinator)
+                self._await_name_released()
         disconnect_if_started(self._started_ray)
+
+    def _await_name_released(self, timeout: float = 10.0) -> None:
+        """Waits until the killed coordinator's name is free, so that loaders made next with
+        the same name start a new one instead of finding the dying one."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self._ray.get_actor(self.name)
+            except ValueError:
+                return
+            time.sleep(0.05)
 
     def __enter__(self) -> OwnedLoader:
         return self
