@@ -224,6 +224,14 @@ def test_owned_batches_equal_the_loader_more_topologies(
     assert got == reference[:STEPS]
 
 
+@pytest.mark.slow
+def test_owners_with_worker_processes_give_the_same_bytes(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    got, _ = owned_digests(spec, owners=2, world_size=2, steps=STEPS, backend="processes", workers=2)
+    assert got == reference[:STEPS]
+
+
 def test_checkpoint_of_two_owners_resumes_on_three_one_and_the_loader(
     ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
 ) -> None:
