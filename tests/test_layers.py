@@ -13,6 +13,7 @@ FOLDERS = [
     ("zephon_flow.core", "zephon_flow/core"),
     ("zephon_flow.engine", "zephon_flow/engine"),
     ("zephon_flow.service", "zephon_flow/service"),
+    ("zephon_flow.cluster", "zephon_flow/cluster"),
     ("zephon_flow.operators", "operators"),
     # The backends are the runner's own parts (they run its front segment): one folder with it.
     ("zephon_flow.runners", "runners"),
@@ -25,6 +26,7 @@ ALLOWED = {
     "runners": {"zephon_flow/core"},
     "zephon_flow/engine": {"zephon_flow/core", "operators", "runners"},
     "zephon_flow/service": {"zephon_flow/core", "zephon_flow/engine"},
+    "zephon_flow/cluster": {"zephon_flow/core", "zephon_flow/engine", "runners", "zephon_flow/service"},
 }
 
 

@@ -8,6 +8,8 @@ import zephon_flow._quiet as _quiet
 
 _quiet.quiet_beam_import_warnings()
 
+# zf.cluster.OwnedLoader: the lanes on Ray lane owners (Ray is imported only when used).
+from zephon_flow import cluster as cluster  # noqa: E402
 from zephon_flow.core.batches import batch_digest  # noqa: E402
 from zephon_flow.core.errors import (  # noqa: E402
     DataError,

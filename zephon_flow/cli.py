@@ -265,10 +265,15 @@ def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.auth import read_token
     from zephon_flow.service.server import BatchServer, serve_forever
 
+    args.ahead = _ahead(args)
+    if args.ray:  # lanes on Ray lane owners (zephon_flow/cluster/serve.py)
+        from zephon_flow.cluster import serve as owners
+
+        return owners.serve(args, load_spec(args.target))
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UsageError("zephon serve: --tls-cert and --tls-key go together")
     if args.ray_address is not None and args.backend != "ray":
-        raise UsageError("zephon serve: --ray-address goes with --backend ray")
+        raise UsageError("zephon serve: --ray-address goes with --backend ray or --ray")
     try:
         token = read_token(args.token_file)
     except SpecError as exc:
@@ -301,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         workers=args.workers,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
-        ahead=_ahead(args),
+        ahead=args.ahead,
         keep=args.keep,
         held_bytes=args.held_bytes,
         token=token,
@@ -451,9 +456,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--ray-address",
+        "--address",
+        dest="ray_address",
         metavar="ADDRESS",
-        help="with --backend ray: join this Ray cluster (ray://HOST:10001 or HOST:6379); default: start a local Ray",
+        help="with --backend ray or --ray: join this Ray cluster (ray://HOST:10001 or HOST:6379); "
+        "default: start a local Ray",
     )
+    s.add_argument("--ray", action="store_true", help="run the lanes on Ray lane owners (--lane-owners N)")
+    s.add_argument("--lane-owners", type=int, default=1, metavar="N", help="with --ray: owner actors")
+    s.add_argument("--world-size", type=int, metavar="W", help="with --ray: the trainer ranks")
     s.set_defaults(func=_serve)
     return parser
 

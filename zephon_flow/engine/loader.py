@@ -27,7 +27,8 @@ from zephon_flow.engine.endsync import EndSync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
-from zephon_flow.runners.lane import LaneRunner
+from zephon_flow.runners.backends.base import Backend
+from zephon_flow.runners.lane import LaneRunner, SkipHook
 from zephon_flow.runners.plan import Plan
 
 _END = object()
@@ -128,35 +129,22 @@ class Loader:
         *,
         allow_mix_change: bool,
         allow_code_change: bool,
-    ) -> _Start:
+    ) -> LaneStart:
         """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
-        lane_ids = list(self._slice.lane_ids)
-        mixture = None if plan.mixer is None else plan.mixer.mixture()
-        if state is None:
-            return _Start(0, dict.fromkeys(lane_ids), mixture)
-        loaded = to_loader_state(state)
-        changed = loaded.check_compatible(
-            lanes=self.spec.lanes,
-            fingerprint=self._fingerprint,
-            mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
+        return restore_lanes(
+            self.spec,
+            plan,
+            state,
+            list(self._slice.lane_ids),
+            who=f"rank {self._slice.rank} of {self._slice.world_size}",
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
         )
-        if plan.mixer is not None:
-            mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)
-        missing = [lane for lane in lane_ids if lane not in loaded.lane_states]
-        if missing:
-            raise StateError(
-                f"the state has no entry for lane(s) {missing}, which rank {self._slice.rank} of "
-                f"{self._slice.world_size} runs; gather every rank's state_dict() and pass "
-                f"zf.merge_states(states)"
-            )
-        return _Start(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
     def _build_lanes(
         self,
         plan: Plan,
-        start: _Start,
+        start: LaneStart,
         *,
         backend: str,
         workers: int,
@@ -176,23 +164,15 @@ class Loader:
             chunk_timeout=chunk_timeout,
             ray_address=ray_address,
         )
-        self._lanes = [
-            LaneRunner(
-                plan,
-                self._backend,
-                lane=lane,
-                lanes=self.spec.lanes,
-                seed=self.spec.seed,
-                window=self.spec.per_lane,
-                state=lane_state,
-                chunk_records=chunk_records,
-                depth=depth,
-                step=start.step,
-                mixture=start.mixture,
-                on_skip=self._on_skip,
-            )
-            for lane, lane_state in start.lanes.items()
-        ]
+        self._lanes = build_lane_runners(
+            self.spec,
+            plan,
+            self._backend,
+            start,
+            chunk_records=chunk_records,
+            depth=depth,
+            on_skip=self._on_skip,
+        )
 
     @property
     def rank_slice(self) -> RankSlice:
@@ -266,38 +246,16 @@ class Loader:
         return True
 
     def _assemble(self, step: int, windows: list[list[Any]]) -> Batch:
-        """This rank's rows of global batch ``step``; a finite pass's lanes are padded to full
-        windows and the batch says which rows are real (``valid``)."""
-        where = f"global batch {step}"
-        rows = self._slice.rows_of_lanes()
-        if not self._finite:
-            return stack([s for w in windows for s in w][rows], where=where)
-        per_lane = self.spec.per_lane
-        samples: list[Any] = []
-        valid = np.zeros(per_lane * len(windows), dtype=bool)
-        for i, (lane, window) in enumerate(zip(self._lanes, windows, strict=True)):
-            valid[i * per_lane : i * per_lane + len(window)] = True
-            samples += window
-            if len(window) < per_lane:
-                samples += [self._pad(lane, windows, where)] * (per_lane - len(window))
-        return with_valid(stack(samples[rows], where=where), valid[rows], where=where)
-
-    def _pad(self, lane: LaneRunner, windows: list[list[Any]], where: str) -> Any:
-        """The padding sample for ``lane``: the one the pipeline's operator declares, else zeros
-        laid out like the lane's first sample, else like any real sample of this batch (the
-        rows of one batch share a layout, so the bytes are the same whichever is used)."""
-        if self._padding is not None:
-            return self._padding
-        layout = lane.layout
-        if layout is None:
-            layout = next((ly for w in windows if w for ly in [SampleLayout.of(w[0])] if ly), None)
-        if layout is None:
-            raise StageError(
-                f"{where}: lane {lane.lane} must be padded (its finite input has ended) but no "
-                f"sample shows the layout to pad with; give the pipeline's last operator a "
-                f"padding_sample() method returning one padding sample"
-            )
-        return layout.zeros()
+        """This rank's rows of global batch ``step`` (see ``assemble_rows``)."""
+        return assemble_rows(
+            step,
+            windows,
+            [(lane.lane, lane.layout) for lane in self._lanes],
+            rows=self._slice.rows_of_lanes(),
+            per_lane=self.spec.per_lane,
+            finite=self._finite,
+            padding=self._padding,
+        )
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():
@@ -372,7 +330,7 @@ class Loader:
 
 
 @dataclass(frozen=True)
-class _Start:
+class LaneStart:
     """Where a loader's lanes start: the step, each lane's state (None: fresh), the mixture."""
 
     step: int
@@ -386,3 +344,109 @@ def _check_options(spec: LoaderSpec, **positive: int) -> None:
     for name, value in positive.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SpecError(f"{name} must be a positive integer, got {value!r}")
+
+
+def restore_lanes(
+    spec: LoaderSpec,
+    plan: Plan,
+    state: LoaderState | bytes | Mapping[str, Any] | None,
+    lane_ids: list[int],
+    *,
+    who: str,
+    allow_mix_change: bool = False,
+    allow_code_change: bool = False,
+) -> LaneStart:
+    """Where lanes ``lane_ids`` start: fresh, or from ``state`` (checked against the spec);
+    ``who`` names what runs them in the error for a lane the state lacks."""
+    mixture = None if plan.mixer is None else plan.mixer.mixture()
+    if state is None:
+        return LaneStart(0, dict.fromkeys(lane_ids), mixture)
+    loaded = to_loader_state(state)
+    changed = loaded.check_compatible(
+        lanes=spec.lanes,
+        fingerprint=spec.fingerprint,
+        mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
+        allow_mix_change=allow_mix_change,
+        allow_code_change=allow_code_change,
+    )
+    if plan.mixer is not None:
+        mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)
+    missing = [lane for lane in lane_ids if lane not in loaded.lane_states]
+    if missing:
+        raise StateError(
+            f"the state has no entry for lane(s) {missing}, which {who} runs; gather every "
+            f"rank's state_dict() and pass zf.merge_states(states)"
+        )
+    return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
+
+
+def build_lane_runners(
+    spec: LoaderSpec,
+    plan: Plan,
+    backend: Backend,
+    start: LaneStart,
+    *,
+    chunk_records: int,
+    depth: int,
+    on_skip: SkipHook,
+) -> list[LaneRunner]:
+    """One ``LaneRunner`` per lane of ``start``, in its order, sharing ``backend``."""
+    return [
+        LaneRunner(
+            plan,
+            backend,
+            lane=lane,
+            lanes=spec.lanes,
+            seed=spec.seed,
+            window=spec.per_lane,
+            state=lane_state,
+            chunk_records=chunk_records,
+            depth=depth,
+            step=start.step,
+            mixture=start.mixture,
+            on_skip=on_skip,
+        )
+        for lane, lane_state in start.lanes.items()
+    ]
+
+
+def assemble_rows(
+    step: int,
+    windows: list[list[Any]],
+    layouts: list[tuple[int, SampleLayout | None]],
+    *,
+    rows: slice,
+    per_lane: int,
+    finite: bool,
+    padding: Any,
+) -> Batch:
+    """Rows ``rows`` of the concatenated ``windows`` (consecutive lanes, in lane order) of
+    global batch ``step``; ``layouts`` are those lanes' ``(lane, first sample's layout)``. A
+    finite pass's lanes are padded to full windows and the batch says which rows are real
+    (``valid``)."""
+    where = f"global batch {step}"
+    if not finite:
+        return stack([s for w in windows for s in w][rows], where=where)
+    samples: list[Any] = []
+    valid = np.zeros(per_lane * len(windows), dtype=bool)
+    for i, ((lane, layout), window) in enumerate(zip(layouts, windows, strict=True)):
+        valid[i * per_lane : i * per_lane + len(window)] = True
+        samples += window
+        if len(window) < per_lane:
+            pad = padding if padding is not None else _pad(lane, layout, windows, where)
+            samples += [pad] * (per_lane - len(window))
+    return with_valid(stack(samples[rows], where=where), valid[rows], where=where)
+
+
+def _pad(lane: int, layout: SampleLayout | None, windows: list[list[Any]], where: str) -> Any:
+    """Zeros laid out like the lane's first sample, else like any real sample of this batch
+    (the rows of one batch share a layout, so the bytes are the same whichever is used)."""
+    if layout is None:
+        layout = next((ly for w in windows if w for ly in [SampleLayout.of(w[0])] if ly), None)
+    if layout is None:
+        raise StageError(
+            f"{where}: lane {lane} must be padded (its finite input has ended) but no "
+            f"sample shows the layout to pad with; give the pipeline's last operator a "
+            f"padding_sample() method returning one padding sample"
+        )
+    return layout.zeros()

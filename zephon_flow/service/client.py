@@ -13,6 +13,7 @@ from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError, SpecError
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
+from zephon_flow.service.fanin import OwnerFanIn
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler
 
 _METHOD = "/zephon.v1.BatchService/"
@@ -121,21 +122,23 @@ def _check_position(rank: int, world_size: int, start_step: int) -> None:
         raise SpecError(f"Client: rank must be in [0, {world_size}), got {rank}")
 
 
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", 1 << 20),
+    # Reconnect attempts follow our own backoff, not grpc's (which grows to 2 minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
 def _open_channel(address: str, root_certificates: bytes | None) -> grpc.Channel:
     """A channel to ``address`` (TLS with ``root_certificates``) taking messages as large as
     the server sends, reconnecting on a short backoff of its own (our retries pace the rest)."""
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", 1 << 20),
-        # Reconnect attempts follow our own backoff, not grpc's (which grows to 2 minutes).
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2000),
-    ]
     if root_certificates is None:
-        return grpc.insecure_channel(address, options=options)
+        return grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
     creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-    return grpc.secure_channel(address, creds, options=options)
+    return grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
 
 
 class Client:
@@ -156,7 +159,10 @@ class Client:
     of surrounding whitespace (a trailing newline). ``fingerprint``
     (``spec.fingerprint`` or its ``"total"``) makes the server check that it serves that
     pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
-    (PEM bytes) switches to TLS. ``clock`` paces the retries (tests pass a ``ManualClock``).
+    (PEM bytes) switches to TLS. ``lane_owners=True`` reads from ``zephon serve --ray
+    --lane-owners N`` (``address`` is its coordinator): this rank's rows come straight from the
+    owners of its lanes, merged in lane order (plaintext; a lost owner is replaced).
+    ``clock`` paces the retries (tests pass a ``ManualClock``).
     """
 
     def __init__(
@@ -174,9 +180,15 @@ class Client:
         backoff: float = 0.1,
         max_backoff: float = 5.0,
         timeout: float = 300.0,
+        lane_owners: bool = False,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         _check_position(rank, world_size, start_step)
+        if lane_owners and root_certificates is not None:
+            raise SpecError(
+                "Client: lane_owners=True reads the owners in plaintext; TLS (root_certificates) is not "
+                "supported there yet: serve without --ray for TLS"
+            )
         if not isinstance(retries, int) or retries < 0 or backoff <= 0 or max_backoff < backoff:
             raise SpecError(
                 f"Client: retries must be >= 0 and 0 < backoff <= max_backoff, got "
@@ -202,6 +214,23 @@ class Client:
         self._status = self._method("Status", pb.StatusRequest, pb.StatusReply)
         self._acker: _Acker | None = None
         self._closed = False
+        # ``lane_owners=True``: ``address`` is the coordinator of ``zephon serve --ray
+        # --lane-owners N``; the rows come from the owners of this rank's lanes (fanin.py).
+        self._fan_in = (
+            OwnerFanIn(
+                address,
+                rank=rank,
+                world_size=world_size,
+                fingerprint=self._fingerprint,
+                metadata=self._metadata,
+                channel_options=_CHANNEL_OPTIONS,
+                timeout=timeout,
+                retries=retries,
+                backoff=backoff,
+            )
+            if lane_owners
+            else None
+        )
 
     def _method(self, method: str, request: Any, reply: Any) -> grpc.UnaryUnaryMultiCallable:
         """The callable for the service's unary ``method``."""
@@ -254,6 +283,11 @@ class Client:
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if self._closed:
             raise ServiceError("this Client is closed")
+        if self._fan_in is not None:
+            for step, batch in self._fan_in.batches(self._next_step, self.as_torch):
+                self._next_step = step + 1
+                yield step, batch
+            return
         if self._acker is None:
             self._acker = _Acker(self._send_ack)
         acker = self._acker
@@ -314,6 +348,8 @@ class Client:
         step = self._next_step if step is None else step
         if not isinstance(step, int) or step < 0:
             raise SpecError(f"Client.checkpoint: step must be an integer >= 0, got {step!r}")
+        if self._fan_in is not None:
+            return self._fan_in.checkpoint(step)
         self._flush_acks(self._timeout)
         request = pb.CheckpointRequest(step=step, fingerprint=self._fingerprint)
         reply = self._unary(self._checkpoint, request, f"checkpoint at step {step}")
@@ -339,6 +375,8 @@ class Client:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._fan_in is not None:
+                self._fan_in.close()
             if self._acker is not None:
                 self._acker.close()
                 self._flush_acks(timeout=5.0)

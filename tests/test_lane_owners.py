@@ -1,0 +1,376 @@
+"""Lane owners on Ray: the same bytes as the embedded Loader, checkpoints across owner counts
+and world sizes, and a SIGKILLed owner replaced without a gap, a repeat or a changed byte."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import pytest
+from helpers import Corpus, example_spec
+
+import zephon_flow as zf
+from zephon_flow.cluster import (
+    Coordinator,
+    LaneOwner,
+    OwnedLoader,
+    OwnerLostError,
+    OwnerOptions,
+    plan_owners,
+)
+from zephon_flow.cluster.coordinator import readers_of
+from zephon_flow.core.batches import batch_digest, concat
+from zephon_flow.core.errors import SpecError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import LoaderState, encode_state, to_loader_state
+from zephon_flow.engine.simulate import global_digests
+
+LANES, BATCH = 6, 12
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def spec(corpus: Corpus) -> zf.LoaderSpec:
+    return example_spec(corpus, lanes=LANES, global_batch_size=BATCH)
+
+
+@pytest.fixture(scope="module")
+def reference(spec: zf.LoaderSpec) -> list[tuple[int, str]]:
+    """The embedded Loader's global batches (world size 1), the bytes everything must match."""
+    return global_digests(spec, steps=2 * STEPS)
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """One local Ray on loopback for the module (2 CPUs). Its workers cannot import the tests'
+    helpers: the pipeline's module travels by value (``actors.ship_user_code``)."""
+    ray = pytest.importorskip("ray")
+    from zephon_flow.runners.ray_env import connect
+
+    started = connect("tests", None, num_cpus=2)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def owned_digests(
+    spec: zf.LoaderSpec,
+    *,
+    owners: int,
+    world_size: int,
+    steps: int,
+    state: Any = None,
+    on_step: Any = None,
+    **options: Any,
+) -> tuple[list[tuple[int, str]], LoaderState]:
+    """Global batches assembled from ``world_size`` OwnedLoaders read in step (as trainer ranks
+    would), and the checkpoint gathered after the last one (``tables`` in ``options``: a list
+    that gets each rank's last owner table)."""
+    tables = options.pop("tables", None)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    out: list[tuple[int, str]] = []
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(
+                OwnedLoader(
+                    spec,
+                    lane_owners=owners,
+                    rank=r,
+                    world_size=world_size,
+                    state=state,
+                    name=name,
+                    **options,
+                )
+            )
+            for r in range(world_size)
+        ]
+        iters = [iter(ld) for ld in loaders]
+        for _ in range(steps):
+            parts = [next(it) for it in iters]
+            assert len({p[0] for p in parts}) == 1
+            out.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
+            if on_step is not None:
+                on_step(parts[0][0], loaders[0])
+        final = loaders[0].checkpoint()
+        if tables is not None:
+            tables.extend(ld.table for ld in loaders)
+    return out, final
+
+
+# -- without Ray: the plan, the owner and the coordinator in-process ---------------------------
+def test_plan_owners_is_contiguous_and_balanced() -> None:
+    assert plan_owners(6, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert plan_owners(7, 3) == [[0, 1], [2, 3], [4, 5, 6]]
+    assert plan_owners(6, 1) == [list(range(6))]
+    with pytest.raises(SpecError, match=r"lane_owners must be an integer in \[1, lanes=6\].*got 7"):
+        plan_owners(6, 7)
+
+
+def test_bad_owner_options_are_refused_before_ray_starts(spec: zf.LoaderSpec) -> None:
+    with pytest.raises(SpecError, match=r"lane owners: unknown backend 'gpu' for the owners' stateless work"):
+        OwnedLoader(spec, lane_owners=2, backend="gpu")
+    with pytest.raises(SpecError, match=r"lane owners: ahead must be a positive integer, got 0"):
+        OwnedLoader(spec, lane_owners=2, ahead=0)
+    with pytest.raises(SpecError, match=r"world_size=5 is not divisible|not divisible by world_size=5"):
+        OwnedLoader(spec, lane_owners=2, world_size=5)
+    with pytest.raises(SpecError, match=r"lane_owners must be an integer in \[1, lanes=6\].*got 0"):
+        OwnedLoader(spec, lane_owners=0)
+
+
+def test_readers_are_the_ranks_on_the_owners_lanes(spec: zf.LoaderSpec) -> None:
+    # 4 ranks of 3 rows over 6 lanes of 2 rows: rank 1 has rows 3-5 (lanes 1 and 2).
+    assert readers_of([0, 1], spec, 4) == [0, 1]
+    assert readers_of([2, 3], spec, 4) == [1, 2]
+    assert readers_of([4, 5], spec, 4) == [2, 3]
+
+
+def _in_process(
+    spec: zf.LoaderSpec, owners: int, world_size: int, state: Any = None, **kw: Any
+) -> Coordinator:
+    options = OwnerOptions()
+
+    def launch(index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int]) -> LaneOwner:
+        return LaneOwner(spec, lanes, state=st, readers=readers, options=options, name=name).start()
+
+    return Coordinator(
+        spec,
+        owners=owners,
+        world_size=world_size,
+        state=None if state is None else to_loader_state(state),
+        launch=launch,
+        gather=lambda owner, step: owner.snapshot(step),
+        stop=lambda owner: owner.close(),
+        **kw,
+    )
+
+
+def _read(coord: Coordinator, rank: int, world_size: int, step: int, spec: zf.LoaderSpec) -> Any:
+    from zephon_flow.engine.loader import assemble_rows
+
+    rs = RankSlice(rank=rank, world_size=world_size, lanes=LANES, global_batch_size=BATCH)
+    table = coord.table()
+    windows, layouts = [], []
+    for owner, lanes in table.groups_for(rs.lane_ids):
+        got = table.handles[owner].rows(rank, step, lanes, timeout=30)
+        windows += got.windows
+        layouts += list(zip(got.lanes, got.layouts, strict=True))
+    return assemble_rows(
+        step, windows, layouts, rows=rs.rows_of_lanes(), per_lane=spec.per_lane, finite=False, padding=None
+    )
+
+
+def test_in_process_owners_match_the_loader_and_replace_an_owner(
+    spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    coord = _in_process(spec, owners=3, world_size=2, snapshot_every=2)
+    try:
+        got = []
+        for step in range(STEPS):
+            if step == 3:  # owner 1 "dies": its replacement restarts from the snapshot of step 2
+                dead = coord.table()
+                dead.handles[1].close()
+                table = coord.replace(1, dead.generations[1])
+                assert table.generations == (0, 1, 0)
+                assert coord.replace(1, 0).generations == (0, 1, 0)  # already replaced: same table
+            parts = [_read(coord, r, 2, step, spec) for r in range(2)]
+            got.append((step, batch_digest(concat(parts))))
+            for r in range(2):
+                coord.progress(r, step + 1)
+        assert got == reference[:STEPS]
+        assert coord.gathers >= 3  # snapshots of the 3 owners at step 2 (and later ones)
+        state = coord.checkpoint(STEPS)
+        assert sorted(state.lane_states) == list(range(LANES))
+        assert global_digests(spec, steps=3, world_size=3, state=state) == reference[STEPS : STEPS + 3]
+    finally:
+        coord.shutdown()
+
+
+def test_in_process_owner_that_cannot_restart_names_lanes_and_step(spec: zf.LoaderSpec) -> None:
+    coord = _in_process(spec, owners=2, world_size=1, max_replacements=0)
+    try:
+        coord.progress(0, 3)
+        with pytest.raises(
+            OwnerLostError,
+            match=r"lane owner 1 \(lanes \[3, 4, 5\]\) died at step 3 and cannot be restarted: "
+            r"max_replacements=0",
+        ):
+            coord.replace(1, 0)
+    finally:
+        coord.shutdown()
+
+
+# -- on Ray ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("owners", "world_size"), [(1, 1), (2, 2), (3, 2), (3, 1)])
+def test_owned_batches_equal_the_loader(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], owners: int, world_size: int
+) -> None:
+    got, final = owned_digests(spec, owners=owners, world_size=world_size, steps=STEPS)
+    assert got == reference[:STEPS]
+    assert final.step == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("owners", "world_size"), [(1, 2), (2, 1), (2, 4)])
+def test_owned_batches_equal_the_loader_more_topologies(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], owners: int, world_size: int
+) -> None:
+    got, _ = owned_digests(spec, owners=owners, world_size=world_size, steps=STEPS)
+    assert got == reference[:STEPS]
+
+
+@pytest.mark.slow
+def test_owners_with_worker_processes_give_the_same_bytes(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    got, _ = owned_digests(spec, owners=2, world_size=2, steps=STEPS, backend="processes", workers=2)
+    assert got == reference[:STEPS]
+
+
+def test_checkpoint_of_two_owners_resumes_on_three_one_and_the_loader(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    half = STEPS // 2
+    got, state = owned_digests(spec, owners=2, world_size=2, steps=half)
+    assert got == reference[:half] and state.step == half
+    # The checkpoint is an ordinary state: on 3 owners at world size 1, on 1 owner at world
+    # size 4, and on the embedded Loader at world size 3, the same next batches.
+    on3, _ = owned_digests(spec, owners=3, world_size=1, steps=half, state=state.to_plain())
+    on1, _ = owned_digests(spec, owners=1, world_size=4, steps=half, state=encode_state(state))
+    embedded = global_digests(spec, steps=half, world_size=3, state=state.to_plain())
+    assert on3 == on1 == embedded == reference[half:STEPS]
+
+
+def test_sigkilled_owner_is_replaced_with_the_same_bytes(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    killed: list[int] = []
+
+    def kill_owner_1(step: int, loader: OwnedLoader) -> None:
+        if step == 4:
+            pid = loader.owner_pids()[1]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    tables: list[Any] = []
+    got, _ = owned_digests(
+        spec, owners=3, world_size=2, steps=2 * STEPS, on_step=kill_owner_1, snapshot_every=2, tables=tables
+    )
+    assert killed
+    # Owner 1 (lanes 2 and 3) serves both ranks: both found it dead, one replacement serves both.
+    assert [t.generations for t in tables] == [(0, 1, 0), (0, 1, 0)]
+    assert got == reference[: 2 * STEPS]
+
+
+def test_owner_that_cannot_be_restarted_names_lanes_and_step(ray_session: None, spec: zf.LoaderSpec) -> None:
+    with OwnedLoader(spec, lane_owners=2, name=f"test-{uuid.uuid4().hex[:8]}", max_replacements=0) as loader:
+        it = iter(loader)
+        for _ in range(2):
+            next(it)
+        os.kill(loader.owner_pids()[0], signal.SIGKILL)
+        with pytest.raises(
+            OwnerLostError,
+            match=r"lane owner 0 \(lanes \[0, 1, 2\]\) died at step \d+ and cannot be restarted",
+        ):
+            for _ in range(STEPS):
+                next(it)
+
+
+def test_another_world_size_is_refused_by_running_owners(ray_session: None, spec: zf.LoaderSpec) -> None:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with (
+        OwnedLoader(spec, lane_owners=1, world_size=2, name=name),
+        pytest.raises(SpecError, match=r"these lane owners serve world_size=2, not 3"),
+    ):
+        OwnedLoader(spec, lane_owners=1, rank=0, world_size=3, name=name)
+
+
+# -- served: zephon serve --ray --lane-owners N, read by zf.Client(lane_owners=True) -----------
+def test_served_owners_give_clients_the_loaders_bytes_through_a_sigkill(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+) -> None:
+    from zephon_flow.cluster.serve import OwnersServer
+
+    server = OwnersServer(spec, owners=3, world_size=2, snapshot_every=2, checkpoint_dir=str(tmp_path))
+    clients = [
+        zf.Client(f"127.0.0.1:{server.port}", r, 2, lane_owners=True, fingerprint=spec.fingerprint)
+        for r in range(2)
+    ]
+    try:
+        iters = [iter(c) for c in clients]
+        got = []
+        for i in range(STEPS + 2):
+            if i == STEPS // 2:  # owner 1 (lanes 2 and 3) serves both ranks
+                os.kill(server.owner_pids()[1], signal.SIGKILL)
+            parts = [next(it) for it in iters]
+            got.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
+        assert got == reference[: STEPS + 2]
+        assert server.table().generations == (0, 1, 0)
+        # A checkpoint written by the coordinator resumes on the embedded Loader, 3 ranks.
+        path = clients[0].checkpoint()
+        assert path == str(tmp_path / f"step-{STEPS + 2}.zfstate")
+        resumed = global_digests(spec, steps=2, world_size=3, state=zf.load_state(path))
+        assert resumed == reference[STEPS + 2 : STEPS + 4]
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+def test_serve_with_ray_needs_the_world_size_and_refuses_tokens(
+    corpus: Corpus, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service_helpers import write_pipeline
+
+    from zephon_flow.cli import main
+
+    target = f"{write_pipeline(tmp_path / 'pipe.py', corpus, lanes=LANES, global_batch_size=BATCH)}:spec"
+    assert main(["serve", target, "--ray", "--lane-owners", "2", "--port", "0"]) == 1
+    assert (
+        "zephon serve --lane-owners needs --world-size (the trainer ranks), got None"
+        in capsys.readouterr().err
+    )
+    token = tmp_path / "token"
+    token.write_text("secret\n")
+    argv = ["serve", target, "--ray", "--world-size", "2", "--port", "0", "--token-file", str(token)]
+    assert main(argv) == 1
+    assert "zephon serve --ray does not support --token-file yet" in capsys.readouterr().err
+    assert main(["serve", target, "--ray", "--lane-owners", "7", "--world-size", "2", "--port", "0"]) == 1
+    assert "lane_owners must be an integer in [1, lanes=6]" in capsys.readouterr().err
+
+
+def test_a_finite_pass_ends_at_the_loaders_step_with_the_same_padding(
+    ray_session: None, corpus: Corpus
+) -> None:
+    # One pass over 60 documents on 4 lanes of 2 rows: lanes end at different steps, the
+    # last batches are padded and carry `valid`, and rank 1's own lanes may run dry first.
+    from helpers import DocKey, chain_spec
+
+    spec = chain_spec(corpus.web_jsonl, ("key", DocKey()), lanes=4, global_batch_size=8, epochs=1)
+    reference = global_digests(spec, steps=1000)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=3, rank=r, world_size=2, name=name))
+            for r in range(2)
+        ]
+        got = [(p0[0], batch_digest(concat([p0[1], p1[1]]))) for p0, p1 in zip(*loaders, strict=True)]
+    assert 4 < len(reference) < 1000
+    assert got == reference
+
+
+def test_closing_the_last_loader_frees_the_name_for_the_next_run(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    for owners in (1, 2):  # the same name at once again: a new coordinator, not the dying one
+        with OwnedLoader(spec, lane_owners=owners, name=name) as loader:
+            assert [(s, batch_digest(b)) for _, (s, b) in zip(range(2), loader, strict=False)] == reference[
+                :2
+            ]
+            assert len(loader.table.lanes) == owners

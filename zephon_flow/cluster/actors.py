@@ -1,0 +1,222 @@
+"""The lane owners and their coordinator as Ray actors (Ray is imported through ``ray_env``)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
+from zephon_flow.cluster.owner import LaneOwner, OwnerOptions, OwnerRows
+from zephon_flow.cluster.serving import OwnerServer
+from zephon_flow.core.batches import Batch
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import LaneState, LoaderState
+from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.runners.ray_env import require_ray
+
+FEATURE = "lane owners (lane_owners=N, zephon serve --lane-owners)"
+#: Concurrent calls an owner answers (each rank's reads wait on it for their step).
+OWNER_CONCURRENCY = 64
+#: How long one owner call waits for a step before the caller asks again (seconds).
+CALL_WAIT = 2.0
+
+
+class OwnerActor:
+    """The body of a lane owner's Ray actor: builds a ``LaneOwner`` and answers its calls."""
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        lanes: list[int],
+        state: LoaderState | None,
+        readers: dict[int, int],
+        options: OwnerOptions,
+        name: str,
+        serve_host: str | None = None,
+    ) -> None:
+        self._owner = LaneOwner(spec, lanes, state=state, readers=readers, options=options, name=name).start()
+        self._server = None if serve_host is None else OwnerServer(self._owner, host=serve_host)
+
+    def address(self) -> str:
+        """Where its gRPC ``StreamRows`` listens ("" when it does not serve); an owner listening
+        on every interface gives its node's address."""
+        if self._server is None:
+            return ""
+        host, _, port = self._server.address.rpartition(":")
+        if host in ("0.0.0.0", "[::]", "::"):
+            host = _ray().util.get_node_ip_address()
+        return f"{host}:{port}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rows(self, reader: int, step: int, lanes: list[int] | None, timeout: float) -> OwnerRows | None:
+        return self._owner.rows(reader, step, lanes, timeout)
+
+    def share(self, rank: int, world_size: int, step: int, timeout: float) -> Batch | None:
+        """Rank ``rank`` of ``world_size``'s rows of step ``step`` on this owner's lanes."""
+        spec = self._owner.spec
+        rs = RankSlice(
+            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+        )
+        return self._owner.share(rs, step, timeout)
+
+    def live(self, step: int, timeout: float) -> bool | None:
+        return self._owner.live(step, timeout)
+
+    def snapshot(self, step: int) -> dict[int, LaneState] | None:
+        return self._owner.snapshot(step)
+
+    def status(self) -> dict[str, Any]:
+        return self._owner.status()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        self._owner.close()
+
+
+def _ray() -> Any:
+    return require_ray(FEATURE)
+
+
+def owner_launcher(
+    spec: LoaderSpec, options: OwnerOptions, owner_cpus: float, serve_host: str | None = None
+) -> Any:
+    """A ``Launch`` that starts an owner as a Ray actor (spread over the cluster's nodes) and
+    waits until it has built its lanes, so a failure to start is raised here. With
+    ``serve_host`` the owner also serves its rows over gRPC there ("node": its node's address)."""
+    ray = _ray()
+    actor = ray.remote(OwnerActor)
+
+    def launch(
+        index: int, name: str, lanes: list[int], state: LoaderState | None, readers: dict[int, int]
+    ) -> Any:
+        handle = actor.options(
+            num_cpus=owner_cpus, max_concurrency=OWNER_CONCURRENCY, scheduling_strategy="SPREAD"
+        ).remote(spec, lanes, state, readers, options, name, serve_host)
+        ray.get(handle.pid.remote())
+        return handle
+
+    return launch
+
+
+def owner_address(handle: Any) -> str:
+    address: str = _ray().get(handle.address.remote(), timeout=60)
+    return address
+
+
+def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
+    """An owner's lane snapshots at ``step`` (None while it does not hold that step)."""
+    result: Mapping[int, LaneState] | None = _ray().get(handle.snapshot.remote(step), timeout=60)
+    return result
+
+
+def stop_owner(handle: Any) -> None:
+    ray = _ray()
+    with contextlib.suppress(Exception):  # already dead or stuck: killing it is all that is left
+        ray.get(handle.close.remote(), timeout=10)
+    ray.kill(handle)
+
+
+class CoordinatorActor:
+    """The body of the coordinator's Ray actor: a ``Coordinator`` with Ray owners."""
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        owners: int,
+        world_size: int,
+        state: LoaderState | None,
+        options: OwnerOptions,
+        owner_cpus: float,
+        snapshot_every: int,
+        max_replacements: int,
+        serve_host: str | None = None,
+    ) -> None:
+        self._coordinator = Coordinator(
+            spec,
+            owners=owners,
+            world_size=world_size,
+            state=state,
+            launch=owner_launcher(spec, options, owner_cpus, serve_host),
+            gather=gather_snapshot,
+            address_of=owner_address if serve_host is not None else None,
+            stop=stop_owner,
+            snapshot_every=snapshot_every,
+            max_replacements=max_replacements,
+            allow_mix_change=options.allow_mix_change,
+            allow_code_change=options.allow_code_change,
+        )
+
+    def join(self, rank: int, world_size: int, first_step: int) -> OwnerTable:
+        return self._coordinator.join(rank, world_size, first_step)
+
+    def table(self) -> OwnerTable:
+        return self._coordinator.table()
+
+    def leave(self, rank: int) -> int:
+        return self._coordinator.leave(rank)
+
+    def served_table(self) -> tuple[OwnerTable, list[str]]:
+        """The table and each owner's gRPC address (``zephon serve --ray``)."""
+        return self._coordinator.table(), self._coordinator.addresses()
+
+    def replace_served(self, index: int, generation: int) -> tuple[OwnerTable, list[str]]:
+        return self._coordinator.replace(index, generation), self._coordinator.addresses()
+
+    def progress(self, rank: int, step: int) -> None:
+        self._coordinator.progress(rank, step)
+
+    def replace(self, index: int, generation: int) -> OwnerTable:
+        return self._coordinator.replace(index, generation)
+
+    def checkpoint(self, step: int) -> LoaderState:
+        return self._coordinator.checkpoint(step)
+
+    def positions(self) -> dict[int, int]:
+        return self._coordinator.positions()
+
+    def shutdown(self) -> None:
+        self._coordinator.shutdown()
+
+
+def ship_user_code(spec: LoaderSpec) -> None:
+    """Has Ray pickle the module defining ``spec``'s pipeline by value (with its functions and
+    DoFns), unless it is installed: a pipeline file (``examples/pipeline.py``), a script or a
+    test helper cannot be imported by Ray's worker processes, which start elsewhere."""
+    name = getattr(spec.build, "__module__", None) or ""
+    module = sys.modules.get(name)
+    if module is None or name == "__main__" or name.split(".")[0] == "zephon_flow":
+        return
+    where = Path(getattr(module, "__file__", None) or "").parts
+    if "site-packages" in where or "dist-packages" in where:
+        return
+    _ray().cloudpickle.register_pickle_by_value(module)
+
+
+def coordinator_handle(
+    name: str,
+    spec: LoaderSpec,
+    *,
+    owners: int,
+    world_size: int,
+    state: LoaderState | None,
+    options: OwnerOptions,
+    owner_cpus: float,
+    snapshot_every: int,
+    max_replacements: int,
+    serve_host: str | None = None,
+) -> Any:
+    """The coordinator actor named ``name``: the running one, or a new one with these options
+    (every rank calls this; the first creates it)."""
+    ray = _ray()
+    ship_user_code(spec)
+    actor = ray.remote(CoordinatorActor)
+    return actor.options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY).remote(
+        spec, owners, world_size, state, options, owner_cpus, snapshot_every, max_replacements, serve_host
+    )

@@ -1,0 +1,321 @@
+"""The lane owners' coordinator: assigns lanes to owners, gathers checkpoints, replaces dead owners.
+
+The coordinator is off the data path: trainer ranks fetch their rows from the owners of their
+lanes directly. It holds the owner table (which owner runs which lanes, and each owner's
+generation: a replacement bumps it), the ranks' reported positions, and, per owner, the last
+snapshot of its lanes that it gathered (every ``snapshot_every`` steps of the slowest rank).
+A checkpoint at a step is the owners' lane snapshots at that step, joined into one ordinary
+``LoaderState``: it resumes on any number of owners, on the embedded ``Loader``, and under any
+world size. It runs as a named Ray actor (``coordinator_actor``), or in-process with any
+``launch`` function (the scale simulation uses instant fake owners).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import LaneState, LoaderState
+from zephon_flow.engine.loader import restore_lanes
+from zephon_flow.engine.spec import LoaderSpec
+
+#: Owners asked at once for their snapshots (a gather is bounded by the slowest of a batch).
+GATHER_THREADS = 16
+_T = TypeVar("_T")
+
+
+class OwnerLostError(ZephonError, RuntimeError):
+    """A lane owner died and could not be replaced; the message names its lanes and the step."""
+
+
+def plan_owners(lanes: int, owners: int) -> list[list[int]]:
+    """Lanes ``0..lanes-1`` cut into ``owners`` contiguous groups of sizes differing by at most
+    one (owner ``i`` runs lanes ``[i*L//N, (i+1)*L//N)``): a rank's rows, contiguous lanes,
+    come from as few owners as possible."""
+    if not isinstance(owners, int) or isinstance(owners, bool) or not 1 <= owners <= lanes:
+        raise SpecError(
+            f"lane_owners must be an integer in [1, lanes={lanes}] (an owner runs at least one "
+            f"lane), got {owners!r}"
+        )
+    return [list(range(i * lanes // owners, (i + 1) * lanes // owners)) for i in range(owners)]
+
+
+def readers_of(lanes: list[int], spec: LoaderSpec, world_size: int) -> list[int]:
+    """The ranks of ``world_size`` whose rows fall on any of ``lanes`` (contiguous lanes: the
+    ranks whose row ranges meet ``[lanes[0]*B/L, (lanes[-1]+1)*B/L)``)."""
+    if not lanes:
+        return []
+    per_lane = spec.global_batch_size // spec.lanes
+    per_rank = spec.global_batch_size // world_size
+    if lanes != list(range(lanes[0], lanes[-1] + 1)):
+        return sorted({r for lane in lanes for r in readers_of([lane], spec, world_size)})
+    first_row, end_row = lanes[0] * per_lane, (lanes[-1] + 1) * per_lane
+    return list(range(first_row // per_rank, (end_row - 1) // per_rank + 1))
+
+
+@dataclass(frozen=True)
+class OwnerTable:
+    """Which owner runs which lanes, each owner's handle and generation (bumped per
+    replacement): what a rank needs to fetch its rows."""
+
+    lanes: tuple[tuple[int, ...], ...]
+    handles: tuple[Any, ...]
+    generations: tuple[int, ...]
+
+    def owner_of(self, lane: int) -> int:
+        for i, group in enumerate(self.lanes):
+            if group and group[0] <= lane <= group[-1]:
+                return i
+        raise SpecError(f"no owner runs lane {lane}; the owners run lanes {[list(g) for g in self.lanes]}")
+
+    def groups_for(self, lane_ids: range) -> list[tuple[int, list[int]]]:
+        """``(owner, its lanes among lane_ids)`` in lane order, for a rank's lanes."""
+        out: list[tuple[int, list[int]]] = []
+        for lane in lane_ids:
+            owner = self.owner_of(lane)
+            if out and out[-1][0] == owner:
+                out[-1][1].append(lane)
+            else:
+                out.append((owner, [lane]))
+        return out
+
+
+#: Starts one owner: (index, name, lanes, state or None, readers {rank: first step}) -> handle.
+Launch = Callable[[int, str, list[int], LoaderState | None, dict[int, int]], Any]
+#: Asks an owner for its lanes' snapshots at a step: (handle, step) -> {lane: state} or None.
+Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
+
+
+class Coordinator:
+    """Coordinates ``owners`` lane owners of ``spec`` for trainer ranks of ``world_size``,
+    starting from ``state`` (None: the start). ``launch`` starts an owner, ``gather`` asks one
+    for snapshots, ``stop`` ends one and ``address_of`` says where one serves (the Ray ones are
+    in ``actors``).
+    At most ``max_replacements`` dead owners are replaced over the run."""
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        *,
+        owners: int,
+        world_size: int,
+        state: LoaderState | None,
+        launch: Launch,
+        gather: Gather,
+        stop: Callable[[Any], None] = lambda handle: None,
+        address_of: Callable[[Any], str] | None = None,
+        snapshot_every: int = 8,
+        max_replacements: int = 3,
+        allow_mix_change: bool = False,
+        allow_code_change: bool = False,
+    ) -> None:
+        # Phases: check the topology, restore where the lanes start, launch the owners.
+        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
+            raise SpecError(f"lane owners: snapshot_every must be a positive integer, got {snapshot_every!r}")
+        RankSlice(rank=0, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
+        self.spec, self.world_size = spec, world_size
+        self._groups = plan_owners(spec.lanes, owners)
+        start = restore_lanes(
+            spec,
+            spec.compile(),
+            state,
+            list(range(spec.lanes)),
+            who="the lane owners",
+            allow_mix_change=allow_mix_change,
+            allow_code_change=allow_code_change,
+        )
+        self.first_step = start.step
+        self._mix_history = [] if start.mixture is None else start.mixture.history()
+        self._launch, self._gather, self._stop = launch, gather, stop
+        self._address_of = address_of
+        self._addresses = [""] * owners
+        self._snapshot_every, self._max_replacements = snapshot_every, max_replacements
+        self._lock = threading.RLock()
+        self._snaps: dict[int, LaneState | None] = dict(start.lanes)
+        self._snap_steps = [start.step] * owners
+        self._positions = dict.fromkeys(range(world_size), start.step)
+        # How many ranks are at each position: the slowest is the least key, found without a
+        # pass over every rank (ranks report in strides, so there are few distinct positions).
+        self._at = Counter({start.step: world_size})
+        self._joined: set[int] = set()
+        self._replaced = 0
+        self._generations = [0] * owners
+        self._handles = [self._start_owner(i) for i in range(owners)]
+        #: Calls received and bytes of snapshots gathered (for the scale simulation).
+        self.messages = 0
+        self.gathers = 0
+
+    # -- owners --------------------------------------------------------------------------------
+    def _owner_name(self, index: int) -> str:
+        return f"lane owner {index}"
+
+    def _state_of(self, index: int) -> LoaderState | None:
+        """The last gathered snapshot of owner ``index``'s lanes, as a state to start from."""
+        lanes = self._groups[index]
+        states = {lane: self._snaps[lane] for lane in lanes}
+        if all(s is None for s in states.values()):
+            return None  # a fresh start: the lanes start at step 0 with no state
+        return LoaderState(
+            self._snap_steps[index],
+            self.spec.lanes,
+            dict(self.spec.fingerprint),
+            {lane: s for lane, s in states.items() if s is not None},
+            list(self._mix_history),
+        )
+
+    def _start_owner(self, index: int) -> Any:
+        lanes = self._groups[index]
+        at = self._snap_steps[index]
+        readers = {r: max(at, self._positions[r]) for r in readers_of(lanes, self.spec, self.world_size)}
+        handle = self._launch(index, self._owner_name(index), lanes, self._state_of(index), readers)
+        if self._address_of is not None:
+            self._addresses[index] = self._address_of(handle)
+        return handle
+
+    def addresses(self) -> list[str]:
+        """Each owner's serving address ("" for owners that do not serve over gRPC)."""
+        with self._lock:
+            return list(self._addresses)
+
+    def table(self) -> OwnerTable:
+        with self._lock:
+            return OwnerTable(
+                tuple(tuple(g) for g in self._groups), tuple(self._handles), tuple(self._generations)
+            )
+
+    def join(self, rank: int, world_size: int, first_step: int) -> OwnerTable:
+        """Rank ``rank`` of ``world_size`` starts reading at ``first_step``; the owner table."""
+        with self._lock:
+            self.messages += 1
+            if world_size != self.world_size:
+                raise SpecError(
+                    f"these lane owners serve world_size={self.world_size}, not {world_size}: a new "
+                    f"world size resumes from a checkpoint (Coordinator.checkpoint) on new owners"
+                )
+            if first_step != self.first_step:
+                raise SpecError(
+                    f"rank {rank} starts at step {first_step}, but these lane owners started at step "
+                    f"{self.first_step}: every rank must pass the same state"
+                )
+            self._joined.add(rank)
+            return self.table()
+
+    def leave(self, rank: int) -> int:
+        """Rank ``rank`` is done; returns how many ranks are still reading."""
+        with self._lock:
+            self.messages += 1
+            self._joined.discard(rank)
+            return len(self._joined)
+
+    def progress(self, rank: int, step: int) -> None:
+        """Rank ``rank`` has taken every step before ``step``. Once the slowest rank is
+        ``snapshot_every`` steps past an owner's last gathered snapshot, gathers a new one."""
+        with self._lock:
+            self.messages += 1
+            old = self._positions.get(rank)
+            if old is not None and step > old:
+                self._positions[rank] = step
+                self._at[old] -= 1
+                if not self._at[old]:
+                    del self._at[old]
+                self._at[step] += 1
+            slowest = min(self._at)
+            due = [i for i, at in enumerate(self._snap_steps) if slowest >= at + self._snapshot_every]
+            handles = [(i, self._handles[i], self._generations[i]) for i in due]
+
+        def ask(item: tuple[int, Any, int]) -> Mapping[int, LaneState] | None:
+            try:
+                return self._gather(item[1], slowest)
+            except Exception:  # a dead owner: its replacement restores from the last snapshot
+                return None
+
+        for (i, _, generation), snaps in zip(handles, self._parallel(ask, handles), strict=True):
+            if snaps is None:
+                continue  # not held (or dead): the next report brings another chance
+            with self._lock:
+                if self._generations[i] != generation or slowest <= self._snap_steps[i]:
+                    continue
+                self._snaps.update(snaps)
+                self._snap_steps[i] = slowest
+                self.gathers += 1
+
+    def replace(self, index: int, generation: int) -> OwnerTable:
+        """Owner ``index`` of ``generation`` died: starts a new one from its lanes' last
+        snapshot (it catches up to the ranks' steps by recomputing, so the bytes are the same).
+        A replacement already made for that generation is returned as it is."""
+        with self._lock:
+            self.messages += 1
+            if self._generations[index] != generation:
+                return self.table()
+            lanes, step = self._groups[index], min(self._at)
+            if self._replaced >= self._max_replacements:
+                raise OwnerLostError(
+                    f"{self._owner_name(index)} (lanes {lanes}) died at step {step} and cannot be "
+                    f"restarted: max_replacements={self._max_replacements} owners were already "
+                    f"replaced; resume from the last checkpoint, or allow more replacements"
+                )
+            with_snapshot = self._snap_steps[index]
+            try:
+                handle = self._start_owner(index)
+            except Exception as exc:
+                raise OwnerLostError(
+                    f"{self._owner_name(index)} (lanes {lanes}) died at step {step} and cannot be "
+                    f"restarted from its snapshot of step {with_snapshot}: {type(exc).__name__}: {exc}"
+                ) from exc
+            self._replaced += 1
+            self._handles[index] = handle
+            self._generations[index] += 1
+            return self.table()
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint(self, step: int, timeout: float = 120.0) -> LoaderState:
+        """The state from which ``step`` is the next global batch: every owner's lane snapshots
+        at ``step``, in one ordinary ``LoaderState`` (waits up to ``timeout`` s for them)."""
+        with self._lock:
+            self.messages += 1
+            handles = list(enumerate(self._handles))
+        deadline = time.monotonic() + timeout
+
+        def ask(item: tuple[int, Any]) -> Mapping[int, LaneState]:
+            i, handle = item
+            while True:
+                snaps = self._gather(handle, step)
+                if snaps is not None:
+                    return snaps
+                if time.monotonic() > deadline:
+                    raise OwnerLostError(
+                        f"checkpoint at step {step}: {self._owner_name(i)} (lanes {self._groups[i]}) "
+                        f"does not hold that step within {timeout:g} s: checkpoint a step the ranks "
+                        f"are at (an owner holds a few steps around its readers)"
+                    )
+                time.sleep(0.05)
+
+        lanes: dict[int, LaneState] = {}
+        for snaps in self._parallel(ask, handles):
+            lanes.update(snaps)
+        return LoaderState(step, self.spec.lanes, dict(self.spec.fingerprint), lanes, list(self._mix_history))
+
+    def _parallel(self, ask: Callable[[Any], _T], items: list[Any]) -> list[_T]:
+        """``ask`` of every item, at most ``GATHER_THREADS`` at a time (owners answer in
+        parallel, so a gather takes about one round trip, not one per owner)."""
+        if len(items) <= 1:
+            return [ask(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(GATHER_THREADS, len(items))) as pool:
+            return list(pool.map(ask, items))
+
+    def positions(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._positions)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            handles, self._handles = list(self._handles), []
+        for handle in handles:
+            self._stop(handle)

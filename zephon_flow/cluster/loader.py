@@ -1,0 +1,265 @@
+"""``OwnedLoader``: one rank's batches, its rows fetched from the Ray lane owners of its lanes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from zephon_flow.cluster import actors
+from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
+from zephon_flow.cluster.owner import OwnerError, OwnerOptions
+from zephon_flow.core.batches import VALID_FIELD, Batch, concat
+from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import LoaderState, to_loader_state
+from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
+
+
+def default_name(spec: LoaderSpec) -> str:
+    """The coordinator's Ray actor name for ``spec`` when none is given."""
+    return f"zephon-owners-{spec.fingerprint['total'][:16]}"
+
+
+class OwnedLoader:
+    """Iterates ``(step, batch)`` like ``zf.Loader`` (the same bytes), with the lanes run by
+    ``lane_owners`` Ray actors instead of in this process.
+
+    Every rank of a job constructs one with the same ``spec``, ``lane_owners``, ``world_size``,
+    ``state`` and ``name``: the first starts the coordinator (a Ray actor named ``name``, by
+    default from the pipeline's fingerprint) and the owners; the others join it. Each rank then
+    fetches its rows from the owners of its lanes, ``prefetch`` steps ahead, and merges them in
+    lane order: batches never pass through one process. ``ray_address=None`` joins the Ray this
+    process is connected to or starts a local one; an address joins that cluster. Owners run
+    their stateless work on ``backend`` with ``workers`` each; ``owner_cpus`` is what each
+    owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
+    lanes' last snapshot, gathered every ``snapshot_every`` steps; ``checkpoint()`` gathers
+    every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``).
+    """
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        *,
+        lane_owners: int,
+        rank: int = 0,
+        world_size: int = 1,
+        state: LoaderState | bytes | Mapping[str, Any] | None = None,
+        ray_address: str | None = None,
+        name: str | None = None,
+        backend: str = "inline",
+        workers: int = 1,
+        prefetch: int = 4,
+        ahead: int = 4,
+        keep: int = 4,
+        snapshot_every: int = 8,
+        max_replacements: int = 3,
+        owner_cpus: float = 0.0,
+        timeout: float = 300.0,
+        allow_mix_change: bool = False,
+        allow_code_change: bool = False,
+    ) -> None:
+        # Phases: check the options, connect to Ray, join (or start) the coordinator.
+        if not isinstance(spec, LoaderSpec):
+            raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self._slice = RankSlice(
+            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+        )
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= keep + 1:
+            raise SpecError(
+                f"OwnedLoader: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
+                f"`keep` steps behind a rank's request), got {prefetch!r}"
+            )
+        plan_owners(spec.lanes, lane_owners)  # refused here, before Ray starts
+        options = OwnerOptions(
+            backend=backend,
+            workers=workers,
+            ahead=ahead,
+            keep=keep,
+            allow_mix_change=allow_mix_change,
+            allow_code_change=allow_code_change,
+        )
+        start = None if state is None else to_loader_state(state)
+        self._prefetch, self._timeout = prefetch, timeout
+        self._snapshot_every = snapshot_every
+        self.name = name or default_name(spec)
+        self._ray = require_ray(actors.FEATURE)
+        self._started_ray = connect(actors.FEATURE, ray_address)
+        self._closed = False
+        self._coordinator = actors.coordinator_handle(
+            self.name,
+            spec,
+            owners=lane_owners,
+            world_size=world_size,
+            state=start,
+            options=options,
+            owner_cpus=owner_cpus,
+            snapshot_every=snapshot_every,
+            max_replacements=max_replacements,
+        )
+        self._step = 0 if start is None else start.step
+        self._table: OwnerTable = self._call(self._coordinator.join.remote(rank, world_size, self._step))
+        self._finite = spec.compile().finite
+
+    @property
+    def rank_slice(self) -> RankSlice:
+        return self._slice
+
+    @property
+    def table(self) -> OwnerTable:
+        """Which owner runs which lanes (as of the last replacement this rank saw)."""
+        return self._table
+
+    def _call(self, ref: Any, timeout: float | None = None) -> Any:
+        """``ray.get``, with an error raised in an actor re-raised as itself."""
+        try:
+            return self._ray.get(ref, timeout=timeout)
+        except self._ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ZephonError):
+                raise cause from None
+            raise
+
+    # -- iteration -----------------------------------------------------------------------------
+    def _ask(self, owner: int, step: int) -> tuple[Any, int]:
+        """Asks ``owner`` for this rank's share of step ``step``: the pending reply, and the
+        generation of the owner asked (the one to report if it turns out dead)."""
+        handle, rs = self._table.handles[owner], self._slice
+        ref = handle.share.remote(rs.rank, rs.world_size, step, actors.CALL_WAIT)
+        return ref, self._table.generations[owner]
+
+    def _replace(self, owner: int, generation: int) -> None:
+        """Owner ``owner`` of ``generation`` died: the coordinator replaces it (once, whichever
+        rank reports it first) and this rank reads the new table."""
+        self._table = self._call(self._coordinator.replace.remote(owner, generation))
+
+    def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> Batch:
+        """This rank's share of step ``step`` from ``owner``: asks again while the owner has not
+        produced the step yet, and replaces the owner if it died."""
+        waited = 0.0
+        ref, generation = asked
+        while True:
+            try:
+                got: Batch | None = self._call(ref)
+            except self._ray.exceptions.RayActorError:
+                self._replace(owner, generation)
+                ref, generation = self._ask(owner, step)
+                continue
+            if got is not None:
+                return got
+            waited += actors.CALL_WAIT
+            if waited >= self._timeout:
+                raise OwnerError(
+                    f"rank {self._slice.rank} waited {waited:g} s for step {step} from lane owner "
+                    f"{owner} (lanes {list(self._table.lanes[owner])}): its other readers (ranks) may "
+                    f"have stopped reading, or the owner is stuck; see its status"
+                )
+            ref, generation = self._ask(owner, step)
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        if self._closed:
+            raise ZephonError("this OwnedLoader is closed")
+        return self._batches()
+
+    def _batches(self) -> Iterator[tuple[int, Batch]]:
+        owners = [o for o, _ in self._table.groups_for(self._slice.lane_ids)]
+        pending: deque[tuple[int, list[Any]]] = deque()
+        asked = self._step
+        while True:
+            while len(pending) < self._prefetch:
+                pending.append((asked, [self._ask(o, asked) for o in owners]))
+                asked += 1
+            step, refs = pending.popleft()
+            parts = [self._fetch(step, o, ref) for o, ref in zip(owners, refs, strict=True)]
+            if not self._goes_on(step, parts):
+                return
+            batch = parts[0] if len(parts) == 1 else concat(parts)
+            self._step = step + 1
+            if self._step % self._snapshot_every == 0:
+                self._coordinator.progress.remote(self._slice.rank, self._step)
+            yield step, batch
+
+    def _goes_on(self, step: int, parts: list[Batch]) -> bool:
+        """As ``zf.Loader``: an endless pipeline always goes on; a finite one while any lane
+        (of any owner, asked only when this rank's rows are all padding) has a sample."""
+        if not self._finite or any(bool(np.any(p[VALID_FIELD])) for p in parts):
+            return True
+        for owner in range(len(self._table.lanes)):
+            while True:
+                generation = self._table.generations[owner]
+                try:
+                    live = self._call(self._table.handles[owner].live.remote(step, actors.CALL_WAIT))
+                except self._ray.exceptions.RayActorError:
+                    self._replace(owner, generation)
+                    continue
+                if live is not None:
+                    break
+            if live:
+                return True
+        return False
+
+    # -- state ---------------------------------------------------------------------------------
+    @property
+    def next_step(self) -> int:
+        return self._step
+
+    def checkpoint(self, step: int | None = None) -> LoaderState:
+        """Every lane's state from which ``step`` (default: this rank's next) is the next global
+        batch, gathered from the owners: resumes on any owner count, the embedded ``Loader``
+        and any world size."""
+        at = self._step if step is None else step
+        state: LoaderState = self._call(self._coordinator.checkpoint.remote(at))
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: this rank's lanes, positioned after the last batch yielded (as
+        ``zf.Loader.state_dict``; ``zf.merge_states`` joins the ranks')."""
+        full = self.checkpoint()
+        mine = set(self._slice.lane_ids)
+        full.lane_states = {lane: s for lane, s in full.lane_states.items() if lane in mine}
+        return full.to_plain()
+
+    def owner_pids(self) -> list[int]:
+        """The process id of each owner (for fault tests and monitoring)."""
+        return [int(self._call(h.pid.remote())) for h in self._table.handles]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            left = self._call(self._coordinator.leave.remote(self._slice.rank), timeout=30)
+            if left == 0:
+                self._call(self._coordinator.shutdown.remote(), timeout=60)
+                self._ray.kill(self._coordinator)
+                self._await_name_released()
+        disconnect_if_started(self._started_ray)
+
+    def _await_name_released(self, timeout: float = 10.0) -> None:
+        """Waits until the killed coordinator's name is free, so that loaders made next with
+        the same name start a new one instead of finding the dying one."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self._ray.get_actor(self.name)
+            except ValueError:
+                return
+            time.sleep(0.05)
+
+    def __enter__(self) -> OwnedLoader:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,317 @@
+"""A lane owner: a deterministic runner over a fixed set of lanes, serving their windows by step.
+
+``LaneOwner`` is plain Python (tested without Ray); ``owner_actor_class`` wraps it as the Ray
+actor that ``Coordinator`` starts, one per group of lanes. An owner holds, for the steps
+``[low, produced)``, each lane's window and, for each step in ``[low, produced]``, each lane's
+snapshot from which that step is the next window. Its readers are the trainer ranks whose rows
+fall on its lanes; like ``zephon serve``'s window, production runs at most ``ahead`` steps past
+the slowest reader's position (the step it asks for next) and steps more than ``keep`` behind
+it are dropped, so a rank that re-asks for the step it is at gets the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from zephon_flow.core.batches import Batch, SampleLayout
+from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.state import LaneState, LoaderState
+from zephon_flow.engine.loader import assemble_rows, build_lane_runners, restore_lanes
+from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
+
+
+class OwnerError(ZephonError, RuntimeError):
+    """A lane owner's pipeline failed, or a step it was asked for is no longer held."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerOptions:
+    """How an owner runs its lanes: the stateless backend and its read-ahead, and the steps it
+    holds (``ahead`` past its slowest reader, ``keep`` behind it)."""
+
+    backend: str = "inline"
+    workers: int = 1
+    chunk_records: int = 16
+    prefetch_chunks: int = 4
+    chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
+    ahead: int = 4
+    keep: int = 4
+    allow_mix_change: bool = False
+    allow_code_change: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise SpecError(
+                f"lane owners: unknown backend {self.backend!r} for the owners' stateless work; "
+                f"choose one of {', '.join(BACKENDS)}"
+            )
+        for name in ("workers", "chunk_records", "prefetch_chunks", "ahead"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"lane owners: {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 0:
+            raise SpecError(f"lane owners: keep must be an integer >= 0, got {self.keep!r}")
+
+
+@dataclass(frozen=True)
+class OwnerRows:
+    """One step's windows of some of an owner's lanes, in lane order, with each lane's
+    first-sample layout (for padding a finite pass) as it was when the window closed."""
+
+    step: int
+    lanes: tuple[int, ...]
+    windows: tuple[list[Any], ...]
+    layouts: tuple[SampleLayout | None, ...]
+
+
+def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
+    """The lanes among ``lanes`` under rank slice ``rs``, and the rank's rows relative to their
+    concatenated windows (what one owner of ``lanes`` sends that rank)."""
+    mine = [lane for lane in rs.lane_ids if lane in lanes]
+    if not mine:
+        return [], slice(0, 0)
+    per_lane = rs.per_lane
+    lo_row, hi_row = mine[0] * per_lane, (mine[-1] + 1) * per_lane
+    start, stop = max(rs.start, lo_row), min(rs.stop, hi_row)
+    return mine, slice(start - lo_row, stop - lo_row)
+
+
+class LaneOwner:
+    """Runs ``lanes`` of ``spec`` from ``state`` (a ``LoaderState`` holding at least those lanes,
+    or None: the start) for the ranks ``readers`` (rank -> the first step it may ask for);
+    ``name`` is how errors refer to it."""
+
+    def __init__(
+        self,
+        spec: LoaderSpec,
+        lanes: list[int],
+        *,
+        state: LoaderState | None,
+        readers: dict[int, int],
+        options: OwnerOptions,
+        name: str = "lane owner",
+    ) -> None:
+        # Phases: restore the lanes' start, build the runners, start producing (``start``).
+        if not lanes or sorted(set(lanes)) != list(lanes) or not 0 <= lanes[0] <= lanes[-1] < spec.lanes:
+            raise SpecError(f"{name}: lanes must be distinct, sorted and in [0, {spec.lanes}), got {lanes}")
+        self.spec, self.lanes, self.name, self.options = spec, list(lanes), name, options
+        plan = spec.compile()
+        self._finite = plan.finite
+        self._padding = plan.padding_sample() if plan.finite else None
+        start = restore_lanes(
+            spec,
+            plan,
+            state,
+            self.lanes,
+            who=name,
+            allow_mix_change=options.allow_mix_change,
+            allow_code_change=options.allow_code_change,
+        )
+        self._backend = make_backend(
+            options.backend,
+            workers=options.workers,
+            segment=plan.front_segment(),
+            chunk_timeout=options.chunk_timeout,
+        )
+        self._runners = build_lane_runners(
+            spec,
+            plan,
+            self._backend,
+            start,
+            chunk_records=options.chunk_records,
+            depth=options.prefetch_chunks,
+            on_skip=_ignore_skip,
+        )
+        self.first_step = start.step
+        self._cond = threading.Condition()
+        self._low = self._produced = start.step
+        self._windows: dict[int, tuple[list[Any], ...]] = {}
+        self._layouts: dict[int, tuple[SampleLayout | None, ...]] = {}
+        self._snapshots: dict[int, dict[int, LaneState]] = {
+            start.step: {r.lane: r.snapshot() for r in self._runners}
+        }
+        self._dead_from: int | None = None  # first step at which none of its lanes had a sample
+        # Readers that have asked (production waits for the slowest of them) and readers
+        # expected to ask, from the step given (steps from there on are held for them).
+        self._positions: dict[int, int] = {}
+        self._expected = {reader: max(start.step, at) for reader, at in readers.items()}
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name=f"zephon-{name}", daemon=True)
+
+    # -- production ----------------------------------------------------------------------------
+    def start(self) -> LaneOwner:
+        self._thread.start()
+        return self
+
+    def _slowest(self) -> int:
+        """Where production counts ``ahead`` from: the slowest reader that has asked."""
+        if self._positions:
+            return min(self._positions.values())
+        return min(self._expected.values()) if self._expected else self._low
+
+    def _retained(self) -> int:
+        """The first step a reader may still ask for."""
+        return min([*self._positions.values(), *self._expected.values()], default=self._produced)
+
+    def _produce(self) -> None:
+        try:
+            for runner in self._runners:
+                runner.prime()
+            while True:
+                with self._cond:
+                    while self._produced >= self._slowest() + self.options.ahead:
+                        if self._stop.is_set():
+                            return
+                        self._cond.wait(0.2)
+                if self._stop.is_set():
+                    return
+                windows = tuple(runner.next_window() for runner in self._runners)
+                layouts = tuple(runner.layout for runner in self._runners)
+                snaps = {runner.lane: runner.snapshot() for runner in self._runners}
+                with self._cond:
+                    step = self._produced
+                    self._windows[step], self._layouts[step] = windows, layouts
+                    self._snapshots[step + 1] = snaps
+                    if self._dead_from is None and not any(windows):
+                        self._dead_from = step
+                    self._produced = step + 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # handed to every reader, naming the owner's lanes
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise OwnerError(
+                f"{self.name} (lanes {self.lanes}) failed at step {self._produced}: "
+                f"{type(self._error).__name__}: {self._error}"
+            ) from self._error
+
+    def _held(self) -> str:
+        return f"{self.name} (lanes {self.lanes}) holds steps [{self._low}, {self._produced})"
+
+    def _release(self) -> None:
+        """Drops what no reader can ask for again (more than ``keep`` behind the slowest)."""
+        low = max(self._low, min(self._retained() - self.options.keep, self._produced))
+        for s in range(self._low, low):
+            self._windows.pop(s, None)
+            self._layouts.pop(s, None)
+            self._snapshots.pop(s, None)
+        self._low = low
+        self._cond.notify_all()
+
+    def _await(self, step: int, timeout: float) -> bool:
+        """Waits (lock held) until ``step`` is produced; False on timeout."""
+        if step < self._low:
+            raise OwnerError(
+                f"step {step} is no longer held: {self._held()}; resume from a checkpoint to go back further"
+            )
+        return self._cond.wait_for(lambda: self._produced > step or self._error is not None, timeout)
+
+    # -- what readers and the coordinator ask ------------------------------------------------
+    def rows(
+        self, reader: int, step: int, lanes: list[int] | None = None, timeout: float = 5.0
+    ) -> OwnerRows | None:
+        """Step ``step``'s windows of ``lanes`` (default: all of the owner's), for rank
+        ``reader``, which has thereby taken every step before ``step``; None if ``step`` was not
+        produced within ``timeout`` seconds (ask again)."""
+        wanted = self.lanes if lanes is None else lanes
+        index = [self.lanes.index(lane) for lane in wanted if lane in self.lanes]
+        if len(index) != len(wanted):
+            raise OwnerError(
+                f"{self.name} runs lanes {self.lanes}, not {sorted(set(wanted) - set(self.lanes))}"
+            )
+        with self._cond:
+            self._expected.pop(reader, None)
+            if step > self._positions.get(reader, -1):
+                self._positions[reader] = step
+            self._release()
+            if not self._await(step, timeout):
+                return None
+            self._raise_error()
+            windows, layouts = self._windows[step], self._layouts[step]
+        return OwnerRows(
+            step,
+            tuple(wanted),
+            tuple(windows[i] for i in index),
+            tuple(layouts[i] for i in index),
+        )
+
+    def share(self, rs: RankSlice, step: int, timeout: float = 5.0) -> Batch | None:
+        """Rank ``rs``'s rows of step ``step`` that lie on this owner's lanes, assembled as the
+        Loader assembles them (``assemble_rows``: padding and ``valid`` for a finite pass); the
+        owners' shares, concatenated in lane order, are the rank's batch. None: not produced
+        within ``timeout`` seconds (ask again)."""
+        lanes, rows = share_of(rs, self.lanes)
+        if not lanes:
+            raise OwnerError(
+                f"rank {rs.rank} of {rs.world_size} has no rows on {self.name}'s lanes {self.lanes} "
+                f"(its rows are on lanes {list(rs.lane_ids)})"
+            )
+        got = self.rows(rs.rank, step, lanes, timeout)
+        if got is None:
+            return None
+        return assemble_rows(
+            step,
+            list(got.windows),
+            list(zip(got.lanes, got.layouts, strict=True)),
+            rows=rows,
+            per_lane=self.spec.per_lane,
+            finite=self._finite,
+            padding=self._padding,
+        )
+
+    def live(self, step: int, timeout: float = 5.0) -> bool | None:
+        """Whether any of its lanes has a real sample at ``step`` (a finite pass goes on while
+        some lane has one); None if not known within ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(
+                lambda: (
+                    self._produced > step
+                    or self._error is not None
+                    or (self._dead_from is not None and step >= self._dead_from)
+                ),
+                timeout,
+            ):
+                return None
+            self._raise_error()
+            return self._dead_from is None or step < self._dead_from
+
+    def snapshot(self, step: int) -> dict[int, LaneState] | None:
+        """Each lane's state from which ``step`` is its next window; None if not held (yet)."""
+        with self._cond:
+            self._raise_error()
+            return self._snapshots.get(step)
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "name": self.name,
+                "lanes": list(self.lanes),
+                "low": self._low,
+                "produced": self._produced,
+                "positions": dict(self._positions),
+                "expected": dict(self._expected),
+                "pid": os.getpid(),
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        for runner in self._runners:
+            runner.close()
+        self._backend.close()
+
+
+def _ignore_skip(source: int, message: str) -> None:
+    """Skipped records are counted in the lanes' cursors; the trainer-side loader reports them."""
