@@ -1,0 +1,5 @@
+"""The translation of a compiled plan into a self-ordering Beam pipeline for Beam's own runners."""
+
+from zephon_flow.runners.beam.translate import Translation, check_orderable, translate
+
+__all__ = ["Translation", "check_orderable", "translate"]

@@ -1,0 +1,44 @@
+"""What flows between the stages of a translated pipeline: source chunks and lane pieces.
+
+Every element is ``(lane, value)``. A source's read for one lane is cut into ``SourceChunk``s
+numbered 0, 1, 2, ... in the lane's read order; from the mix on, a lane's stream is a run of
+``Piece``s numbered by ``seq``, each stage turning piece ``seq`` of its input into piece ``seq``
+of its output (possibly with no items), so numbers never have gaps and every ordered stage can
+restore lane order with nothing but the next expected number. The last chunk and the last
+piece of a lane carry how the lane's input stopped: ``END`` (its finite input ended: timers
+that wait for the end fire) or ``TRUNCATED`` (an endless source was read for a bounded number
+of passes: the stream is a prefix, and nothing that waits for an end may fire).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from zephon_flow.core.markers import DocId
+
+#: How a lane's stream stopped (on its last chunk or piece; None on every other one).
+END = "end"
+TRUNCATED = "truncated"
+
+
+class SourceChunk(NamedTuple):
+    """Records ``index * k ...`` of one source as one lane reads them, in order.
+
+    ``entries`` are ``(doc, payload)``: before the stateless front the payload is the raw
+    ``Record`` (or, with ``doc`` None, the message of a read error its source skips); after it,
+    the record's outputs (a list) or a ``Skipped`` note.
+    """
+
+    source: int
+    index: int
+    entries: list[tuple[DocId | None, Any]]
+    stop: str | None
+
+
+class Piece(NamedTuple):
+    """Piece ``seq`` of a lane's stream: ``(value, doc)`` items in order (``doc`` None for
+    outputs of timers), and on the lane's last piece how its input stopped."""
+
+    seq: int
+    items: list[tuple[Any, DocId | None]]
+    stop: str | None
