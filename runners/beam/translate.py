@@ -3,10 +3,11 @@
 ``check_orderable`` refuses, up front and by name, what a Beam pipeline cannot reproduce;
 ``translate`` lays the plan out on a ``beam.Pipeline``:
 
-    per source:  Create(lanes) -> ReadLane (dealt, chunked) -> Reshuffle -> DecodeChunk
-    Flatten -> MixStage (keyed by lane, resequencing)
-    per stage after the first stateful one: OrderedStage (stateful) or StatelessStage
-    LaneWindows (keyed by lane, resequencing) -> GroupByKey(step) -> AssembleStep
+    read:      per source, Create(lanes) -> ReadLane (dealt, chunked) -> Reshuffle -> DecodeChunk
+    mix:       Flatten -> MixStage (keyed by lane, resequencing)
+    back:      per stage from the first stateful one: OrderedStage (stateful, resequencing)
+               or StatelessStage
+    assemble:  LaneWindows (keyed by lane, resequencing) -> GroupByKey(step) -> AssembleStep
 
 and returns the PCollection of ``(step, global batch)``. Every keyed PCollection is typed
 ``Tuple[int, Any]`` so Beam encodes the lane key deterministically; values go through Beam's
@@ -61,6 +62,12 @@ def check_orderable(plan: Plan) -> None:
 def translate(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.PCollection:
     """Lays ``plan`` out on ``pipeline``; returns the PCollection of ``(step, global batch)``."""
     check_orderable(plan)
+    return order_lanes(plan, read_sources(plan, pipeline, how), how)
+
+
+def read_sources(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.PCollection:
+    """Phase *read*: every source's chunks per lane, through the stateless front, as
+    ``(lane, SourceChunk)`` in no particular order."""
     segment = plan.front_segment()
     fronts = []
     for i, sp in enumerate(plan.sources):
@@ -80,11 +87,14 @@ def translate(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.PCo
             | f"zephon/{sp.label}/spread" >> beam.Reshuffle()
             | f"zephon/{sp.label}/front" >> beam.ParDo(DecodeChunk(segment)).with_output_types(_Keyed)
         )
-    chunks = fronts[0] if len(fronts) == 1 else tuple(fronts) | "zephon/sources" >> beam.Flatten()
-    mix_label = plan.mix_label or plan.sources[0].label
+    return fronts[0] if len(fronts) == 1 else tuple(fronts) | "zephon/sources" >> beam.Flatten()
+
+
+def order_lanes(plan: Plan, chunks: beam.PCollection, how: Translation) -> beam.PCollection:
+    """Phases *mix*, *back* and *assemble*: decoded chunks in any order to global batches."""
     mix = MixStage(
         plan.mixer,
-        label=mix_label,
+        label=plan.mix_label or plan.sources[0].label,
         seed=dofn_seed(how.seed, plan.mix_label or ""),
         sources=[sp.label for sp in plan.sources],
         finite=plan.finite,
@@ -97,12 +107,10 @@ def translate(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.PCo
             dofn = StatelessStage(stage)
         pieces = pieces | f"zephon/{stage.label}" >> beam.ParDo(dofn).with_output_types(_Keyed)
     padding = plan.padding_sample() if plan.finite else None
+    assemble = AssembleStep(lanes=how.lanes, per_lane=how.per_lane, finite=plan.finite, padding=padding)
     return (
         pieces
         | "zephon/windows" >> beam.ParDo(LaneWindows(how.per_lane)).with_output_types(_Keyed)
         | "zephon/by step" >> beam.GroupByKey()
-        | "zephon/assemble"
-        >> beam.ParDo(
-            AssembleStep(lanes=how.lanes, per_lane=how.per_lane, finite=plan.finite, padding=padding)
-        ).with_output_types(_Keyed)
+        | "zephon/assemble" >> beam.ParDo(assemble).with_output_types(_Keyed)
     )

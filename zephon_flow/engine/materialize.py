@@ -112,6 +112,28 @@ class WriteSteps(beam.DoFn):  # type: ignore[misc]
 # -- running -----------------------------------------------------------------------------
 
 
+class GlobalBatches(beam.PTransform):  # type: ignore[misc]
+    """``p | GlobalBatches(spec)``: the spec's ``(step, global batch)`` pairs, translated to
+    Beam (``runners/beam``), to feed a sink of your own on any Beam runner. ``passes``: how
+    many passes of each endless source to read (the steps they fill completely are made)."""
+
+    def __init__(self, spec: LoaderSpec, *, passes: int = 1, chunk_records: int = 64) -> None:
+        super().__init__()
+        if not isinstance(passes, int) or passes < 1:
+            raise SpecError(f"GlobalBatches: passes must be a positive integer, got {passes!r}")
+        self._spec = spec
+        self._how = Translation(
+            lanes=spec.lanes,
+            seed=spec.seed,
+            per_lane=spec.per_lane,
+            passes=passes,
+            chunk_records=chunk_records,
+        )
+
+    def expand(self, pbegin: Any) -> Any:
+        return translate(self._spec.compile(), pbegin.pipeline, self._how)
+
+
 @dataclass(frozen=True)
 class Materialized:
     """What a run wrote: ``steps`` files ``0 .. steps-1``; ``ended`` when the finite stream had
@@ -147,8 +169,7 @@ def materialize(
     """
     if not isinstance(steps, int) or steps < 1:
         raise SpecError(f"materialize: steps must be a positive integer, got {steps!r}")
-    if not isinstance(passes, int) or passes < 1:
-        raise SpecError(f"materialize: passes must be a positive integer, got {passes!r}")
+    batches = GlobalBatches(spec, passes=passes, chunk_records=chunk_records)  # checks passes
     os.makedirs(out, exist_ok=True)
     stale = sorted(f for f in os.listdir(out) if _FILE.match(f))
     if stale:
@@ -156,16 +177,12 @@ def materialize(
             f"materialize: {out} already holds step files ({stale[0]}, ...); give an empty --out "
             f"folder or remove them"
         )
-    plan = spec.compile()
-    how = Translation(
-        lanes=spec.lanes, seed=spec.seed, per_lane=spec.per_lane, passes=passes, chunk_records=chunk_records
-    )
     with beam.Pipeline(runner=beam_runner(runner), options=PipelineOptions(list(beam_args))) as p:
-        _ = translate(plan, p, how) | "zephon/write" >> beam.ParDo(WriteSteps(out, steps))
+        _ = p | "zephon" >> batches | "write" >> beam.ParDo(WriteSteps(out, steps))
     written = sorted(int(m.group(1)) for f in os.listdir(out) for m in [_FILE.match(f)] if m)
     if written != list(range(len(written))):
         raise StageError(f"materialize: {out} holds steps {written}, not a run from 0; the run failed part way")
-    if len(written) < steps and not plan.finite:
+    if len(written) < steps and not spec.compile().finite:
         raise DataError(
             f"materialize: {passes} pass(es) of the endless sources fill only {len(written)} of "
             f"the {steps} steps asked for; read more (--passes {_more_passes(passes, len(written), steps)})"
