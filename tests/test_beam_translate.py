@@ -126,7 +126,7 @@ def test_a_finite_mix_that_outruns_the_passes_of_an_endless_source_says_so(corpu
         return (web, code) | "mix" >> ops.Mix(weights=[0.2, 0.8])
 
     spec = zf.LoaderSpec(build, lanes=2, global_batch_size=2)
-    with pytest.raises(DataError, match=r"mix: lane \d drew past the passes read of the endless source 'code' before its finite input ended; read more passes \(zephon materialize --passes\)"):
+    with pytest.raises(DataError, match=r"mix: lane \d drew past the 1 pass\(es\) read of the endless source 'code' before its finite input ended; read more passes \(zephon materialize --passes\)"):
         materialize(spec, steps=10_000, out=str(tmp_path / "out"), passes=1)
 
 

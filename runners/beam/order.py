@@ -90,12 +90,19 @@ class MixStage(beam.DoFn):  # type: ignore[misc]
     MIX = ReadModifyWriteStateSpec("zephon_mix", PickleCoder())
 
     def __init__(
-        self, mixer: MixOperator | None, *, label: str, seed: int, sources: list[str], finite: bool
+        self,
+        mixer: MixOperator | None,
+        *,
+        label: str,
+        seed: int,
+        sources: list[str],
+        finite: bool,
+        passes: int,
     ) -> None:
         super().__init__()
         self._mixer, self._label, self._seed, self._sources = mixer, label, seed, sources
         #: Whether the lane's input can end: a truncated endless source is then an error.
-        self._finite = finite
+        self._finite, self._passes = finite, passes
         self._policy: MixPolicy | None = None
 
     def setup(self) -> None:
@@ -146,9 +153,9 @@ class MixStage(beam.DoFn):  # type: ignore[misc]
     def _truncated(self, lane: int, source: int) -> str:
         if self._finite:
             raise DataError(
-                f"{self._label}: lane {lane} drew past the passes read of the endless source "
-                f"{self._sources[source]!r} before its finite input ended; read more passes "
-                f"(zephon materialize --passes)"
+                f"{self._label}: lane {lane} drew past the {self._passes} pass(es) read of the "
+                f"endless source {self._sources[source]!r} before its finite input ended; read "
+                f"more passes (zephon materialize --passes)"
             )
         return TRUNCATED
 

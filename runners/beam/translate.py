@@ -98,6 +98,7 @@ def order_lanes(plan: Plan, chunks: beam.PCollection, how: Translation) -> beam.
         seed=dofn_seed(how.seed, plan.mix_label or ""),
         sources=[sp.label for sp in plan.sources],
         finite=plan.finite,
+        passes=how.passes,
     )
     pieces = chunks | "zephon/mix" >> beam.ParDo(mix).with_output_types(_Keyed)
     for stage in plan.back:
