@@ -182,7 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         lanes=args.lanes,
         batch=args.batch,
     )
-    rows = measure(spec, repeats=args.repeats, parallel=args.parallel, tokens_per_step=args.batch * args.seq_len)
+    rows = measure(
+        spec, repeats=args.repeats, parallel=args.parallel, tokens_per_step=args.batch * args.seq_len
+    )
     print(report(rows))
     if args.out:
         with open(args.out, "w") as f:

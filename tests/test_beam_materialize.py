@@ -43,7 +43,10 @@ def test_a_foreign_parquet_file_is_refused_by_name(tmp_path: Path) -> None:
     import pyarrow as pa
 
     pq.write_table(pa.table({"x": [1]}), tmp_path / "step-00000000.parquet")
-    with pytest.raises(DataError, match=r"step-00000000.parquet: no 'zephon.fields' metadata; not written by zephon materialize"):
+    with pytest.raises(
+        DataError,
+        match=r"step-00000000.parquet: no 'zephon.fields' metadata; not written by zephon materialize",
+    ):
         read_materialized(str(tmp_path))
 
 
@@ -78,11 +81,23 @@ def pipeline_file(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> P
     return path
 
 
-def test_cli_writes_the_loaders_batches(pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_the_loaders_batches(
+    pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = f"{pipeline_file}:spec"
     out = tmp_path / "out"
     # Anything materialize does not know is a Beam pipeline option.
-    argv = ["materialize", target, "--steps", "1000", "--out", str(out), "--passes", "4", "--direct_num_workers=1"]
+    argv = [
+        "materialize",
+        target,
+        "--steps",
+        "1000",
+        "--out",
+        str(out),
+        "--passes",
+        "4",
+        "--direct_num_workers=1",
+    ]
     assert main(argv) == 0
     written = read_materialized(str(out))
     expected = [batch_digest(b) for b in run_batches(load_spec(target), 1000)]

@@ -31,7 +31,9 @@ def _digests(spec: zf.LoaderSpec, steps: int) -> list[str]:
 
 
 def _how(spec: zf.LoaderSpec, passes: int = 4) -> Translation:
-    return Translation(lanes=spec.lanes, seed=spec.seed, per_lane=spec.per_lane, passes=passes, chunk_records=3)
+    return Translation(
+        lanes=spec.lanes, seed=spec.seed, per_lane=spec.per_lane, passes=passes, chunk_records=3
+    )
 
 
 def test_resequencer_releases_runs_in_order_and_refuses_duplicates() -> None:
@@ -54,7 +56,9 @@ def test_chunks_arriving_in_any_order_give_the_loaders_batches(corpus: Corpus, t
         decoded
         for i, sp in enumerate(plan.sources)
         for lane in range(spec.lanes)
-        for raw in ReadLane(sp.source, sp.label, i, lanes=spec.lanes, seed=spec.seed, passes=4, chunk_records=3).process(lane)
+        for raw in ReadLane(
+            sp.source, sp.label, i, lanes=spec.lanes, seed=spec.seed, passes=4, chunk_records=3
+        ).process(lane)
         for decoded in decode.process(raw)
     ]
     assert len(chunks) > 8 * spec.lanes  # several chunks per lane and source: order matters
@@ -105,13 +109,19 @@ def test_a_mix_schedule_is_refused_by_name(corpus: Corpus) -> None:
         return (web, code) | "blend" >> ops.Mix(schedule=[(0, [1, 0]), (5, [0, 1])])
 
     spec = zf.LoaderSpec(build, lanes=2, global_batch_size=2)
-    with pytest.raises(UnsupportedTransformError, match=r"transform 'blend' \(Mix\): a schedule over steps cannot be translated"):
+    with pytest.raises(
+        UnsupportedTransformError,
+        match=r"transform 'blend' \(Mix\): a schedule over steps cannot be translated",
+    ):
         translate(spec.compile(), beam.Pipeline(runner=FnApiRunner()), _how(spec))
 
 
 def test_endless_sources_read_too_few_passes_name_the_option(corpus: Corpus, tmp_path: Path) -> None:
     spec = example_spec(corpus)
-    with pytest.raises(DataError, match=r"1 pass\(es\) of the endless sources fill only \d+ of the 200 steps asked for; read more \(--passes \d+\)"):
+    with pytest.raises(
+        DataError,
+        match=r"1 pass\(es\) of the endless sources fill only \d+ of the 200 steps asked for; read more \(--passes \d+\)",
+    ):
         materialize(spec, steps=200, out=str(tmp_path / "few"), passes=1)
     # The steps that were filled are the Loader's first ones.
     written = read_materialized(str(tmp_path / "few"))
@@ -119,20 +129,28 @@ def test_endless_sources_read_too_few_passes_name_the_option(corpus: Corpus, tmp
     assert [batch_digest(b) for _, b in written] == _digests(spec, len(written))
 
 
-def test_a_finite_mix_that_outruns_the_passes_of_an_endless_source_says_so(corpus: Corpus, tmp_path: Path) -> None:
+def test_a_finite_mix_that_outruns_the_passes_of_an_endless_source_says_so(
+    corpus: Corpus, tmp_path: Path
+) -> None:
     def build(p: beam.Pipeline) -> beam.PCollection:
         web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text", epochs=3)
         code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content")
         return (web, code) | "mix" >> ops.Mix(weights=[0.2, 0.8])
 
     spec = zf.LoaderSpec(build, lanes=2, global_batch_size=2)
-    with pytest.raises(DataError, match=r"mix: lane \d drew past the 1 pass\(es\) read of the endless source 'code' before its finite input ended; read more passes \(zephon materialize --passes\)"):
+    with pytest.raises(
+        DataError,
+        match=r"mix: lane \d drew past the 1 pass\(es\) read of the endless source 'code' before its finite input ended; read more passes \(zephon materialize --passes\)",
+    ):
         materialize(spec, steps=10_000, out=str(tmp_path / "out"), passes=1)
 
 
 def test_materialize_refuses_a_folder_with_step_files(corpus: Corpus, tmp_path: Path) -> None:
     (tmp_path / "step-00000000.parquet").write_bytes(b"old")
-    with pytest.raises(zf.SpecError, match=r"already holds step files \(step-00000000.parquet, ...\); give an empty --out folder"):
+    with pytest.raises(
+        zf.SpecError,
+        match=r"already holds step files \(step-00000000.parquet, ...\); give an empty --out folder",
+    ):
         materialize(example_spec(corpus), steps=2, out=str(tmp_path))
 
 
@@ -140,7 +158,9 @@ def test_beam_multi_process_mode_gives_the_loaders_batches(
     corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Beam's worker processes unpickle the test's helpers by module name.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
     spec = example_spec(corpus)
     options = ["--direct_num_workers=2", "--direct_running_mode=multi_processing"]
     done = materialize(spec, steps=8, out=str(tmp_path), runner="FnApiRunner", beam_args=options, passes=3)

@@ -142,7 +142,9 @@ def _materialize(args: argparse.Namespace) -> int:
     done = materialize(
         spec, steps=args.steps, out=args.out, runner=args.runner, beam_args=args.beam_args, passes=args.passes
     )
-    print(f"wrote steps 0..{done.steps - 1} to {done.out}" + (" (the finite input ended)" if done.ended else ""))
+    print(
+        f"wrote steps 0..{done.steps - 1} to {done.out}" + (" (the finite input ended)" if done.ended else "")
+    )
     return 0
 
 

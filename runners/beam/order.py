@@ -118,7 +118,7 @@ class MixStage(beam.DoFn):  # type: ignore[misc]
         if not st.stopped:  # once stopped, what is left of the other sources is never drawn
             queue = st.queues[chunk.source]
             where = f"{self._label}: lane {lane}, source {self._sources[chunk.source]!r}"
-            queue.ready.extend(queue.chunks.put(chunk.index, chunk, where=where))
+            queue.ready.extend(queue.chunks.put(chunk.number, chunk, where=where))
             items, stop = self._draw(lane, st)
             if items or stop:
                 yield lane, Piece(st.emitted, items, stop)

@@ -22,7 +22,7 @@ TRUNCATED = "truncated"
 
 
 class SourceChunk(NamedTuple):
-    """Records ``index * k ...`` of one source as one lane reads them, in order.
+    """Chunk ``number`` of one source's records as one lane reads them (chunks numbered from 0).
 
     ``entries`` are ``(doc, payload)``: before the stateless front the payload is the raw
     ``Record`` (or, with ``doc`` None, the message of a read error its source skips); after it,
@@ -30,7 +30,7 @@ class SourceChunk(NamedTuple):
     """
 
     source: int
-    index: int
+    number: int
     entries: list[tuple[DocId | None, Any]]
     stop: str | None
 

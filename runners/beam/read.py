@@ -29,7 +29,15 @@ class ReadLane(beam.DoFn):  # type: ignore[misc]
     """
 
     def __init__(
-        self, source: Source, label: str, index: int, *, lanes: int, seed: int, passes: int, chunk_records: int
+        self,
+        source: Source,
+        label: str,
+        index: int,
+        *,
+        lanes: int,
+        seed: int,
+        passes: int,
+        chunk_records: int,
     ) -> None:
         super().__init__()
         self._source, self._label, self._index = source, label, index
@@ -82,6 +90,7 @@ class DecodeChunk(beam.DoFn):  # type: ignore[misc]
         assert isinstance(results, list)
         outputs = iter(results)
         entries: list[tuple[DocId | None, RecordResult]] = [
-            (doc, next(outputs) if doc is not None else Skipped(str(payload))) for doc, payload in chunk.entries
+            (doc, next(outputs) if doc is not None else Skipped(str(payload)))
+            for doc, payload in chunk.entries
         ]
         yield lane, chunk._replace(entries=entries)

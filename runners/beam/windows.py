@@ -105,7 +105,9 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
         if self._padding is not None:
             return self._padding
         if layout is None:
-            layout = next((ly for w, _ in by_lane.values() if w for ly in [SampleLayout.of(w[0])] if ly), None)
+            layout = next(
+                (ly for w, _ in by_lane.values() if w for ly in [SampleLayout.of(w[0])] if ly), None
+            )
         if layout is None:
             raise StageError(
                 f"{where}: lane {lane} must be padded (its finite input has ended) but no sample "

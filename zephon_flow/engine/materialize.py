@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
-from zephon_flow.core.batches import RAGGED_FIELDS, Batch, split_ragged
+from zephon_flow.core.batches import RAGGED_FIELDS, Batch
 from zephon_flow.core.errors import DataError, SpecError, StageError
 from zephon_flow.core.files import atomic_write
 from zephon_flow.engine.spec import LoaderSpec
@@ -43,7 +43,9 @@ def step_file(out: str, step: int) -> str:
 
 def batch_table(step: int, batch: Batch) -> pa.Table:
     """One global batch as a table: ``step``, ``row``, then one column per field (sorted)."""
-    rows = next(len(a) for k, a in sorted(batch.items()) if not (k in RAGGED_FIELDS and k + "_count" in batch))
+    rows = next(
+        len(a) for k, a in sorted(batch.items()) if not (k in RAGGED_FIELDS and k + "_count" in batch)
+    )
     columns: dict[str, pa.Array] = {
         "step": pa.array(np.full(rows, step, dtype=np.int64)),
         "row": pa.array(np.arange(rows, dtype=np.int32)),
@@ -51,10 +53,14 @@ def batch_table(step: int, batch: Batch) -> pa.Table:
     meta: dict[str, dict[str, Any]] = {}
     for name in sorted(batch):
         if name in ("step", "row"):
-            raise StageError(f"global batch {step}: a field is named {name!r}, a column materialize adds; rename it")
+            raise StageError(
+                f"global batch {step}: a field is named {name!r}, a column materialize adds; rename it"
+            )
         arr = np.ascontiguousarray(batch[name])
         if arr.dtype.hasobject:
-            raise StageError(f"global batch {step}: field {name!r} holds Python objects, which Parquet cannot keep exactly")
+            raise StageError(
+                f"global batch {step}: field {name!r} holds Python objects, which Parquet cannot keep exactly"
+            )
         ragged = name in RAGGED_FIELDS and name + "_count" in batch
         shape = list(arr.shape[1:])
         meta[name] = {"dtype": arr.dtype.str, "shape": shape, "ragged": ragged}
@@ -181,7 +187,9 @@ def materialize(
         _ = p | "zephon" >> batches | "write" >> beam.ParDo(WriteSteps(out, steps))
     written = sorted(int(m.group(1)) for f in os.listdir(out) for m in [_FILE.match(f)] if m)
     if written != list(range(len(written))):
-        raise StageError(f"materialize: {out} holds steps {written}, not a run from 0; the run failed part way")
+        raise StageError(
+            f"materialize: {out} holds steps {written}, not a run from 0; the run failed part way"
+        )
     if len(written) < steps and not spec.compile().finite:
         raise DataError(
             f"materialize: {passes} pass(es) of the endless sources fill only {len(written)} of "
