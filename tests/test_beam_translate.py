@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -166,3 +167,20 @@ def test_beam_multi_process_mode_gives_the_loaders_batches(
     done = materialize(spec, steps=8, out=str(tmp_path), runner="FnApiRunner", beam_args=options, passes=3)
     assert (done.steps, done.ended) == (8, False)
     assert [batch_digest(b) for _, b in read_materialized(str(tmp_path))] == _digests(spec, 8)
+
+
+def test_bad_input_on_beam_names_the_file_the_offset_and_the_operator(corpus: Corpus, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine words"}\n{not json\n')
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "docs" >> ops.ReadJsonl(str(bad), field="text", epochs=1)
+        return docs | "tok" >> beam.ParDo(ops.Tokenize(corpus.tokenizer_json))
+
+    spec = zf.LoaderSpec(build, lanes=1, global_batch_size=1)
+    with pytest.raises(DataError) as raised:
+        run_batches(spec)
+    expected = str(raised.value).split("\n")[0]
+    assert str(bad) in expected and "byte 23" in expected and "ReadJsonl('docs')" in expected
+    with pytest.raises(DataError, match=re.escape(expected)):
+        materialize(spec, steps=5, out=str(tmp_path / "out"))

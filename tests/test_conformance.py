@@ -9,6 +9,9 @@ scratch folder, returning the digests): adding a runner (Ray, lane owners) is on
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -42,10 +45,25 @@ def _loader(backend: str, workers: int = 1) -> Mode:
 def _beam(runner: str, *beam_args: str) -> Mode:
     def run(spec: zf.LoaderSpec, steps: int, tmp: Path) -> Digests:
         out = tmp / f"beam-{runner}"
-        materialize(spec, steps=steps, out=str(out), runner=runner, beam_args=beam_args, passes=PASSES)
+        with _importable_tests():
+            materialize(spec, steps=steps, out=str(out), runner=runner, beam_args=beam_args, passes=PASSES)
         return [batch_digest(b) for _, b in read_materialized(str(out))]
 
     return run
+
+
+@contextlib.contextmanager
+def _importable_tests() -> Iterator[None]:
+    """Beam's worker processes (multi-process mode) import this suite's DoFns by module name."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), before or ""])
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 #: Passes of endless sources the Beam modes read: more than the steps below need.
@@ -56,7 +74,12 @@ MODES: dict[str, Mode] = {
     "threads": _loader("threads", workers=2),
     "processes": _loader("processes", workers=2),
     "beam FnApiRunner": _beam("FnApiRunner"),
+    "beam FnApiRunner x2 processes": _beam(
+        "FnApiRunner", "--direct_num_workers=2", "--direct_running_mode=multi_processing"
+    ),
 }
+#: Modes that take long (Beam starts its worker processes: about 8 s a run): marked slow.
+SLOW_MODES = {"beam FnApiRunner x2 processes"}
 
 
 # -- the pipelines -------------------------------------------------------------------------
@@ -129,12 +152,30 @@ def user_timers(corpus: Corpus, tmp: Path) -> zf.LoaderSpec:
     return zf.LoaderSpec(build, lanes=3, seed=11, global_batch_size=6)
 
 
+def skipping(corpus: Corpus, tmp: Path) -> zf.LoaderSpec:
+    """A source with bad records that ``on_error="skip"`` drops, into Pack (finite)."""
+    texts = tagged_texts("web", 40, seed=9)
+    path = tmp / "bad.jsonl"
+    with open(path, "w") as f:
+        for i, text in enumerate(texts):
+            f.write("{not json\n" if i % 7 == 3 else json.dumps({"text": text}) + "\n")
+    jsonl = str(path)
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "docs" >> ops.ReadJsonl(jsonl, field="text", split_bytes=300, epochs=1, on_error="skip")
+        toks = docs | "tok" >> beam.ParDo(ops.Tokenize(corpus.tokenizer_json, append_eos=True))
+        return toks | "pack" >> beam.ParDo(ops.Pack(seq_len=16))
+
+    return zf.LoaderSpec(build, lanes=2, seed=3, global_batch_size=4)
+
+
 #: name -> (build the spec in a scratch folder, steps to compare).
 PIPELINES: dict[str, tuple[Callable[[Corpus, Path], zf.LoaderSpec], int]] = {
     "text mix": (lambda c, t: text_mix(c, t, epochs=None), 10),
     "text mix, finite": (lambda c, t: text_mix(c, t, epochs=1), 1000),
     "vlm": (vlm, 1000),
     "user stateful DoFn with timers": (user_timers, 1000),
+    "bad records skipped": (skipping, 1000),
 }
 
 
@@ -158,7 +199,10 @@ def test_reference_runs_are_real(references: dict[str, Any]) -> None:
         assert len(set(digests)) == len(digests), f"{name}: repeated batches"
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if m != "inline"])
+@pytest.mark.parametrize(
+    "mode",
+    [pytest.param(m, marks=[pytest.mark.slow] if m in SLOW_MODES else []) for m in MODES if m != "inline"],
+)
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_same_batches_on_every_mode(
     pipeline: str, mode: str, references: dict[str, Any], tmp_path: Path

@@ -9,6 +9,7 @@ stateless, so Beam may run chunks anywhere and in any order: the mix restores la
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,27 @@ from zephon_flow.core.source import Record, Source
 from zephon_flow.runners.beam.pieces import END, TRUNCATED, SourceChunk
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment, RecordResult, Skipped
 from zephon_flow.runners.streams import CHUNK_BYTES, ReadSkip, SourceReader
+
+
+class DealtRead(beam.PTransform):  # type: ignore[misc]
+    """A source as a Beam ``PTransform``: ``pipeline | DealtRead(...)`` is every lane's dealt
+    share, read in order in numbered chunks (``ReadLane``), then spread over the workers
+    (``Reshuffle``) for the stateless front (``DecodeChunk``): ``(lane, SourceChunk)`` pairs
+    in no particular order, typed so that Beam encodes the lane key deterministically."""
+
+    def __init__(self, read: ReadLane, segment: FrontSegment, *, lanes: int) -> None:
+        super().__init__()
+        self._read, self._segment, self._lanes = read, segment, lanes
+
+    def expand(self, pbegin: Any) -> Any:
+        keyed = typing.Tuple[int, typing.Any]  # noqa: UP006 (Beam reads typing's form)
+        return (
+            pbegin
+            | "lanes" >> beam.Create(list(range(self._lanes))).with_output_types(int)
+            | "read" >> beam.ParDo(self._read).with_output_types(keyed)
+            | "spread" >> beam.Reshuffle()
+            | "front" >> beam.ParDo(DecodeChunk(self._segment)).with_output_types(keyed)
+        )
 
 
 class ReadLane(beam.DoFn):  # type: ignore[misc]

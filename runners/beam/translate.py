@@ -3,7 +3,8 @@
 ``check_orderable`` refuses, up front and by name, what a Beam pipeline cannot reproduce;
 ``translate`` lays the plan out on a ``beam.Pipeline``:
 
-    read:      per source, Create(lanes) -> ReadLane (dealt, chunked) -> Reshuffle -> DecodeChunk
+    read:      per source, DealtRead: Create(lanes) -> ReadLane (dealt, chunked) -> Reshuffle
+               -> DecodeChunk
     mix:       Flatten -> MixStage (keyed by lane, resequencing)
     back:      per stage from the first stateful one: OrderedStage (stateful, resequencing)
                or StatelessStage
@@ -23,7 +24,7 @@ import apache_beam as beam
 
 from zephon_flow.core.errors import UnsupportedTransformError
 from zephon_flow.runners.beam.order import MixStage, OrderedStage, StatelessStage
-from zephon_flow.runners.beam.read import DecodeChunk, ReadLane
+from zephon_flow.runners.beam.read import DealtRead, ReadLane
 from zephon_flow.runners.beam.windows import AssembleStep, LaneWindows
 from zephon_flow.runners.dofns import StatefulInvoker, dofn_seed
 from zephon_flow.runners.plan import Plan
@@ -80,13 +81,7 @@ def read_sources(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.
             passes=how.passes,
             chunk_records=how.chunk_records,
         )
-        fronts.append(
-            pipeline
-            | f"zephon/{sp.label}/lanes" >> beam.Create(list(range(how.lanes))).with_output_types(int)
-            | f"zephon/{sp.label}/read" >> beam.ParDo(read).with_output_types(_Keyed)
-            | f"zephon/{sp.label}/spread" >> beam.Reshuffle()
-            | f"zephon/{sp.label}/front" >> beam.ParDo(DecodeChunk(segment)).with_output_types(_Keyed)
-        )
+        fronts.append(pipeline | f"zephon/{sp.label}" >> DealtRead(read, segment, lanes=how.lanes))
     return fronts[0] if len(fronts) == 1 else tuple(fronts) | "zephon/sources" >> beam.Flatten()
 
 
