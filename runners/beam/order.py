@@ -82,12 +82,10 @@ class _MixLane:
     stopped: bool = False
 
 
-class MixStage(beam.DoFn):  # type: ignore[misc]
-    """``(lane, SourceChunk) -> (lane, Piece)``: draws the source of each mix position as the
-    deterministic runner's lane feed does (``MixPolicy.choose`` at the same seed, lane and
-    position), waiting for a drawn source's next chunk when it has not arrived yet."""
-
-    MIX = ReadModifyWriteStateSpec("zephon_mix", PickleCoder())
+class MixDraw:
+    """The mix's draw for one lane, as the deterministic runner's lane feed draws it
+    (``MixPolicy.choose`` at the same seed, lane, position and step), over chunks that arrive
+    in any order; shared by ``MixStage`` and ``LaneStage``."""
 
     def __init__(
         self,
@@ -99,8 +97,7 @@ class MixStage(beam.DoFn):  # type: ignore[misc]
         finite: bool,
         passes: int,
     ) -> None:
-        super().__init__()
-        self._mixer, self._label, self._seed, self._sources = mixer, label, seed, sources
+        self._mixer, self.label, self._seed, self.sources = mixer, label, seed, sources
         #: Whether the lane's input can end: a truncated endless source is then an error.
         self._finite, self._passes = finite, passes
         self._policy: MixPolicy | None = None
@@ -108,56 +105,87 @@ class MixStage(beam.DoFn):  # type: ignore[misc]
     def setup(self) -> None:
         self._policy = None if self._mixer is None else self._mixer.mixture()
 
+    def fresh(self) -> _MixLane:
+        return _MixLane([_SourceQueue() for _ in self.sources])
+
+    def arrive(self, lane: int, st: _MixLane, chunk: SourceChunk) -> None:
+        """Files ``chunk`` in its source's queue (its records become drawable once every
+        earlier chunk of that source has come)."""
+        queue = st.queues[chunk.source]
+        where = f"{self.label}: lane {lane}, source {self.sources[chunk.source]!r}"
+        queue.ready.extend(queue.chunks.put(chunk.number, chunk, where=where))
+
+    def next(self, lane: int, st: _MixLane, step: int) -> tuple[str, Any]:
+        """The lane's next record with outputs: ("record", (doc, outputs)); ("wait", None)
+        until the drawn source's next chunk arrives; or how the lane's input stops (``END``,
+        ``TRUNCATED``). Skipped records and records without outputs are consumed on the way."""
+        policy = self._policy
+        while True:
+            if policy is None:
+                chosen: int | None = 0
+            else:
+                chosen = policy.choose(self._seed, lane, st.position, step=step, exhausted=st.exhausted)
+            if chosen is None:
+                return END, None
+            what, entry = st.queues[chosen].take()
+            if what == "wait":
+                return what, None
+            if what == TRUNCATED:
+                return self._truncated(lane, chosen), None
+            if what == END:
+                if policy is None or policy.exhausted != "renormalize":
+                    return END, None
+                st.exhausted = sorted({*st.exhausted, chosen})
+                continue
+            st.position += 1
+            doc, result = entry
+            if not isinstance(result, Skipped) and result:
+                return "record", (doc, result)
+
+    def _truncated(self, lane: int, source: int) -> str:
+        if self._finite:
+            raise DataError(
+                f"{self.label}: lane {lane} drew past the {self._passes} pass(es) read of the "
+                f"endless source {self.sources[source]!r} before its finite input ended; read "
+                f"more passes (zephon materialize --passes)"
+            )
+        return TRUNCATED
+
+
+class MixStage(beam.DoFn):  # type: ignore[misc]
+    """``(lane, SourceChunk) -> (lane, Piece)``: the mix of constant weights, its own stage:
+    each arriving chunk lets the lane draw as far as the chunks it has allow."""
+
+    MIX = ReadModifyWriteStateSpec("zephon_mix", PickleCoder())
+
+    def __init__(self, draw: MixDraw) -> None:
+        super().__init__()
+        self._draw = draw
+
+    def setup(self) -> None:
+        self._draw.setup()
+
     def process(
         self, element: tuple[int, SourceChunk], mix: Any = beam.DoFn.StateParam(MIX)
     ) -> Iterator[tuple[int, Piece]]:
         lane, chunk = element
         st: _MixLane | None = mix.read()
         if st is None:
-            st = _MixLane([_SourceQueue() for _ in self._sources])
+            st = self._draw.fresh()
         if not st.stopped:  # once stopped, what is left of the other sources is never drawn
-            queue = st.queues[chunk.source]
-            where = f"{self._label}: lane {lane}, source {self._sources[chunk.source]!r}"
-            queue.ready.extend(queue.chunks.put(chunk.number, chunk, where=where))
-            items, stop = self._draw(lane, st)
+            self._draw.arrive(lane, st, chunk)
+            items: list[tuple[Any, DocId | None]] = []
+            while True:
+                what, record = self._draw.next(lane, st, 0)  # constant weights: any step
+                if what != "record":
+                    break
+                doc, outputs = record
+                items.extend((value, doc) for value in outputs)
+            stop = None if what == "wait" else what
             if items or stop:
                 yield lane, Piece(st.emitted, items, stop)
                 st.emitted += 1
             mix.write(_MixLane([], stopped=True) if stop else st)
-
-    def _draw(self, lane: int, st: _MixLane) -> tuple[list[tuple[Any, DocId | None]], str | None]:
-        items: list[tuple[Any, DocId | None]] = []
-        policy = self._policy
-        while True:
-            if policy is None:
-                chosen: int | None = 0
-            else:
-                chosen = policy.choose(self._seed, lane, st.position, step=0, exhausted=st.exhausted)
-            if chosen is None:
-                return items, END
-            what, entry = st.queues[chosen].take()
-            if what == "wait":
-                return items, None
-            if what == TRUNCATED:
-                return items, self._truncated(lane, chosen)
-            if what == END:
-                if policy is None or policy.exhausted != "renormalize":
-                    return items, END
-                st.exhausted = sorted({*st.exhausted, chosen})
-                continue
-            st.position += 1
-            doc, result = entry
-            if not isinstance(result, Skipped):
-                items.extend((value, doc) for value in result)
-
-    def _truncated(self, lane: int, source: int) -> str:
-        if self._finite:
-            raise DataError(
-                f"{self._label}: lane {lane} drew past the {self._passes} pass(es) read of the "
-                f"endless source {self._sources[source]!r} before its finite input ended; read "
-                f"more passes (zephon materialize --passes)"
-            )
-        return TRUNCATED
 
 
 # -- stateless and stateful DoFns -----------------------------------------------------

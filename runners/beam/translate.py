@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import apache_beam as beam
 
 from zephon_flow.core.errors import UnsupportedTransformError
-from zephon_flow.runners.beam.order import MixStage, OrderedStage, StatelessStage
+from zephon_flow.runners.beam.order import MixDraw, MixStage, OrderedStage, StatelessStage
 from zephon_flow.runners.beam.read import DealtRead, ReadLane
 from zephon_flow.runners.beam.windows import AssembleStep, LaneWindows
 from zephon_flow.runners.dofns import StatefulInvoker, dofn_seed
@@ -88,12 +88,14 @@ def read_sources(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.
 def order_lanes(plan: Plan, chunks: beam.PCollection, how: Translation) -> beam.PCollection:
     """Phases *mix*, *back* and *assemble*: decoded chunks in any order to global batches."""
     mix = MixStage(
-        plan.mixer,
-        label=plan.mix_label or plan.sources[0].label,
-        seed=dofn_seed(how.seed, plan.mix_label or ""),
-        sources=[sp.label for sp in plan.sources],
-        finite=plan.finite,
-        passes=how.passes,
+        MixDraw(
+            plan.mixer,
+            label=plan.mix_label or plan.sources[0].label,
+            seed=dofn_seed(how.seed, plan.mix_label or ""),
+            sources=[sp.label for sp in plan.sources],
+            finite=plan.finite,
+            passes=how.passes,
+        )
     )
     pieces = chunks | "zephon/mix" >> beam.ParDo(mix).with_output_types(_Keyed)
     for stage in plan.back:
