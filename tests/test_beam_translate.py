@@ -20,7 +20,7 @@ from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest
 from zephon_flow.core.errors import DataError, StageError, UnsupportedTransformError
 from zephon_flow.engine.materialize import WriteSteps, materialize, read_materialized
-from zephon_flow.runners.beam import Translation, order_lanes, translate
+from zephon_flow.runners.beam import Translation, draws_at_step, order_lanes
 from zephon_flow.runners.beam.order import OrderedStage, Resequencer
 from zephon_flow.runners.beam.pieces import END, Piece
 from zephon_flow.runners.beam.read import DecodeChunk, ReadLane
@@ -103,18 +103,32 @@ def test_a_stateful_stage_sees_its_lane_in_order_whatever_the_arrival() -> None:
         list(stage.process((2, pieces[3]), state=cell))
 
 
-def test_a_mix_schedule_is_refused_by_name(corpus: Corpus) -> None:
+def test_what_cannot_be_ordered_is_refused_by_name_before_beam_runs(corpus: Corpus, tmp_path: Path) -> None:
     def build(p: beam.Pipeline) -> beam.PCollection:
         web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text")
         code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content")
-        return (web, code) | "blend" >> ops.Mix(schedule=[(0, [1, 0]), (5, [0, 1])])
+        return (web, code) | "union" >> beam.Flatten()
 
     spec = zf.LoaderSpec(build, lanes=2, global_batch_size=2)
     with pytest.raises(
         UnsupportedTransformError,
-        match=r"transform 'blend' \(Mix\): a schedule over steps cannot be translated",
+        match=r"transform 'union' \(Flatten\): Flatten gives no order; combine sources with ops.Mix",
     ):
-        translate(spec.compile(), beam.Pipeline(runner=FnApiRunner()), _how(spec))
+        materialize(spec, steps=2, out=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_only_a_mix_whose_draw_follows_the_step_runs_mix_and_back_as_one_stage(corpus: Corpus) -> None:
+    def spec_with(mix: ops.Mix) -> zf.LoaderSpec:
+        def build(p: beam.Pipeline) -> beam.PCollection:
+            web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text")
+            code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content")
+            return (web, code) | "mix" >> mix
+
+        return zf.LoaderSpec(build, lanes=2, global_batch_size=2)
+
+    assert not draws_at_step(spec_with(ops.Mix(weights=[1, 1])).compile())
+    assert draws_at_step(spec_with(ops.Mix(schedule=[(0, [1, 0]), (5, [0, 1])])).compile())
 
 
 def test_endless_sources_read_too_few_passes_name_the_option(corpus: Corpus, tmp_path: Path) -> None:

@@ -119,13 +119,19 @@ class GroupOfThree(beam.DoFn):  # type: ignore[misc]
         yield from self.release(held)
 
 
-def text_mix(corpus: Corpus, tmp: Path, *, epochs: int | None) -> zf.LoaderSpec:
-    """Two sources, Mix, tokenize, Pack, Shuffle (endless, or finite with a renormalising mix)."""
+def text_mix(corpus: Corpus, tmp: Path, *, epochs: int | None, schedule: bool = False) -> zf.LoaderSpec:
+    """Two sources, Mix, tokenize, Pack, Shuffle (endless, or finite with a renormalising mix;
+    with ``schedule``, weights moving from mostly web to mostly code over steps 0 to 6)."""
 
     def build(p: beam.Pipeline) -> beam.PCollection:
         web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text", split_bytes=500, epochs=epochs)
         code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content", epochs=epochs)
-        mix = ops.Mix(weights=[0.7, 0.3], exhausted="renormalize" if epochs else "stop")
+        exhausted = "renormalize" if epochs else "stop"
+        if schedule:
+            points = [(0, [0.95, 0.05]), (6, [0.05, 0.95])]
+            mix = ops.Mix(schedule=points, interpolation="linear", exhausted=exhausted)
+        else:
+            mix = ops.Mix(weights=[0.7, 0.3], exhausted=exhausted)
         docs = (web, code) | "mix" >> mix
         toks = docs | "tok" >> beam.ParDo(ops.Tokenize(corpus.tokenizer_json, append_eos=True))
         seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=16))
@@ -173,6 +179,8 @@ def skipping(corpus: Corpus, tmp: Path) -> zf.LoaderSpec:
 PIPELINES: dict[str, tuple[Callable[[Corpus, Path], zf.LoaderSpec], int]] = {
     "text mix": (lambda c, t: text_mix(c, t, epochs=None), 10),
     "text mix, finite": (lambda c, t: text_mix(c, t, epochs=1), 1000),
+    "text mix with a schedule": (lambda c, t: text_mix(c, t, epochs=None, schedule=True), 12),
+    "text mix with a schedule, finite": (lambda c, t: text_mix(c, t, epochs=1, schedule=True), 1000),
     "vlm": (vlm, 1000),
     "user stateful DoFn with timers": (user_timers, 1000),
     "bad records skipped": (skipping, 1000),

@@ -2,10 +2,10 @@
 
 from zephon_flow.runners.beam.translate import (
     Translation,
-    check_orderable,
+    draws_at_step,
     order_lanes,
     read_sources,
     translate,
 )
 
-__all__ = ["Translation", "check_orderable", "order_lanes", "read_sources", "translate"]
+__all__ = ["Translation", "draws_at_step", "order_lanes", "read_sources", "translate"]

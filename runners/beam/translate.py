@@ -1,13 +1,15 @@
 """Phases of the translation of a compiled ``Plan`` into a Beam pipeline that orders itself.
 
-``check_orderable`` refuses, up front and by name, what a Beam pipeline cannot reproduce;
-``translate`` lays the plan out on a ``beam.Pipeline``:
+What cannot be ordered never reaches a plan: the deterministic runner refuses it when the
+spec is compiled, naming the transform and why (``UnsupportedTransformError``), and every plan
+it compiles is translated. ``translate`` lays the plan out on a ``beam.Pipeline``:
 
     read:      per source, DealtRead: Create(lanes) -> ReadLane (dealt, chunked) -> Reshuffle
                -> DecodeChunk
     mix:       Flatten -> MixStage (keyed by lane, resequencing)
     back:      per stage from the first stateful one: OrderedStage (stateful, resequencing)
-               or StatelessStage
+               or StatelessStage; for a Mix with a schedule over steps, the mix and the back
+               are one LaneStage (the draw needs the back's progress)
     assemble:  LaneWindows (keyed by lane, resequencing) -> GroupByKey(step) -> AssembleStep
 
 and returns the PCollection of ``(step, global batch)``. Every keyed PCollection is typed
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 
-from zephon_flow.core.errors import UnsupportedTransformError
+from zephon_flow.runners.beam.fused import BackStage, LaneStage
 from zephon_flow.runners.beam.order import MixDraw, MixStage, OrderedStage, StatelessStage
 from zephon_flow.runners.beam.read import DealtRead, ReadLane
 from zephon_flow.runners.beam.windows import AssembleStep, LaneWindows
@@ -49,20 +51,17 @@ class Translation:
     chunk_records: int = 64
 
 
-def check_orderable(plan: Plan) -> None:
-    """Refuses what a translated pipeline cannot order, naming the transform and why."""
-    if plan.mixer is not None and len(plan.mixer.params()["schedule"]) > 1:
-        raise UnsupportedTransformError(
-            f"transform {plan.mix_label!r} (Mix): a schedule over steps cannot be translated to "
-            f"Beam: the lane draws each record at the step its ordered back has reached, a "
-            f"feedback from the batches to the mix that Beam stages cannot carry; give constant "
-            f"weights=[...], or run it with zf.Loader"
-        )
+def draws_at_step(plan: Plan) -> bool:
+    """Whether the plan's mix may draw differently at different steps: a schedule of several
+    points, or a mix other than ``ops.Mix`` (whose draw the translation cannot inspect)."""
+    if plan.mixer is None:
+        return False
+    schedule = plan.mixer.params().get("schedule")
+    return not isinstance(schedule, list) or len(schedule) > 1
 
 
 def translate(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.PCollection:
     """Lays ``plan`` out on ``pipeline``; returns the PCollection of ``(step, global batch)``."""
-    check_orderable(plan)
     return order_lanes(plan, read_sources(plan, pipeline, how), how)
 
 
@@ -87,23 +86,28 @@ def read_sources(plan: Plan, pipeline: beam.Pipeline, how: Translation) -> beam.
 
 def order_lanes(plan: Plan, chunks: beam.PCollection, how: Translation) -> beam.PCollection:
     """Phases *mix*, *back* and *assemble*: decoded chunks in any order to global batches."""
-    mix = MixStage(
-        MixDraw(
-            plan.mixer,
-            label=plan.mix_label or plan.sources[0].label,
-            seed=dofn_seed(how.seed, plan.mix_label or ""),
-            sources=[sp.label for sp in plan.sources],
-            finite=plan.finite,
-            passes=how.passes,
-        )
+    draw = MixDraw(
+        plan.mixer,
+        label=plan.mix_label or plan.sources[0].label,
+        seed=dofn_seed(how.seed, plan.mix_label or ""),
+        sources=[sp.label for sp in plan.sources],
+        finite=plan.finite,
+        passes=how.passes,
     )
-    pieces = chunks | "zephon/mix" >> beam.ParDo(mix).with_output_types(_Keyed)
-    for stage in plan.back:
-        if isinstance(stage, StatefulInvoker):
-            dofn: beam.DoFn = OrderedStage(stage.label, stage.dofn, seed=stage.seed)
-        else:
-            dofn = StatelessStage(stage)
-        pieces = pieces | f"zephon/{stage.label}" >> beam.ParDo(dofn).with_output_types(_Keyed)
+    if draws_at_step(plan):  # the draw needs the back's progress: one stage for both
+        back: list[BackStage] = [
+            (s.label, s.dofn, s.seed) if isinstance(s, StatefulInvoker) else s for s in plan.back
+        ]
+        lane_stage = LaneStage(draw, back, per_lane=how.per_lane)
+        pieces = chunks | "zephon/lanes" >> beam.ParDo(lane_stage).with_output_types(_Keyed)
+    else:
+        pieces = chunks | "zephon/mix" >> beam.ParDo(MixStage(draw)).with_output_types(_Keyed)
+        for stage in plan.back:
+            if isinstance(stage, StatefulInvoker):
+                dofn: beam.DoFn = OrderedStage(stage.label, stage.dofn, seed=stage.seed)
+            else:
+                dofn = StatelessStage(stage)
+            pieces = pieces | f"zephon/{stage.label}" >> beam.ParDo(dofn).with_output_types(_Keyed)
     padding = plan.padding_sample() if plan.finite else None
     assemble = AssembleStep(lanes=how.lanes, per_lane=how.per_lane, finite=plan.finite, padding=padding)
     return (
