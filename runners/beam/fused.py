@@ -20,7 +20,7 @@ from apache_beam.coders import PickleCoder
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
 from zephon_flow.core.markers import DocId
-from zephon_flow.runners.beam.order import MixDraw, _MixLane
+from zephon_flow.runners.beam.mix import MixDraw, MixLane
 from zephon_flow.runners.beam.pieces import END, Piece, SourceChunk
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, StatelessInvoker, dofn_errors
 
@@ -31,7 +31,7 @@ BackStage = StatelessInvoker | tuple[str, beam.DoFn, int]
 
 @dataclass
 class _Lane:
-    mix: _MixLane
+    mix: MixLane
     stages: dict[str, tuple[dict[str, Any], dict[str, int], int]] = field(default_factory=dict)
     outputs: int = 0  # the back's outputs so far: the lane's step is outputs // (B/L)
     emitted: int = 0
@@ -91,7 +91,7 @@ class LaneStage(beam.DoFn):  # type: ignore[misc]
                 yield lane, Piece(st.emitted, out, stop)
                 st.emitted += 1
             st.stages = {label: (u.values, u.timers, u.position) for label, u in users.items()}
-            state.write(_Lane(_MixLane([], stopped=True)) if stop else st)
+            state.write(_Lane(MixLane([], stopped=True)) if stop else st)
 
     def _push(
         self,

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import apache_beam as beam
 
 from zephon_flow.runners.beam.fused import BackStage, LaneStage
-from zephon_flow.runners.beam.order import MixDraw, MixStage, OrderedStage, StatelessStage
+from zephon_flow.runners.beam.mix import MixDraw, MixStage
+from zephon_flow.runners.beam.order import OrderedStage, StatelessStage
 from zephon_flow.runners.beam.read import DealtRead, ReadLane
 from zephon_flow.runners.beam.windows import AssembleStep, LaneWindows
 from zephon_flow.runners.dofns import StatefulInvoker, dofn_seed
