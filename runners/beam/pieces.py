@@ -12,7 +12,10 @@ of passes: the stream is a prefix, and nothing that waits for an end may fire).
 
 from __future__ import annotations
 
+import typing
 from typing import Any, NamedTuple
+
+from apache_beam import coders
 
 from zephon_flow.core.markers import DocId
 
@@ -42,3 +45,23 @@ class Piece(NamedTuple):
     seq: int
     items: list[tuple[Any, DocId | None]]
     stop: str | None
+
+
+class LaneWindow(NamedTuple):
+    """Lane ``lane``'s window of one step: its samples, and the layout of its first sample."""
+
+    lane: int
+    samples: list[Any]
+    layout: Any  # SampleLayout | None
+
+
+# Each travels as one pickle (protocol 5: numpy buffers copied whole), not field by field: Beam's
+# default coder for ``Any`` would pickle every numpy array of every sample on its own.
+for _kind in (SourceChunk, Piece, LaneWindow):
+    coders.registry.register_coder(_kind, coders.PickleCoder)
+
+#: The element types, ``(key, value)``, in the form Beam reads (``typing.Tuple``): the key, a
+#: lane or a step, is an int, encoded deterministically.
+KeyedChunk = typing.Tuple[int, SourceChunk]  # noqa: UP006
+KeyedPiece = typing.Tuple[int, Piece]  # noqa: UP006
+KeyedWindow = typing.Tuple[int, LaneWindow]  # noqa: UP006

@@ -9,7 +9,6 @@ stateless, so Beam may run chunks anywhere and in any order: the mix restores la
 
 from __future__ import annotations
 
-import typing
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +16,7 @@ import apache_beam as beam
 
 from zephon_flow.core.markers import DocId
 from zephon_flow.core.source import Record, Source
-from zephon_flow.runners.beam.pieces import END, TRUNCATED, SourceChunk
+from zephon_flow.runners.beam.pieces import END, TRUNCATED, KeyedChunk, SourceChunk
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment, RecordResult, Skipped
 from zephon_flow.runners.streams import CHUNK_BYTES, ReadSkip, SourceReader
 
@@ -33,13 +32,12 @@ class DealtRead(beam.PTransform):  # type: ignore[misc]
         self._read, self._segment, self._lanes = read, segment, lanes
 
     def expand(self, pbegin: Any) -> Any:
-        keyed = typing.Tuple[int, typing.Any]  # noqa: UP006 (Beam reads typing's form)
         return (
             pbegin
             | "lanes" >> beam.Create(list(range(self._lanes))).with_output_types(int)
-            | "read" >> beam.ParDo(self._read).with_output_types(keyed)
+            | "read" >> beam.ParDo(self._read).with_output_types(KeyedChunk)
             | "spread" >> beam.Reshuffle()
-            | "front" >> beam.ParDo(DecodeChunk(self._segment)).with_output_types(keyed)
+            | "front" >> beam.ParDo(DecodeChunk(self._segment)).with_output_types(KeyedChunk)
         )
 
 

@@ -27,6 +27,7 @@ import apache_beam as beam
 from zephon_flow.runners.beam.fused import BackStage, LaneStage
 from zephon_flow.runners.beam.mix import MixDraw, MixStage
 from zephon_flow.runners.beam.order import OrderedStage, StatelessStage
+from zephon_flow.runners.beam.pieces import KeyedPiece, KeyedWindow
 from zephon_flow.runners.beam.read import DealtRead, ReadLane
 from zephon_flow.runners.beam.windows import AssembleStep, LaneWindows
 from zephon_flow.runners.dofns import StatefulInvoker, dofn_seed
@@ -100,20 +101,20 @@ def order_lanes(plan: Plan, chunks: beam.PCollection, how: Translation) -> beam.
             (s.label, s.dofn, s.seed) if isinstance(s, StatefulInvoker) else s for s in plan.back
         ]
         lane_stage = LaneStage(draw, back, per_lane=how.per_lane)
-        pieces = chunks | "zephon/lanes" >> beam.ParDo(lane_stage).with_output_types(_Keyed)
+        pieces = chunks | "zephon/lanes" >> beam.ParDo(lane_stage).with_output_types(KeyedPiece)
     else:
-        pieces = chunks | "zephon/mix" >> beam.ParDo(MixStage(draw)).with_output_types(_Keyed)
+        pieces = chunks | "zephon/mix" >> beam.ParDo(MixStage(draw)).with_output_types(KeyedPiece)
         for stage in plan.back:
             if isinstance(stage, StatefulInvoker):
                 dofn: beam.DoFn = OrderedStage(stage.label, stage.dofn, seed=stage.seed)
             else:
                 dofn = StatelessStage(stage)
-            pieces = pieces | f"zephon/{stage.label}" >> beam.ParDo(dofn).with_output_types(_Keyed)
+            pieces = pieces | f"zephon/{stage.label}" >> beam.ParDo(dofn).with_output_types(KeyedPiece)
     padding = plan.padding_sample() if plan.finite else None
     assemble = AssembleStep(lanes=how.lanes, per_lane=how.per_lane, finite=plan.finite, padding=padding)
     return (
         pieces
-        | "zephon/windows" >> beam.ParDo(LaneWindows(how.per_lane)).with_output_types(_Keyed)
+        | "zephon/windows" >> beam.ParDo(LaneWindows(how.per_lane)).with_output_types(KeyedWindow)
         | "zephon/by step" >> beam.GroupByKey()
         | "zephon/assemble" >> beam.ParDo(assemble).with_output_types(_Keyed)
     )

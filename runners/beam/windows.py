@@ -22,10 +22,7 @@ from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 from zephon_flow.core.batches import Batch, SampleLayout, stack, with_valid
 from zephon_flow.core.errors import StageError
 from zephon_flow.runners.beam.order import Resequencer
-from zephon_flow.runners.beam.pieces import END, Piece
-
-#: What a lane contributes to a step: (lane, its window's samples, the layout of its first sample).
-Window = tuple[int, list[Any], SampleLayout | None]
+from zephon_flow.runners.beam.pieces import END, LaneWindow, Piece
 
 
 @dataclass
@@ -38,7 +35,7 @@ class _WindowLane:
 
 
 class LaneWindows(beam.DoFn):  # type: ignore[misc]
-    """``(lane, Piece) -> (step, Window)``: full windows as they fill; at a finite input's end,
+    """``(lane, Piece) -> (step, LaneWindow)``: full windows as they fill; at a finite input's end,
     the last partial one. A truncated lane's partial window is dropped (its step is not whole)."""
 
     STATE = ReadModifyWriteStateSpec("zephon_windows", PickleCoder())
@@ -49,7 +46,7 @@ class LaneWindows(beam.DoFn):  # type: ignore[misc]
 
     def process(
         self, element: tuple[int, Piece], state: Any = beam.DoFn.StateParam(STATE)
-    ) -> Iterator[tuple[int, Window]]:
+    ) -> Iterator[tuple[int, LaneWindow]]:
         lane, piece = element
         st: _WindowLane | None = state.read()
         if st is None:
@@ -60,10 +57,10 @@ class LaneWindows(beam.DoFn):  # type: ignore[misc]
                     st.layout, st.seen = SampleLayout.of(value), True
                 st.partial.append(value)
                 if len(st.partial) == self._per_lane:
-                    yield st.step, (lane, st.partial, st.layout)
+                    yield st.step, LaneWindow(lane, st.partial, st.layout)
                     st.step, st.partial = st.step + 1, []
             if ready.stop == END and st.partial:
-                yield st.step, (lane, st.partial, st.layout)
+                yield st.step, LaneWindow(lane, st.partial, st.layout)
                 st.partial = []
         state.write(st)
 
@@ -75,7 +72,7 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
         super().__init__()
         self._lanes, self._per_lane, self._finite, self._padding = lanes, per_lane, finite, padding
 
-    def process(self, element: tuple[int, Iterable[Window]]) -> Iterator[tuple[int, Batch]]:
+    def process(self, element: tuple[int, Iterable[LaneWindow]]) -> Iterator[tuple[int, Batch]]:
         step, windows = element
         by_lane = {lane: (samples, layout) for lane, samples, layout in windows}
         where = f"global batch {step}"
