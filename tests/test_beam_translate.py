@@ -47,11 +47,29 @@ def test_resequencer_releases_runs_in_order_and_refuses_duplicates() -> None:
         list(order.put(1, "again", where="lane 5"))
 
 
-def test_chunks_arriving_in_any_order_give_the_loaders_batches(corpus: Corpus, tmp_path: Path) -> None:
-    # Read and decode every lane's chunks here, then hand them to Beam shuffled: the mix must
-    # restore each source's order per lane by itself.
-    spec = example_spec(corpus)
+def _scheduled(corpus: Corpus) -> zf.LoaderSpec:
+    """The example pipeline with a mix whose weights move over steps (one LaneStage per lane)."""
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        web = p | "web" >> ops.ReadJsonl(corpus.web_jsonl, field="text", split_bytes=500)
+        code = p | "code" >> ops.ReadParquet(corpus.code_parquet, column="content")
+        docs = (web, code) | "mix" >> ops.Mix(schedule=[(0, [0.9, 0.1]), (4, [0.1, 0.9])])
+        toks = docs | "tok" >> beam.ParDo(ops.Tokenize(corpus.tokenizer_json))
+        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=16))
+        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=4))
+
+    return zf.LoaderSpec(build, lanes=4, global_batch_size=12)
+
+
+@pytest.mark.parametrize("mix", ["constant weights", "a schedule"])
+def test_chunks_arriving_in_any_order_give_the_loaders_batches(
+    mix: str, corpus: Corpus, tmp_path: Path
+) -> None:
+    # Read and decode every lane's chunks here, then hand them to Beam shuffled: the mix (its
+    # own stage, or one LaneStage with the back) must restore each source's order per lane.
+    spec = example_spec(corpus) if mix == "constant weights" else _scheduled(corpus)
     plan, how = spec.compile(), _how(spec)
+    assert draws_at_step(plan) == (mix == "a schedule")
     decode = DecodeChunk(plan.front_segment())
     chunks = [
         decoded
