@@ -14,6 +14,7 @@ from typing import Any
 
 import apache_beam as beam
 import numpy as np
+import pytest
 from apache_beam.coders import PickleCoder
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from apache_beam.testing.util import assert_that, equal_to
@@ -26,9 +27,11 @@ from apache_beam.transforms.userstate import (
     TimerSpec,
     on_timer,
 )
+from apache_beam.transforms.window import TimestampedValue
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 from helpers import Corpus
 
+import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, StatelessInvoker
 
@@ -120,6 +123,29 @@ def test_best_fit_pack_with_labels_matches_beam() -> None:
         return tuple(sample[k].tobytes() for k in sorted(sample))
 
     _beams(pack(), docs, as_key=as_key)
+
+
+def test_keyed_shuffle_runs_on_beam_with_its_own_seed() -> None:
+    # Called by Beam directly, zf.SeedParam resolves to Shuffle(seed=...); each element's
+    # timestamp is its position, as the deterministic runner gives it.
+    inputs = list(range(40))
+    ours = _ours(ops.Shuffle(buffer=6), inputs)  # _ours runs it with seed 0
+    assert sorted(ours) == inputs and ours != inputs
+
+    def positioned(_: Any) -> list[Any]:
+        return [TimestampedValue((0, v), i) for i, v in enumerate(inputs)]
+
+    with beam.Pipeline(runner=FnApiRunner()) as p:
+        out = p | beam.Create([None]) | beam.FlatMap(positioned) | beam.ParDo(ops.Shuffle(buffer=6, seed=0))
+        assert_that(out, equal_to(ours))
+
+
+def test_a_seed_param_without_a_seed_is_refused_on_beam() -> None:
+    refused = r"Shuffle: zf.SeedParam has no seed on this runner .*construct it with seed=<int>, or run the pipeline through zephon materialize"
+    with pytest.raises(zf.SpecError, match=refused), beam.Pipeline(runner=FnApiRunner()) as p:
+        _ = p | beam.Create([(0, 1)] * 3) | beam.ParDo(ops.Shuffle(buffer=1))
+    with pytest.raises(zf.SpecError, match="Shuffle: seed must be an integer or None, got '7'"):
+        ops.Shuffle(buffer=2, seed="7")  # type: ignore[arg-type]
 
 
 def _words(text: str) -> list[str]:

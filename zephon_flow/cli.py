@@ -135,6 +135,19 @@ def _digest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _materialize(args: argparse.Namespace) -> int:
+    from zephon_flow.engine.materialize import materialize
+
+    spec = load_spec(args.target)
+    done = materialize(
+        spec, steps=args.steps, out=args.out, runner=args.runner, beam_args=args.beam_args, passes=args.passes
+    )
+    print(
+        f"wrote steps 0..{done.steps - 1} to {done.out}" + (" (the finite input ended)" if done.ended else "")
+    )
+    return 0
+
+
 def _bar(args: argparse.Namespace) -> bool | None:
     """Progress bars: on a terminal unless ``--no-progress``."""
     return False if getattr(args, "no_progress", False) else None
@@ -398,6 +411,19 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=BACKENDS, default="processes")
     m.add_argument("--workers", type=int, default=2)
 
+    z = add_command(
+        sub,
+        "materialize",
+        _materialize,
+        "run the pipeline through Beam and write global batches 0..N-1 as Parquet "
+        "(other options are Beam pipeline options)",
+    )
+    z.add_argument("target", metavar="MODULE:SPEC")
+    z.add_argument("--steps", type=int, required=True)
+    z.add_argument("--out", required=True, metavar="DIR", help="an empty folder: DIR/step-<step>.parquet")
+    z.add_argument("--runner", default="FnApiRunner", help="a Beam runner's name (default FnApiRunner)")
+    z.add_argument("--passes", type=int, default=1, help="passes of each endless source to read (default 1)")
+
     s = add_command(sub, "serve", _serve, "serve every rank its slice of each global batch over gRPC")
     s.add_argument("target", metavar="MODULE:SPEC")
     s.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on start)")
@@ -484,7 +510,10 @@ def configure_logging(level: str, *, verbose: bool) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one command; returns its exit code (argparse exits 2 itself on bad arguments)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "materialize":  # only materialize passes options on (to Beam)
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.beam_args = extra
     verbose = bool(getattr(args, "verbose", False))
     configure_logging(getattr(args, "log_level", None) or "INFO", verbose=verbose)
     try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from zephon_flow.core.errors import SpecError
+
 
 class _SeedParam:
     """Default-value marker: the runner passes the DoFn's seed (spec seed mixed with its label)."""
@@ -18,6 +20,26 @@ class _SeedParam:
 
 #: Declare ``seed=zf.SeedParam`` in a stateful DoFn's ``process`` to receive its seed.
 SeedParam: Any = _SeedParam()
+
+
+def resolve_seed(seed: Any, dofn: Any) -> int:
+    """The seed a DoFn that declared ``seed=zf.SeedParam`` was given, on any runner.
+
+    zephon-flow's runner and its Beam translation pass an int (the spec's seed mixed with the
+    transform's label). A Beam runner calling the DoFn directly passes the marker itself,
+    which resolves to the DoFn's own ``seed`` attribute (``Shuffle(buffer, seed=7)``); without
+    one it is refused, naming the DoFn and both ways out.
+    """
+    if not isinstance(seed, _SeedParam):
+        return int(seed)
+    own = getattr(dofn, "seed", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own
+    raise SpecError(
+        f"{type(dofn).__name__}: zf.SeedParam has no seed on this runner (a Beam runner calling "
+        f"the DoFn directly); construct it with seed=<int>, or run the pipeline through "
+        f"zephon materialize / GlobalBatches, which give every stateful DoFn its seed"
+    )
 
 
 class _ProvenanceParam:

@@ -1,0 +1,114 @@
+"""The end of a translated pipeline: each lane's outputs cut into windows, then global batches.
+
+``LaneWindows`` (keyed by lane, ordered like every stage) numbers the lane's outputs and emits
+window ``b`` (outputs ``[b*B/L, (b+1)*B/L)``) keyed by the step ``b``; ``AssembleStep`` gets all
+lanes' windows of a step after a ``GroupByKey`` and concatenates them in lane order, as the
+embedded ``Loader`` does for a rank holding every lane: an endless pipeline's step exists when
+every lane filled its window; a finite one's while any lane has a real sample, the rest padded
+and marked in ``valid``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+from apache_beam.coders import PickleCoder
+from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
+
+from zephon_flow.core.batches import Batch, SampleLayout, stack, with_valid
+from zephon_flow.core.errors import StageError
+from zephon_flow.runners.beam.order import Resequencer
+from zephon_flow.runners.beam.pieces import END, LaneWindow, Piece
+
+
+@dataclass
+class _WindowLane:
+    order: Resequencer[Piece] = field(default_factory=Resequencer)
+    step: int = 0
+    partial: list[Any] = field(default_factory=list)
+    layout: SampleLayout | None = None
+    seen: bool = False
+
+
+class LaneWindows(beam.DoFn):  # type: ignore[misc]
+    """``(lane, Piece) -> (step, LaneWindow)``: full windows as they fill; at a finite input's end,
+    the last partial one. A truncated lane's partial window is dropped (its step is not whole)."""
+
+    STATE = ReadModifyWriteStateSpec("zephon_windows", PickleCoder())
+
+    def __init__(self, per_lane: int) -> None:
+        super().__init__()
+        self._per_lane = per_lane
+
+    def process(
+        self, element: tuple[int, Piece], state: Any = beam.DoFn.StateParam(STATE)
+    ) -> Iterator[tuple[int, LaneWindow]]:
+        lane, piece = element
+        st: _WindowLane | None = state.read()
+        if st is None:
+            st = _WindowLane()
+        for ready in st.order.put(piece.seq, piece, where=f"windows: lane {lane}"):
+            for value, _ in ready.items:
+                if not st.seen:
+                    st.layout, st.seen = SampleLayout.of(value), True
+                st.partial.append(value)
+                if len(st.partial) == self._per_lane:
+                    yield st.step, LaneWindow(lane, st.partial, st.layout)
+                    st.step, st.partial = st.step + 1, []
+            if ready.stop == END and st.partial:
+                yield st.step, LaneWindow(lane, st.partial, st.layout)
+                st.partial = []
+        state.write(st)
+
+
+class AssembleStep(beam.DoFn):  # type: ignore[misc]
+    """``(step, windows) -> (step, global batch)``, the lanes' windows in lane order."""
+
+    def __init__(self, *, lanes: int, per_lane: int, finite: bool, padding: Any) -> None:
+        super().__init__()
+        self._lanes, self._per_lane, self._finite, self._padding = lanes, per_lane, finite, padding
+
+    def process(self, element: tuple[int, Iterable[LaneWindow]]) -> Iterator[tuple[int, Batch]]:
+        step, windows = element
+        by_lane = {lane: (samples, layout) for lane, samples, layout in windows}
+        where = f"global batch {step}"
+        if not self._finite:
+            # Past the passes read some lane's window is not whole: that step is not made.
+            if len(by_lane) == self._lanes and all(len(s) == self._per_lane for s, _ in by_lane.values()):
+                yield step, stack([v for lane in range(self._lanes) for v in by_lane[lane][0]], where=where)
+        else:
+            yield step, self._padded(step, by_lane, where)
+
+    def _padded(self, step: int, by_lane: dict[int, tuple[list[Any], Any]], where: str) -> Batch:
+        samples: list[Any] = []
+        valid = np.zeros(self._per_lane * self._lanes, dtype=bool)
+        for lane in range(self._lanes):
+            window, layout = by_lane.get(lane, ([], None))
+            valid[lane * self._per_lane : lane * self._per_lane + len(window)] = True
+            samples += window
+            if len(window) < self._per_lane:
+                samples += [self._pad(lane, layout, by_lane, where)] * (self._per_lane - len(window))
+        return with_valid(stack(samples, where=where), valid, where=where)
+
+    def _pad(
+        self, lane: int, layout: SampleLayout | None, by_lane: dict[int, tuple[list[Any], Any]], where: str
+    ) -> Any:
+        """As the Loader pads: the declared padding sample, else zeros laid out like the lane's
+        first sample, else like a real sample of this batch."""
+        if self._padding is not None:
+            return self._padding
+        if layout is None:
+            layout = next(
+                (ly for w, _ in by_lane.values() if w for ly in [SampleLayout.of(w[0])] if ly), None
+            )
+        if layout is None:
+            raise StageError(
+                f"{where}: lane {lane} must be padded (its finite input has ended) but no sample "
+                f"shows the layout to pad with; give the pipeline's last operator a "
+                f"padding_sample() method returning one padding sample"
+            )
+        return layout.zeros()
