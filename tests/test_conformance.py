@@ -69,10 +69,39 @@ def _importable_tests() -> Iterator[None]:
 #: Passes of endless sources the Beam modes read: more than the steps below need.
 PASSES = 6
 
+
+def _owners(owners: int, world_size: int) -> Mode:
+    """Lanes on ``owners`` Ray lane owners, read by ``world_size`` ranks in step (as trainers
+    would), their rows put back together into global batches."""
+
+    def run(spec: zf.LoaderSpec, steps: int, tmp: Path) -> Digests:
+        from zephon_flow.cluster import OwnedLoader
+
+        out: Digests = []
+        with contextlib.ExitStack() as stack:
+            loaders = [
+                stack.enter_context(OwnedLoader(spec, lane_owners=owners, rank=r, world_size=world_size))
+                for r in range(world_size)
+            ]
+            iters = [iter(ld) for ld in loaders]
+            for _ in range(steps):
+                parts = [next(it, None) for it in iters]
+                if parts[0] is None:
+                    assert all(p is None for p in parts), "ranks disagree on the end"
+                    break
+                batches = [p[1] for p in parts if p is not None]
+                out.append(batch_digest({k: np.concatenate([b[k] for b in batches]) for k in batches[0]}))
+        return out
+
+    return run
+
+
 MODES: dict[str, Mode] = {
     "inline": _loader("inline"),
     "threads": _loader("threads", workers=2),
     "processes": _loader("processes", workers=2),
+    "ray": _loader("ray", workers=2),
+    "lane owners x2, 2 ranks": _owners(2, world_size=2),
     "beam FnApiRunner": _beam("FnApiRunner"),
     "beam FnApiRunner x2 processes": _beam(
         "FnApiRunner", "--direct_num_workers=2", "--direct_running_mode=multi_processing"
@@ -197,6 +226,25 @@ def references(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> dict
     return out
 
 
+#: Modes that run on Ray: they share one local Ray for the module.
+RAY_MODES = {"ray", "lane owners x2, 2 ranks"}
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[None]:
+    """One local Ray on loopback (2 CPUs) for the Ray modes, shut down after the module."""
+    ray = pytest.importorskip("ray")
+    from zephon_flow.runners.ray_env import connect
+
+    with _importable_tests():  # Ray's workers import the suite's DoFns by module name
+        started = connect("the conformance suite", None, num_cpus=2)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
 def test_reference_runs_are_real(references: dict[str, Any]) -> None:
     # Endless pipelines give every step asked for; finite ones end on their own, after a few.
     for name, (_, steps, digests) in references.items():
@@ -213,7 +261,9 @@ def test_reference_runs_are_real(references: dict[str, Any]) -> None:
 )
 @pytest.mark.parametrize("pipeline", list(PIPELINES))
 def test_same_batches_on_every_mode(
-    pipeline: str, mode: str, references: dict[str, Any], tmp_path: Path
+    pipeline: str, mode: str, references: dict[str, Any], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     spec, steps, expected = references[pipeline]
+    if mode in RAY_MODES:
+        request.getfixturevalue("ray_session")
     assert MODES[mode](spec, steps, tmp_path) == expected
