@@ -364,6 +364,7 @@ def test_a_finite_pass_ends_at_the_loaders_step_with_the_same_padding(
     assert got == reference
 
 
+@pytest.mark.slow
 def test_closing_the_last_loader_frees_the_name_for_the_next_run(
     ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
 ) -> None:
