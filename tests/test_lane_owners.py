@@ -364,6 +364,7 @@ def test_a_finite_pass_ends_at_the_loaders_step_with_the_same_padding(
     assert got == reference
 
 
+@pytest.mark.slow
 def test_closing_the_last_loader_frees_the_name_for_the_next_run(
     ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
 ) -> None:
@@ -374,3 +375,37 @@ def test_closing_the_last_loader_frees_the_name_for_the_next_run(
                 :2
             ]
             assert len(loader.table.lanes) == owners
+
+
+# -- scale on paper ----------------------------------------------------------------------------
+@pytest.mark.parametrize(("lanes", "owners", "ranks"), [(16, 4, 8), (12, 5, 8), (8, 3, 24), (6, 6, 4)])
+def test_scale_simulation_follows_its_formulas(tmp_path: Any, lanes: int, owners: int, ranks: int) -> None:
+    from bench.scale_sim import formulas, simulate
+
+    point = simulate(
+        lanes=lanes,
+        owners=owners,
+        ranks=ranks,
+        snapshot_every=4,
+        steps=16,
+        lane_state_bytes=64,
+        root=str(tmp_path),
+    )
+    expected = formulas(lanes=lanes, owners=owners, ranks=ranks, snapshot_every=4, lane_state_bytes=64)
+    assert point.fetches_per_step == expected["fetches_per_step"]
+    assert point.coordinator_messages_per_step == expected["coordinator_messages_per_step"]
+    assert point.coordinator_bytes_per_step == expected["coordinator_bytes_per_step"]
+    assert point.checkpoint_bytes > lanes * 64  # every lane's state, gathered from every owner
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 12])
+def test_readers_of_agrees_with_the_rank_slices(spec: zf.LoaderSpec, world_size: int) -> None:
+    for owners in range(1, LANES + 1):
+        for group in plan_owners(LANES, owners):
+            slices = [
+                RankSlice(rank=r, world_size=world_size, lanes=LANES, global_batch_size=BATCH)
+                for r in range(world_size)
+            ]
+            assert readers_of(group, spec, world_size) == [
+                s.rank for s in slices if set(group) & set(s.lane_ids)
+            ]
