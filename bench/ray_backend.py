@@ -70,7 +70,7 @@ def make_data(root: Path, documents: int) -> tuple[str, str]:
     return str(docs), str(tokenizer)
 
 
-def summarise(ids: np.ndarray) -> dict[str, np.ndarray]:
+def summarise(ids: np.ndarray) -> dict[str, np.int64]:
     return {"tokens": np.int64(len(ids)), "total": np.int64(ids.sum())}
 
 
