@@ -316,3 +316,20 @@ def test_a_record_that_kills_every_actor_fails_naming_lane_and_records(
     assert "killed 3 Ray actors in a row" in text
     assert text.count("died (") == 3
     assert "lane " in text and "docs40.jsonl byte" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_bench_measures_both_backends_on_the_same_batches(
+    tmp_path: Path, ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from bench import ray_backend as bench
+
+    spec = bench.make_spec(*bench.make_data(tmp_path, 300))
+    results = bench.measure(spec, steps=4, workers=1, chunks=[16], repeats=1)
+    row = results["16"]
+    assert row["digests_equal"] is True
+    assert row["processes"]["docs_per_cpu_s"] > 0 and row["ray"]["docs_per_cpu_s"] > 0
+    assert row["ray_over_processes"] == row["ray"]["docs_per_cpu_s"] / row["processes"]["docs_per_cpu_s"]
+    assert "| 16 |" in bench.render(results, 1)
