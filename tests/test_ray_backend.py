@@ -17,6 +17,7 @@ import apache_beam as beam
 import numpy as np
 import pytest
 from helpers import Corpus, chain_spec, example_spec, run_batches, write_jsonl
+from service_helpers import rank_digests
 
 import zephon_flow as zf
 from zephon_flow.cli import main
@@ -25,6 +26,7 @@ from zephon_flow.core.errors import ChunkTimeoutError, SpecError, StageError, Wo
 from zephon_flow.engine.simulate import global_batches
 from zephon_flow.runners.backends import BACKENDS, RayBackend
 from zephon_flow.runners.ray_env import RayUnavailableError
+from zephon_flow.service.server import BatchServer
 
 ray = pytest.importorskip("ray")
 
@@ -188,13 +190,11 @@ def test_text_pipeline_batches_equal_inline_and_resume_a_processes_checkpoint(
 ) -> None:
     spec = example_spec(corpus)
     expected = _digests(run_batches(spec, steps=8))
-    # All lanes under ray, two actors; the cluster is the fixture's and stays up afterwards.
-    assert _digests(run_batches(spec, steps=8, backend="ray", workers=2)) == expected
-    assert ray.is_initialized()
     # Two ranks' loaders at once in this process, each with two actors, on the 2 CPUs: they share
-    # the Ray and neither waits for the other's actors to go.
+    # the fixture's Ray (and leave it running), and neither waits for the other's actors to go.
     both = global_batches(spec, steps=8, world_size=2, backend="ray", workers=2)
     assert [batch_digest(batch) for _, batch in both] == expected
+    assert ray.is_initialized()
     # A checkpoint taken under processes continues under ray, byte for byte.
     with zf.Loader(spec, backend="processes", workers=2) as loader:
         for step, _ in loader:
@@ -204,6 +204,22 @@ def test_text_pipeline_batches_equal_inline_and_resume_a_processes_checkpoint(
     with zf.Loader(spec, backend="ray", workers=2, state=state) as loader:
         resumed = [(step, batch_digest(batch)) for step, batch in itertools.islice(loader, 4)]
     assert resumed == list(enumerate(expected))[4:]
+
+
+@pytest.mark.timeout(120)
+def test_the_server_on_ray_serves_each_rank_the_embedded_loaders_rows(
+    corpus: Corpus, ray_cluster: None
+) -> None:
+    spec = example_spec(corpus)
+    srv = BatchServer(spec, backend="ray", workers=2, window=4).start()
+    try:
+        for rank in (0, 1):
+            with zf.Client(f"127.0.0.1:{srv.port}", rank, 2) as client:
+                got = [(step, batch_digest(batch)) for step, batch in itertools.islice(client, 4)]
+            assert got == rank_digests(spec, rank, 2, 4)
+    finally:
+        srv.stop(grace=None)
+    assert ray.is_initialized()  # the fixture's Ray: joined, not shut down
 
 
 @pytest.mark.timeout(120)
@@ -316,3 +332,20 @@ def test_a_record_that_kills_every_actor_fails_naming_lane_and_records(
     assert "killed 3 Ray actors in a row" in text
     assert text.count("died (") == 3
     assert "lane " in text and "docs40.jsonl byte" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_bench_measures_both_backends_on_the_same_batches(
+    tmp_path: Path, ray_cluster: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
+    from bench import ray_backend as bench
+
+    spec = bench.make_spec(*bench.make_data(tmp_path, 300))
+    results = bench.measure(spec, steps=4, workers=1, chunks=[16], repeats=1)
+    row = results["16"]
+    assert row["digests_equal"] is True
+    assert row["processes"]["docs_per_cpu_s"] > 0 and row["ray"]["docs_per_cpu_s"] > 0
+    assert row["ray_over_processes"] == row["ray"]["docs_per_cpu_s"] / row["processes"]["docs_per_cpu_s"]
+    assert "| 16 |" in bench.render(results, 1)

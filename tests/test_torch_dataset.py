@@ -135,7 +135,7 @@ def test_bad_states_are_refused_with_a_reason(corpus: Corpus) -> None:
 
 def test_options_are_checked_up_front(corpus: Corpus) -> None:
     with pytest.raises(
-        SpecError, match=r"from_loader: backend must be one of inline, threads, processes, got 'gpu'"
+        SpecError, match=r"from_loader: backend must be one of inline, threads, processes, ray, got 'gpu'"
     ):
         ZephonDataset.from_loader(spec_of(corpus), backend="gpu")
     with pytest.raises(SpecError, match=r"from_loader: workers must be a positive integer, got 0"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import queue
 import sys
 import threading
@@ -36,6 +37,7 @@ CLOSE_GRACE = 1.0
 #: Seconds a chunk may wait for an actor that does not answer a probe (still starting, or
 #: wedged in code that holds the GIL) beyond ``chunk_timeout`` before the actor is killed.
 UNANSWERED_GRACE = 30.0
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 class _FrontActor:
@@ -58,11 +60,15 @@ class _FrontActor:
     def _report(self, stage: int, first: int, last: int) -> None:
         self._where = (stage, first, last)
 
-    def run(self, bundle: list[tuple[int, Chunk]]) -> tuple[bool, int, list[ChunkResult]]:
-        """(the segment loaded, this actor's pid, each chunk's result, in order)."""
+    def run(self, sent: bytes) -> tuple[bool, int, bytes]:
+        """(the segment loaded, this actor's pid, each chunk's result in order, pickled).
+
+        Chunks and results travel as one pickle each way: Ray's serialiser costs more per
+        object than the standard pickler does on lists of small values."""
         if self._segment is None:
             assert self._load_error is not None
-            return False, os.getpid(), [self._load_error]
+            return False, os.getpid(), pickle.dumps([self._load_error], _PROTOCOL)
+        bundle: list[tuple[int, Chunk]] = pickle.loads(sent)
         results: list[ChunkResult] = []
         try:
             for task_id, chunk in bundle:
@@ -70,7 +76,7 @@ class _FrontActor:
                 results.append(self._segment.run_chunk(chunk, self._report))
         finally:
             self._task = -1
-        return True, os.getpid(), results
+        return True, os.getpid(), pickle.dumps(results, _PROTOCOL)
 
     def where(self) -> tuple[int, float, int, int, int, int]:
         """(running task or -1, seconds it has run, stage, first, last record, pid)."""
@@ -256,7 +262,7 @@ class RayBackend:
                 if not bundle:
                     return
                 try:
-                    ref = actor.handle.run.remote([(t.id, t.chunk) for t in bundle])
+                    ref = actor.handle.run.remote(pickle.dumps([(t.id, t.chunk) for t in bundle], _PROTOCOL))
                 except Exception as exc:  # a chunk does not serialise: say so
                     for task in bundle:
                         _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
@@ -296,7 +302,8 @@ class RayBackend:
         if actor.dead or call not in actor.calls:
             return  # the actor was replaced meanwhile and its chunks settled or queued again
         try:
-            loaded, pid, results = done.result()
+            loaded, pid, blob = done.result()
+            results = pickle.loads(blob)
         except self._ray.exceptions.RayActorError as exc:
             self._replace(actor, self._death_note(actor, exc))
             return
