@@ -82,7 +82,7 @@ def pipeline_file(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 def test_cli_writes_the_loaders_batches(
-    pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     target = f"{pipeline_file}:spec"
     out = tmp_path / "out"
@@ -103,7 +103,9 @@ def test_cli_writes_the_loaders_batches(
     expected = [batch_digest(b) for b in run_batches(load_spec(target), 1000)]
     assert 3 <= len(expected) < 1000  # the code source has one pass: the stream ends
     assert [batch_digest(b) for _, b in written] == expected
-    assert f"wrote steps 0..{len(expected) - 1} to {out} (the finite input ended)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert printed.out.splitlines() == [f"{step} {digest}" for step, digest in enumerate(expected)]
+    assert f"wrote steps 0..{len(expected) - 1} to {out} (the finite input ended)" in caplog.text
     last = pq.read_table(step_file(str(out), len(expected) - 1))
     assert last.column_names[:2] == ["step", "row"] and "valid" in last.column_names
 

@@ -136,15 +136,17 @@ def _digest(args: argparse.Namespace) -> int:
 
 
 def _materialize(args: argparse.Namespace) -> int:
-    from zephon_flow.engine.materialize import materialize
+    from zephon_flow.core.batches import batch_digest
+    from zephon_flow.engine.materialize import materialize, read_materialized
 
     spec = load_spec(args.target)
     done = materialize(
         spec, steps=args.steps, out=args.out, runner=args.runner, beam_args=args.beam_args, passes=args.passes
     )
-    print(
-        f"wrote steps 0..{done.steps - 1} to {done.out}" + (" (the finite input ended)" if done.ended else "")
-    )
+    for step, batch in read_materialized(done.out):  # read back: what `zephon digest` prints
+        print(f"{step} {batch_digest(batch)}", flush=True)
+    ended = " (the finite input ended)" if done.ended else ""
+    logger.info("wrote steps 0..%d to %s%s", done.steps - 1, done.out, ended)
     return 0
 
 
@@ -415,8 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "materialize",
         _materialize,
-        "run the pipeline through Beam and write global batches 0..N-1 as Parquet "
-        "(other options are Beam pipeline options)",
+        "run the pipeline through Beam, write global batches 0..N-1 as Parquet and print "
+        "STEP SHA256 of each as read back (other options are Beam pipeline options)",
     )
     z.add_argument("target", metavar="MODULE:SPEC")
     z.add_argument("--steps", type=int, required=True)
