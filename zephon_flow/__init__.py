@@ -22,6 +22,7 @@ from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.core.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
 from zephon_flow.engine.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.engine.loader import Loader  # noqa: E402
+from zephon_flow.engine.materialize import GlobalBatches, materialize, read_materialized  # noqa: E402
 from zephon_flow.engine.spec import LoaderSpec  # noqa: E402
 from zephon_flow.service.client import Client  # noqa: E402
 
@@ -31,6 +32,7 @@ __all__ = [
     "Client",
     "DataError",
     "EndSync",
+    "GlobalBatches",
     "Loader",
     "LoaderSpec",
     "ProvenanceParam",
@@ -45,6 +47,8 @@ __all__ = [
     "decode_state",
     "encode_state",
     "load_state",
+    "materialize",
     "merge_states",
+    "read_materialized",
     "save_state",
 ]
