@@ -211,7 +211,7 @@ def test_the_server_on_ray_serves_each_rank_the_embedded_loaders_rows(
     corpus: Corpus, ray_cluster: None
 ) -> None:
     spec = example_spec(corpus)
-    srv = BatchServer(spec, backend="ray", workers=2, window=4).start()
+    srv = BatchServer(spec, backend="ray", workers=2, ahead=4).start()
     try:
         for rank in (0, 1):
             with zf.Client(f"127.0.0.1:{srv.port}", rank, 2) as client:
