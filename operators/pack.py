@@ -16,7 +16,7 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
-from zephon_flow.core import derived
+from zephon_flow.core import derived, recipe
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.markers import ProvenanceParam
 from zephon_flow.operators import _best_fit
@@ -218,6 +218,49 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         if self.strategy == "best_fit":
             out.update(buffer=self.buffer, open_bins=self.open_bins)
         return {**out, "labels": self.labels, "provenance": self.provenance}
+
+    # -- recipe state (``state_mode="recipe"``, see ``core/recipe.py``) --------------------
+    #: The state value stored as one recipe: the open sequence of ``strategy="concat"``.
+    recipe_values = ("carry",)
+
+    def recipe_refusal(self) -> str | None:
+        """Why this Pack's outputs or state cannot be stored as recipes (None: they can)."""
+        if not self.provenance:
+            return "it has provenance=False, so its sequences do not say which documents they hold"
+        if self.strategy != "concat":
+            return (
+                f"strategy={self.strategy!r} keeps waiting documents and open bins, which recipe "
+                f"state does not store yet (only strategy='concat')"
+            )
+        return None
+
+    def recipe_pieces(self, value: Mapping[str, Any], kind: str) -> recipe.Pieces | None:
+        """An output sample's (``kind="sample"``) or the open sequence's (``"carry"``) pieces."""
+        names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
+        expected = set(self.padding_sample()) if kind == "sample" else {"ids", "pos", "seg", "docs"}
+        if set(value) != expected:
+            return None
+        ids, seg, docs = (value[k] for k in names)
+        if not all(isinstance(a, np.ndarray) for a in (ids, seg, docs)) or seg.ndim != 1:
+            return None
+        valid = int((seg >= 0).sum())
+        lengths = np.bincount(seg[:valid]).astype(np.int32) if valid else np.zeros(0, dtype=np.int32)
+        if docs.shape != (lengths.size, 3) or (lengths < 1).any():
+            return None
+        return recipe.Pieces(docs, lengths, ids[:valid])
+
+    def recipe_value(self, tokens: np.ndarray, lengths: np.ndarray, docs: np.ndarray, kind: str) -> Any:
+        """The sample or open sequence made of these pieces (positions restart at each piece,
+        segments number them), as ``process`` makes it."""
+        ids = tokens.astype(np.int32, copy=True)
+        pos = np.arange(ids.size, dtype=np.int32) - np.repeat(
+            np.cumsum(lengths, dtype=np.int32) - lengths, lengths
+        )
+        seg = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+        docs = docs.astype(np.int64).reshape(-1, 3)
+        if kind == "sample":
+            return self._output(ids, pos, seg, docs)
+        return {"ids": ids, "pos": pos, "seg": seg, "docs": docs}
 
     def padding_sample(self) -> dict[str, np.ndarray]:
         """The sample that fills a lane's rows after its finite input ended: a sequence of

@@ -23,6 +23,7 @@ from zephon_flow.core.errors import (
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
+from zephon_flow.engine import recipe
 from zephon_flow.engine.endsync import EndSync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
@@ -31,6 +32,8 @@ from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.runners.plan import Plan
 
 _END = object()
+#: What ``Loader.state_dict`` stores: buffered sequences' tokens, or where they came from.
+STATE_MODES = ("compact", "recipe")
 _log = logging.getLogger("zephon_flow")
 
 
@@ -79,18 +82,25 @@ class Loader:
         allow_code_change: bool = False,
         end_sync: EndSync | None = None,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
+        state_mode: str = "compact",
     ) -> None:
         # Phases: check the options, restore the state, build the lanes, take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
         for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
             if not isinstance(flag, bool):
                 raise SpecError(f"{name} must be True or False, got {flag!r}")
+        if state_mode not in STATE_MODES:
+            raise SpecError(f"state_mode must be one of {', '.join(STATE_MODES)}, got {state_mode!r}")
         self.spec = spec
+        self._state_mode = state_mode
         self._slice = RankSlice(
             rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
         )
         self._fingerprint = spec.fingerprint
         plan = spec.compile()
+        self._plan = plan
+        if state_mode == "recipe":
+            recipe.layout(plan)  # refused now, by name, rather than at the first state_dict()
         start = self._restore(
             plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
         )
@@ -148,6 +158,7 @@ class Loader:
                 f"{self._slice.world_size} runs; gather every rank's state_dict() and pass "
                 f"zf.merge_states(states)"
             )
+        loaded = recipe.from_recipes(plan, loaded, self.spec.lanes, lane_ids)
         return _Start(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
     def _build_lanes(
@@ -329,7 +340,10 @@ class Loader:
             yield step, batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: this rank's lanes, positioned after the last batch yielded."""
+        """Plain data: this rank's lanes, positioned after the last batch yielded (buffered
+        sequences as recipes with ``state_mode="recipe"``)."""
+        if self._state_mode == "recipe":
+            return recipe.to_recipes(self._plan, self._last).to_plain()
         return self._last.to_plain()
 
     def close(self) -> None:

@@ -1,0 +1,216 @@
+"""Recipe state: a buffered sequence stored as where its tokens came from, rebuilt by re-reading.
+
+A packed sequence (or an operator's open, incomplete one) is made of *pieces*: contiguous token
+ranges of documents, each document the output of the stateless front for one source record.
+In ``state_mode="recipe"`` a checkpoint keeps, per sequence, only
+
+- ``docs``: the id of each piece's record (``(source index, split index, record offset)``, the
+  ``zf.ProvenanceParam`` id), ``int64 [k, 3]``;
+- ``lengths``: each piece's token count, ``int32 [k]``;
+- ``head``: the sequence's first ``HEAD`` tokens (``-1`` past its end), to find a piece that
+  neither starts nor ends its document (the middle of a long one);
+- ``digest``: an 8-byte digest of the whole value (every field, dtype and shape), so a rebuild
+  that is not bit for bit the saved value is refused, never used.
+
+On restore the records are re-read and the front re-run (``engine/recipe.py``); ``rebuild``
+then places each piece in its document (at its start, at its end, or where ``head`` matches)
+and accepts the first placement whose value has the saved digest.
+
+An operator whose outputs (or open state) can be stored this way implements ``RecipeMaker``
+(``Pack``); one that holds its inputs and emits them unchanged (``Shuffle``) names the state
+values that hold them in ``recipe_elements``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from zephon_flow.core.errors import CorruptStateError, StateError
+
+HEAD = 4
+#: Bytes of a value's digest: enough that a wrong rebuild passing it is not a practical risk.
+DIGEST = 8
+#: Placements tried per value before a rebuild gives up (a document of one repeated token can
+#: match ``head`` everywhere; each try costs one value's digest).
+MAX_TRIES = 4096
+#: A document as the front gave it for one record: its outputs, as token arrays.
+Outputs = list[np.ndarray]
+#: A record id: (source index, split index, record offset).
+DocKey = tuple[int, int, int]
+
+
+class RecipeRefusedError(StateError):
+    """A state cannot be stored as a recipe: the message names the operator or source and
+    says to use ``state_mode="compact"``."""
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A value laid out as pieces: their record ids, lengths and the concatenated tokens."""
+
+    docs: np.ndarray  # int64 [k, 3]
+    lengths: np.ndarray  # int32 [k]
+    tokens: np.ndarray  # the value's tokens, pieces concatenated (no padding)
+
+
+@runtime_checkable
+class RecipeMaker(Protocol):
+    """An operator whose outputs (``kind="sample"``) and open state values (``kind="carry"``)
+    are token pieces of documents from the front."""
+
+    #: Names of its own state values stored as one recipe each (e.g. ``("carry",)``).
+    recipe_values: tuple[str, ...]
+
+    def recipe_refusal(self) -> str | None:
+        """Why this configuration's values cannot be stored as recipes (None: they can)."""
+        ...
+
+    def recipe_pieces(self, value: Mapping[str, Any], kind: str) -> Pieces | None:
+        """The pieces of an output sample or a state value; None if it is not one of this
+        operator's (then it cannot be stored as a recipe)."""
+        ...
+
+    def recipe_value(self, tokens: np.ndarray, lengths: np.ndarray, docs: np.ndarray, kind: str) -> Any:
+        """The sample or state value made of these pieces (the inverse of ``recipe_pieces``)."""
+        ...
+
+
+def digest(value: Any) -> np.ndarray:
+    """``DIGEST`` bytes (blake2b) over a value's fields (sorted), each with its dtype, shape and bytes."""
+    h = hashlib.blake2b(digest_size=DIGEST)
+    if not isinstance(value, Mapping):
+        raise StateError(f"a recipe value must be a mapping of arrays, found {type(value).__name__}")
+    for key in sorted(value):
+        array = np.ascontiguousarray(value[key])
+        h.update(f"{key}|{array.dtype.str}|{array.shape}|".encode())
+        h.update(array.reshape(-1).view(np.uint8).data)
+    return np.frombuffer(h.digest(), dtype=np.uint8).copy()
+
+
+def encode(maker: RecipeMaker, value: Any, kind: str, where: str) -> dict[str, np.ndarray]:
+    """The recipe of one sample or state value; refuses a value that is not made of pieces."""
+    pieces = maker.recipe_pieces(value, kind) if isinstance(value, Mapping) else None
+    if pieces is None:
+        raise RecipeRefusedError(
+            f"{where}: the value is not a sequence of document pieces as {type(maker).__name__} "
+            f"makes them (an operator between changed it?), so it cannot be stored as a recipe; "
+            f"use state_mode='compact'"
+        )
+    docs = np.asarray(pieces.docs, dtype=np.int64).reshape(-1, 3)
+    if (docs < 0).any():
+        raise RecipeRefusedError(
+            f"{where}: a piece has no provenance (document id -1: made by a timer or an operator "
+            f"that does not pass zf.ProvenanceParam), so it cannot be re-read; use "
+            f"state_mode='compact'"
+        )
+    head = np.full(HEAD, -1, dtype=np.int64)
+    first = np.asarray(pieces.tokens[:HEAD], dtype=np.int64)
+    head[: first.size] = first
+    return {
+        "docs": docs,
+        "lengths": np.asarray(pieces.lengths, dtype=np.int32),
+        "head": head,
+        "digest": digest(value),
+    }
+
+
+def doc_keys(recipe: Mapping[str, Any], where: str) -> list[DocKey]:
+    """The record ids a recipe needs, checked for form."""
+    docs, lengths = _field(recipe, "docs", where), _field(recipe, "lengths", where)
+    if docs.ndim != 2 or docs.shape[1] != 3 or lengths.shape != (docs.shape[0],):
+        raise CorruptStateError(f"{where}: a recipe's docs {docs.shape} and lengths {lengths.shape} disagree")
+    if (docs < 0).any() or (lengths < 1).any():
+        raise CorruptStateError(f"{where}: a recipe names document -1 or a piece of no tokens")
+    return [(int(a), int(b), int(c)) for a, b, c in docs.tolist()]
+
+
+def _field(recipe: Mapping[str, Any], key: str, where: str) -> np.ndarray:
+    if not isinstance(recipe, Mapping) or key not in recipe:
+        raise CorruptStateError(f"{where}: a recipe is missing {key!r}: the checkpoint is corrupt")
+    value = recipe[key]
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu":
+        raise CorruptStateError(f"{where}: a recipe's {key!r} is not an integer array")
+    return value
+
+
+def rebuild(
+    maker: RecipeMaker,
+    recipe: Mapping[str, Any],
+    kind: str,
+    documents: Mapping[DocKey, Outputs],
+    where: str,
+) -> Any:
+    """The value a recipe describes, from its documents' front outputs; refuses (naming the
+    documents) if no placement of its pieces gives the saved digest."""
+    keys = doc_keys(recipe, where)
+    lengths = _field(recipe, "lengths", where).astype(np.int64)
+    head = _field(recipe, "head", where)
+    saved = _field(recipe, "digest", where)
+    docs = _field(recipe, "docs", where).astype(np.int64)
+    choices = [
+        _placements(documents[key], int(n), i, len(keys), head)
+        for i, (key, n) in enumerate(zip(keys, lengths, strict=True))
+    ]
+    for tries, placement in enumerate(itertools.product(*choices)):
+        if tries >= MAX_TRIES:
+            break
+        parts = [
+            documents[key][j][s : s + n] for key, (j, s), n in zip(keys, placement, lengths, strict=True)
+        ]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        value = maker.recipe_value(tokens, lengths.astype(np.int32), docs, kind)
+        if np.array_equal(digest(value), saved):
+            return value
+    named = ", ".join(f"{k}" for k in dict.fromkeys(keys)) or "none"
+    raise StateError(
+        f"{where}: re-reading the documents {named} (source index, split, offset) and re-running the "
+        f"front does not give the saved value: the data files, the tokenizer or a stateless DoFn "
+        f"changed since the checkpoint, or the front is not a pure function of the record. Resume "
+        f"from a checkpoint written with state_mode='compact' (the default)"
+    )
+
+
+def _placements(outputs: Outputs, n: int, index: int, count: int, head: np.ndarray) -> list[tuple[int, int]]:
+    """Where piece ``index`` of ``count`` (``n`` tokens) may lie in its record's outputs:
+    ``(output, start)``, the likely first: a piece other than the last ends its document, the
+    last one starts its document or ends it, and a lone piece may also lie inside it (where
+    ``head`` matches)."""
+    found: list[tuple[int, int]] = []
+    for j, tokens in enumerate(outputs):
+        size = tokens.size
+        if size < n:
+            continue
+        ends = (j, size - n)
+        if index < count - 1:
+            found.append(ends)
+            continue
+        found.extend(dict.fromkeys([(j, 0), ends]))
+        if count == 1:
+            found.extend(p for p in _search(tokens, n, head, j) if p not in found)
+    return found[:MAX_TRIES]
+
+
+def _search(tokens: np.ndarray, n: int, head: np.ndarray, j: int) -> Iterator[tuple[int, int]]:
+    """Starts ``s`` where ``tokens[s:s+len(head)]`` is ``head`` (its known part) and ``n``
+    tokens fit."""
+    known = head[head >= 0][: min(HEAD, n)]
+    last = tokens.size - n
+    if last < 0 or known.size == 0:
+        return
+    window = np.lib.stride_tricks.sliding_window_view(tokens[: last + known.size], known.size)
+    for s in np.flatnonzero((window == known).all(axis=1))[:MAX_TRIES].tolist():
+        yield (j, int(s))
+
+
+def needed(recipes: Sequence[Mapping[str, Any]], where: str) -> set[DocKey]:
+    """Every record id the recipes name."""
+    out: set[DocKey] = set()
+    for i, r in enumerate(recipes):
+        out.update(doc_keys(r, f"{where}[{i}]"))
+    return out

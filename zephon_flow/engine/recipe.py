@@ -1,0 +1,260 @@
+"""Recipe state for a plan: lane states to recipes at save, and back by re-reading records at restore.
+
+Which values are recipes follows from the plan (``core/recipe.py`` says what a recipe is):
+
+- the first stateful DoFn of the ordered back must make its outputs from the front's documents
+  (a ``RecipeMaker``: ``Pack``); its ``recipe_values`` (Pack's open sequence) are recipes;
+- a later stateful DoFn that holds its inputs and emits them unchanged (``recipe_elements``:
+  ``Shuffle``'s buffer) holds them as recipes of that maker's outputs;
+- the lane's pending outputs, when they are still that maker's outputs, are recipes.
+
+Anything else (a stateless DoFn after the maker, a stateful DoFn without these declarations,
+a source that cannot re-read a record from its offset) is refused when the state is taken,
+naming the operator or source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from zephon_flow.core import recipe
+from zephon_flow.core.errors import CorruptStateError, StateError
+from zephon_flow.core.recipe import DocKey, Outputs, RecipeMaker, RecipeRefusedError
+from zephon_flow.core.source import Record
+from zephon_flow.core.state import LaneState, LoaderState, StageState
+from zephon_flow.runners.dofns import StatefulInvoker
+from zephon_flow.runners.plan import Plan
+from zephon_flow.runners.segment import Skipped
+
+#: Records whose front runs in one call on restore (a batched tokenizer gets them together).
+CHUNK = 256
+_USE_COMPACT = "use state_mode='compact' (the default)"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a plan's lane state holds recipes: per stage label, its values that are recipes
+    (one each) and those that are lists of recipes; whether pending outputs are recipes."""
+
+    maker: RecipeMaker
+    single: dict[str, tuple[str, ...]]
+    lists: dict[str, tuple[str, ...]]
+    pending: bool
+
+
+def layout(plan: Plan) -> Layout:
+    """The plan's recipe layout; refuses a plan whose state cannot be stored as recipes."""
+    for sp in plan.sources:
+        if not getattr(sp.source, "rereads_offsets", False):
+            raise RecipeRefusedError(
+                f"source {sp.label!r} ({sp.source.operator_name}) cannot re-read a record from its "
+                f"offset (it does not declare rereads_offsets), so recipe state cannot rebuild its "
+                f"documents; {_USE_COMPACT}"
+            )
+    back = plan.back
+    if not back or not isinstance(back[0], StatefulInvoker):
+        raise RecipeRefusedError(f"the pipeline has no stateful DoFn after its front; {_USE_COMPACT}")
+    first = back[0]
+    maker = first.dofn
+    if not isinstance(maker, RecipeMaker):
+        raise RecipeRefusedError(
+            f"stateful DoFn {first.label!r} ({type(maker).__name__}) does not say how to store its "
+            f"state as document recipes (it is not a RecipeMaker); {_USE_COMPACT}"
+        )
+    reason = maker.recipe_refusal()
+    if reason is not None:
+        raise RecipeRefusedError(f"stateful DoFn {first.label!r}: {reason}; {_USE_COMPACT}")
+    single = {first.label: tuple(maker.recipe_values)}
+    lists: dict[str, tuple[str, ...]] = {}
+    passes = True  # the elements flowing here are still the maker's outputs
+    for stage in back[1:]:
+        if not isinstance(stage, StatefulInvoker):
+            passes = False
+            continue
+        held = tuple(getattr(stage.dofn, "recipe_elements", ()))
+        if not held or not passes:
+            why = (
+                "does not declare recipe_elements (which of its state values hold inputs it emits unchanged)"
+                if not held
+                else f"holds elements that a stateless DoFn after {first.label!r} changed"
+            )
+            raise RecipeRefusedError(
+                f"stateful DoFn {stage.label!r} ({type(stage.dofn).__name__}) {why}, so its state "
+                f"cannot be stored as document recipes; {_USE_COMPACT}"
+            )
+        lists[stage.label] = held
+    return Layout(maker, single, lists, passes)
+
+
+def to_recipes(plan: Plan, state: LoaderState) -> LoaderState:
+    """``state`` with its buffered sequences as recipes (refused, by name, if it cannot be)."""
+    if state.recipe:
+        return state
+    found = layout(plan)
+    lanes = {lane: _lane_to_recipes(found, plan, ls) for lane, ls in state.lane_states.items()}
+    return replace(state, lane_states=lanes, recipe=True)
+
+
+def _lane_to_recipes(found: Layout, plan: Plan, ls: LaneState) -> LaneState:
+    maker = found.maker
+    stages = dict(ls.stages)
+    for label, st in ls.stages.items():
+        values = dict(st.values)
+        for name in found.single.get(label, ()):
+            if values.get(name) is not None:
+                where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
+                values[name] = recipe.encode(maker, values[name], "carry", where)
+        for name in found.lists.get(label, ()):
+            held = values.get(name)
+            if held is None:
+                continue
+            where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
+            if not isinstance(held, list):
+                raise RecipeRefusedError(f"{where} is not a list of elements; {_USE_COMPACT}")
+            values[name] = [recipe.encode(maker, v, "sample", f"{where}[{i}]") for i, v in enumerate(held)]
+        stages[label] = StageState(values=values, timers=dict(st.timers), position=st.position)
+    pending = ls.pending
+    if pending:
+        if not found.pending:
+            raise RecipeRefusedError(
+                f"lane {ls.lane}: its pending outputs were changed by a stateless DoFn after "
+                f"{plan.back[0].label!r}, so they cannot be stored as document recipes; {_USE_COMPACT}"
+            )
+        pending = [
+            recipe.encode(maker, v, "sample", f"lane {ls.lane}, pending output {i}")
+            for i, v in enumerate(pending)
+        ]
+    return replace(ls, stages=stages, pending=pending)
+
+
+def from_recipes(plan: Plan, state: LoaderState, lanes: int, lane_ids: list[int]) -> LoaderState:
+    """The lane states ``lane_ids`` of a recipe state, rebuilt: their records re-read, the
+    front re-run, every value checked against its saved digest."""
+    if not state.recipe:
+        return state
+    try:
+        found = layout(plan)
+    except RecipeRefusedError as exc:
+        raise StateError(
+            f"the checkpoint is a recipe state, but this pipeline cannot rebuild it: {exc}"
+        ) from exc
+    wanted = [state.lane_states[lane] for lane in lane_ids]
+    keys: set[DocKey] = set()
+    for ls in wanted:
+        for where, value, _ in _recipes(found, ls):
+            keys |= recipe.needed(value if isinstance(value, list) else [value], where)
+    documents = _documents(plan, lanes, sorted(keys))
+    rebuilt = {ls.lane: _lane_from_recipes(found, ls, documents) for ls in wanted}
+    return replace(state, lane_states={**state.lane_states, **rebuilt}, recipe=False)
+
+
+def _recipes(found: Layout, ls: LaneState) -> Iterator[tuple[str, Any, str]]:
+    """(where, recipe or list of recipes, kind) of every recipe value in a lane state."""
+    for label, st in ls.stages.items():
+        for name in found.single.get(label, ()):
+            if st.values.get(name) is not None:
+                yield f"lane {ls.lane}, stage {label!r}, state {name!r}", st.values[name], "carry"
+        for name in found.lists.get(label, ()):
+            held = st.values.get(name)
+            if held is not None:
+                if not isinstance(held, list):
+                    raise CorruptStateError(f"lane {ls.lane}, stage {label!r}: state {name!r} is not a list")
+                yield f"lane {ls.lane}, stage {label!r}, state {name!r}", held, "sample"
+    if ls.pending:
+        yield f"lane {ls.lane}, pending outputs", ls.pending, "sample"
+
+
+def _lane_from_recipes(found: Layout, ls: LaneState, documents: dict[DocKey, Outputs]) -> LaneState:
+    maker = found.maker
+
+    def one(value: Any, kind: str, where: str) -> Any:
+        return recipe.rebuild(maker, value, kind, documents, where)
+
+    stages = {}
+    for label, st in ls.stages.items():
+        values = dict(st.values)
+        for name in found.single.get(label, ()):
+            if values.get(name) is not None:
+                values[name] = one(values[name], "carry", f"lane {ls.lane}, stage {label!r}, state {name!r}")
+        for name in found.lists.get(label, ()):
+            held = values.get(name)
+            if held is not None:
+                where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
+                values[name] = [one(v, "sample", f"{where}[{i}]") for i, v in enumerate(held)]
+        stages[label] = StageState(values=values, timers=dict(st.timers), position=st.position)
+    pending = [one(v, "sample", f"lane {ls.lane}, pending output {i}") for i, v in enumerate(ls.pending)]
+    return replace(ls, stages=stages, pending=pending)
+
+
+def _documents(plan: Plan, lanes: int, keys: list[DocKey]) -> dict[DocKey, Outputs]:
+    """The front's outputs for each record id, read again and run through the front."""
+    records = list(_read(plan, lanes, keys))
+    front = plan.front_segment()
+    out: dict[DocKey, Outputs] = {}
+    for start in range(0, len(records), CHUNK):
+        part = records[start : start + CHUNK]
+        results = front.run_chunk([(key[0], record) for key, record in part])
+        if not isinstance(results, list):
+            results.reraise()
+            raise AssertionError("unreachable")
+        for (key, record), result in zip(part, results, strict=True):
+            if isinstance(result, Skipped):
+                raise StateError(
+                    f"re-reading the record at {record.path} {record.where} for the checkpoint's "
+                    f"recipe state: it is now skipped as bad data ({result.message}); the data "
+                    f"changed since the checkpoint. Resume from a compact checkpoint"
+                )
+            out[key] = [_tokens(v) for v in result]
+    return out
+
+
+def _tokens(value: Any) -> np.ndarray:
+    """An output as a token array (anything else gets an empty one: no piece can lie in it)."""
+    array = np.asarray(value) if isinstance(value, np.ndarray | list | tuple) else np.zeros(0, np.int32)
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        return np.zeros(0, dtype=np.int32)
+    return array.astype(np.int32, copy=False)
+
+
+def _read(plan: Plan, lanes: int, keys: list[DocKey]) -> Iterator[tuple[DocKey, Record]]:
+    """The records ``keys`` (sorted), reading on from the previous one when they follow it."""
+    reader: Iterator[tuple[int, Record]] | None = None
+    at: tuple[int, int, int] | None = None  # (source, split, position after the last record)
+    try:
+        for key in keys:
+            source_index, split_index, offset = key
+            if not 0 <= source_index < len(plan.sources):
+                raise CorruptStateError(
+                    f"a recipe names source index {source_index}; the pipeline has {len(plan.sources)}"
+                )
+            sp = plan.sources[source_index]
+            splits = sp.source.splits(lanes)
+            if not 0 <= split_index < len(splits):
+                raise CorruptStateError(
+                    f"a recipe names split {split_index} of source {sp.label!r}, which has {len(splits)}"
+                )
+            if reader is None or at != (source_index, split_index, offset):
+                _close(reader)
+                reader = sp.source.read_split(splits[split_index], offset)
+            got = next(reader, None)
+            if got is None or got[1].offset != offset:
+                split = splits[split_index]
+                raise StateError(
+                    f"{sp.source.operator_name}: no record at offset {offset} of {split.path} (split "
+                    f"{split_index}); the data changed since the checkpoint, which recipe state needs "
+                    f"to re-read. Resume from a compact checkpoint"
+                )
+            at = (source_index, split_index, got[0])
+            yield key, got[1]
+    finally:
+        _close(reader)
+
+
+def _close(reader: Iterator[Any] | None) -> None:
+    close = getattr(reader, "close", None)
+    if callable(close):
+        close()
