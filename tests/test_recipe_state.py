@@ -290,3 +290,11 @@ def test_recipe_encoding_is_deterministic_bytes(corpus: Corpus) -> None:
     out = io.BytesIO()
     write_state(state, out)
     assert out.getvalue() == ref.states[3]
+
+
+@pytest.mark.parametrize("backend", ["threads", "processes"])
+def test_recipe_restore_runs_the_front_on_the_loaders_backend(corpus: Corpus, backend: str) -> None:
+    spec = example_spec(corpus, lanes=4, global_batch_size=8, seq_len=16, buffer=6)
+    ref = reference_run(spec, 5, **RECIPE)
+    got = run_global(spec, 2, state=ref.states[3], world_size=2, backend=backend, workers=2, **RECIPE)
+    assert [zf.batch_digest(b) for b in got] == [d for _, d in ref.digests[3:5]]

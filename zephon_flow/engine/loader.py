@@ -84,7 +84,8 @@ class Loader:
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
         state_mode: str = "compact",
     ) -> None:
-        # Phases: check the options, restore the state, build the lanes, take the first state.
+        # Phases: check the options, start the backend, restore the state, build the lanes,
+        # take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
         for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
             if not isinstance(flag, bool):
@@ -101,19 +102,19 @@ class Loader:
         self._plan = plan
         if state_mode == "recipe":
             recipe.layout(plan)  # refused now, by name, rather than at the first state_dict()
-        start = self._restore(
-            plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
+        # The backend first: a recipe state's restore runs the front on it.
+        self._backend = make_backend(
+            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
         )
+        try:
+            start = self._restore(
+                plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
+            )
+        except BaseException:
+            self._backend.close()
+            raise
         self._mix_history = [] if start.mixture is None else start.mixture.history()
-        self._build_lanes(
-            plan,
-            start,
-            backend=backend,
-            workers=workers,
-            chunk_records=chunk_records,
-            depth=prefetch_chunks,
-            chunk_timeout=chunk_timeout,
-        )
+        self._build_lanes(plan, start, chunk_records=chunk_records, depth=prefetch_chunks)
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
         self._end_sync = end_sync or default_end_sync(
@@ -158,7 +159,7 @@ class Loader:
                 f"{self._slice.world_size} runs; gather every rank's state_dict() and pass "
                 f"zf.merge_states(states)"
             )
-        loaded = recipe.from_recipes(plan, loaded, self.spec.lanes, lane_ids)
+        loaded = recipe.from_recipes(plan, loaded, self.spec.lanes, lane_ids, self._backend.submit)
         return _Start(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
     def _build_lanes(
@@ -166,19 +167,13 @@ class Loader:
         plan: Plan,
         start: _Start,
         *,
-        backend: str,
-        workers: int,
         chunk_records: int,
         depth: int,
-        chunk_timeout: float,
     ) -> None:
-        """The stateless backend and one ``LaneRunner`` per lane under this rank's rows."""
+        """One ``LaneRunner`` per lane under this rank's rows, on the stateless backend."""
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
-        self._backend = make_backend(
-            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
-        )
         self._lanes = [
             LaneRunner(
                 plan,

@@ -15,7 +15,8 @@ naming the operator or source.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,13 +27,16 @@ from zephon_flow.core.errors import CorruptStateError, StateError
 from zephon_flow.core.recipe import DocKey, Outputs, RecipeMaker, RecipeRefusedError
 from zephon_flow.core.source import Record
 from zephon_flow.core.state import LaneState, LoaderState, StageState
+from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.dofns import StatefulInvoker
 from zephon_flow.runners.plan import Plan
-from zephon_flow.runners.segment import Skipped
+from zephon_flow.runners.segment import Chunk, Skipped
 
 #: Records whose front runs in one call on restore (a batched tokenizer gets them together).
 CHUNK = 256
 _USE_COMPACT = "use state_mode='compact' (the default)"
+#: A backend's ``submit``: runs the front on a chunk of records, in parallel with others.
+Submit = Callable[[Chunk], "Future[ChunkResult]"]
 
 
 @dataclass(frozen=True)
@@ -131,9 +135,12 @@ def _lane_to_recipes(found: Layout, plan: Plan, ls: LaneState) -> LaneState:
     return replace(ls, stages=stages, pending=pending)
 
 
-def from_recipes(plan: Plan, state: LoaderState, lanes: int, lane_ids: list[int]) -> LoaderState:
+def from_recipes(
+    plan: Plan, state: LoaderState, lanes: int, lane_ids: list[int], submit: Submit | None = None
+) -> LoaderState:
     """The lane states ``lane_ids`` of a recipe state, rebuilt: their records re-read, the
-    front re-run, every value checked against its saved digest."""
+    front re-run (on ``submit``, a backend's, if given), every value checked against its saved
+    digest."""
     if not state.recipe:
         return state
     try:
@@ -147,7 +154,7 @@ def from_recipes(plan: Plan, state: LoaderState, lanes: int, lane_ids: list[int]
     for ls in wanted:
         for where, value, _ in _recipes(found, ls):
             keys |= recipe.needed(value if isinstance(value, list) else [value], where)
-    documents = _documents(plan, lanes, sorted(keys))
+    documents = _documents(plan, lanes, sorted(keys), submit)
     rebuilt = {ls.lane: _lane_from_recipes(found, ls, documents) for ls in wanted}
     return replace(state, lane_states={**state.lane_states, **rebuilt}, recipe=False)
 
@@ -190,15 +197,24 @@ def _lane_from_recipes(found: Layout, ls: LaneState, documents: dict[DocKey, Out
     return replace(ls, stages=stages, pending=pending)
 
 
-def _documents(plan: Plan, lanes: int, keys: list[DocKey]) -> dict[DocKey, Outputs]:
-    """The front's outputs for each record id, read again and run through the front."""
+def _documents(plan: Plan, lanes: int, keys: list[DocKey], submit: Submit | None) -> dict[DocKey, Outputs]:
+    """The front's outputs for each record id, read again and run through the front (on the
+    loader's backend when given: chunks in parallel)."""
     records = list(_read(plan, lanes, keys))
-    front = plan.front_segment()
+    chunks = [records[start : start + CHUNK] for start in range(0, len(records), CHUNK)]
+    front = plan.front_segment() if submit is None else None
+    pending: list[Future[ChunkResult]] = []
+    if submit is not None:
+        pending = [submit([(key[0], record) for key, record in part]) for part in chunks]
     out: dict[DocKey, Outputs] = {}
-    for start in range(0, len(records), CHUNK):
-        part = records[start : start + CHUNK]
-        results = front.run_chunk([(key[0], record) for key, record in part])
+    for i, part in enumerate(chunks):
+        if front is not None:
+            results = front.run_chunk([(key[0], record) for key, record in part])
+        else:
+            results = pending[i].result()
         if not isinstance(results, list):
+            for future in pending[i:]:
+                future.cancel()
             results.reraise()
             raise AssertionError("unreachable")
         for (key, record), result in zip(part, results, strict=True):
