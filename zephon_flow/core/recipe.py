@@ -153,13 +153,18 @@ def rebuild(
     head = _field(recipe, "head", where)
     saved = _field(recipe, "digest", where)
     docs = _field(recipe, "docs", where).astype(np.int64)
-    choices = [
-        _placements(documents[key], int(n), i, len(keys), head)
-        for i, (key, n) in enumerate(zip(keys, lengths, strict=True))
-    ]
-    for tries, placement in enumerate(itertools.product(*choices)):
-        if tries >= MAX_TRIES:
-            break
+    count = len(keys)
+    if count == 1:  # a lone piece: candidates one by one (the search only if the ends fail)
+        placements: Iterator[tuple[tuple[int, int], ...]] = (
+            (p,) for p in _lone(documents[keys[0]], int(lengths[0]), head)
+        )
+    else:
+        choices = [
+            _placements(documents[key], int(n), i, count)
+            for i, (key, n) in enumerate(zip(keys, lengths, strict=True))
+        ]
+        placements = itertools.product(*choices)
+    for placement in itertools.islice(placements, MAX_TRIES):
         parts = [
             documents[key][j][s : s + n] for key, (j, s), n in zip(keys, placement, lengths, strict=True)
         ]
@@ -176,24 +181,26 @@ def rebuild(
     )
 
 
-def _placements(outputs: Outputs, n: int, index: int, count: int, head: np.ndarray) -> list[tuple[int, int]]:
-    """Where piece ``index`` of ``count`` (``n`` tokens) may lie in its record's outputs:
-    ``(output, start)``, the likely first: a piece other than the last ends its document, the
-    last one starts its document or ends it, and a lone piece may also lie inside it (where
-    ``head`` matches)."""
+def _placements(outputs: Outputs, n: int, index: int, count: int) -> list[tuple[int, int]]:
+    """Where piece ``index`` of ``count > 1`` (``n`` tokens) may lie in its record's outputs,
+    ``(output, start)``: a piece other than the last ends its document (it would have gone on
+    otherwise); the last one starts its document or ends it."""
     found: list[tuple[int, int]] = []
     for j, tokens in enumerate(outputs):
-        size = tokens.size
-        if size < n:
+        if tokens.size < n:
             continue
-        ends = (j, size - n)
-        if index < count - 1:
-            found.append(ends)
-            continue
-        found.extend(dict.fromkeys([(j, 0), ends]))
-        if count == 1:
-            found.extend(p for p in _search(tokens, n, head, j) if p not in found)
-    return found[:MAX_TRIES]
+        ends = (j, tokens.size - n)
+        found.extend([ends] if index < count - 1 else dict.fromkeys([(j, 0), ends]))
+    return found
+
+
+def _lone(outputs: Outputs, n: int, head: np.ndarray) -> Iterator[tuple[int, int]]:
+    """Where a value's only piece may lie: at the start or the end of an output, else inside
+    one, where ``head`` matches (the middle of a long document)."""
+    ends = _placements(outputs, n, 0, 1)
+    yield from ends
+    for j, tokens in enumerate(outputs):
+        yield from (p for p in _search(tokens, n, head, j) if p not in ends)
 
 
 def _search(tokens: np.ndarray, n: int, head: np.ndarray, j: int) -> Iterator[tuple[int, int]]:
