@@ -237,7 +237,9 @@ def _tokens(value: Any) -> np.ndarray:
 
 
 def _read(plan: Plan, lanes: int, keys: list[DocKey]) -> Iterator[tuple[DocKey, Record]]:
-    """The records ``keys`` (sorted), reading on from the previous one when they follow it."""
+    """The records ``keys`` (sorted): each split is read forward from its first wanted record
+    through its last (reopening it costs a seek point's decompression for a compressed file,
+    or the whole file when it has none)."""
     reader: Iterator[tuple[int, Record]] | None = None
     at: tuple[int, int, int] | None = None  # (source, split, position after the last record)
     try:
@@ -253,10 +255,12 @@ def _read(plan: Plan, lanes: int, keys: list[DocKey]) -> Iterator[tuple[DocKey, 
                 raise CorruptStateError(
                     f"a recipe names split {split_index} of source {sp.label!r}, which has {len(splits)}"
                 )
-            if reader is None or at != (source_index, split_index, offset):
+            if reader is None or at is None or at[:2] != key[:2] or at[2] > offset:
                 _close(reader)
                 reader = sp.source.read_split(splits[split_index], offset)
             got = next(reader, None)
+            while got is not None and got[1].offset < offset:  # read on (one pass per split)
+                got = next(reader, None)
             if got is None or got[1].offset != offset:
                 split = splits[split_index]
                 raise StateError(
