@@ -53,7 +53,6 @@ import apache_beam as beam
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core import codec
-from zephon_flow.core import recipe as recipes
 from zephon_flow.core.state import to_loader_state
 from zephon_flow.demo_data import DemoData, build_demo_data
 from zephon_flow.engine import recipe
@@ -247,21 +246,13 @@ def rebuild_figures(plan: Any, lanes: int, state: dict[str, Any], cfg: Config) -
     """What a recipe restore re-reads: distinct documents and their tokens, against the tokens
     of every sequence in flight, and the rate the front rebuilt them at (inline, one core)."""
     loaded = to_loader_state(state)
-    found = recipe.layout(plan)
-    keys: set[recipes.DocKey] = set()
-    pieces = tokens_in_flight = 0
-    for ls in loaded.lane_states.values():
-        for where, value, _ in recipe._recipes(found, ls):
-            values = value if isinstance(value, list) else [value]
-            keys |= recipes.needed(values, where)
-            for v in values:
-                pieces += int(v["lengths"].size)
-                tokens_in_flight += int(v["lengths"].sum())
-    documents, seconds = timed(lambda: recipe._documents(plan, lanes, sorted(keys), None))
+    need = recipe.needs(recipe.layout(plan), list(loaded.lane_states.values()))
+    pieces, tokens_in_flight = need.pieces, need.tokens
+    documents, seconds = timed(lambda: recipe.reread(plan, lanes, need.keys))
     tokens = sum(int(a.size) for outs in documents.values() for a in outs)
     rate = tokens / seconds if seconds else float("nan")
     return {
-        "distinct_documents": len(keys),
+        "distinct_documents": len(need.keys),
         "pieces": pieces,
         "document_tokens_reread": tokens,
         "tokens_in_flight": tokens_in_flight,

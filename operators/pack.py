@@ -220,25 +220,38 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         return {**out, "labels": self.labels, "provenance": self.provenance}
 
     # -- recipe state (``state_mode="recipe"``, see ``core/recipe.py``) --------------------
-    #: The state value stored as one recipe: the open sequence of ``strategy="concat"``.
+    #: The state value made of document pieces: the open sequence (``concat``), or the waiting
+    #: pieces and open bins (``best_fit``).
     recipe_values = ("carry",)
 
     def recipe_refusal(self) -> str | None:
         """Why this Pack's outputs or state cannot be stored as recipes (None: they can)."""
         if not self.provenance:
             return "it has provenance=False, so its sequences do not say which documents they hold"
-        if self.strategy != "concat":
-            return (
-                f"strategy={self.strategy!r} keeps waiting documents and open bins, which recipe "
-                f"state does not store yet (only strategy='concat')"
-            )
         return None
 
+    def recipe_state(self, value: Any, leaf: recipe.Leaf) -> Any:
+        """``value`` (the carry) with each part made of pieces replaced by ``leaf(part, kind)``."""
+        if self.strategy == "concat":
+            return leaf(value, "carry")
+        return {
+            "pending": [leaf(p, "piece") for p in value["pending"]],
+            "bins": [leaf(b, "bin") for b in value["bins"]],
+        }
+
     def recipe_pieces(self, value: Mapping[str, Any], kind: str) -> recipe.Pieces | None:
-        """An output sample's (``kind="sample"``) or the open sequence's (``"carry"``) pieces."""
+        """The pieces of an output ``"sample"``, of the open sequence (``"carry"``), of a
+        waiting ``"piece"`` or of an open ``"bin"`` (``best_fit``)."""
+        keys = set(value)
+        if kind == "piece" and keys == {"ids", "doc"}:
+            ids, doc = value["ids"], value["doc"]
+            return recipe.Pieces(np.reshape(doc, (1, 3)), np.asarray([ids.size], np.int32), ids)
+        if kind == "bin" and keys == {"ids", "lens", "docs"}:
+            ids, lens = value["ids"], value["lens"]
+            return recipe.Pieces(value["docs"], lens, ids) if int(np.sum(lens)) == ids.size else None
         names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
         expected = set(self.padding_sample()) if kind == "sample" else {"ids", "pos", "seg", "docs"}
-        if set(value) != expected:
+        if kind not in ("sample", "carry") or keys != expected:
             return None
         ids, seg, docs = (value[k] for k in names)
         if not all(isinstance(a, np.ndarray) for a in (ids, seg, docs)) or seg.ndim != 1:
@@ -250,14 +263,17 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         return recipe.Pieces(docs, lengths, ids[:valid])
 
     def recipe_value(self, tokens: np.ndarray, lengths: np.ndarray, docs: np.ndarray, kind: str) -> Any:
-        """The sample or open sequence made of these pieces (positions restart at each piece,
-        segments number them), as ``process`` makes it."""
+        """The sample or state part made of these pieces, as ``process`` makes it (positions
+        restart at each piece, segments number them)."""
         ids = tokens.astype(np.int32, copy=True)
-        pos = np.arange(ids.size, dtype=np.int32) - np.repeat(
-            np.cumsum(lengths, dtype=np.int32) - lengths, lengths
-        )
-        seg = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
         docs = docs.astype(np.int64).reshape(-1, 3)
+        if kind == "piece":
+            return {"ids": ids, "doc": docs[0].copy()}
+        if kind == "bin":
+            return {"ids": ids, "lens": lengths.astype(np.int32, copy=True), "docs": docs}
+        starts = np.cumsum(lengths, dtype=np.int32) - lengths
+        pos = np.arange(ids.size, dtype=np.int32) - np.repeat(starts, lengths)
+        seg = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
         if kind == "sample":
             return self._output(ids, pos, seg, docs)
         return {"ids": ids, "pos": pos, "seg": seg, "docs": docs}

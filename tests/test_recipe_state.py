@@ -30,7 +30,9 @@ def run_global(
     return [batch for _, batch, _ in _global_run(spec, steps, state, world_size=world_size, **kwargs)]
 
 
-def long_docs_spec(corpus: Corpus, tmp_path: Path, **kwargs: Any) -> zf.LoaderSpec:
+def long_docs_spec(
+    corpus: Corpus, tmp_path: Path, pack: ops.Pack | None = None, **kwargs: Any
+) -> zf.LoaderSpec:
     """Hand-made documents, some many sequences long (pieces in their middle), several per
     record (``|``), packed and shuffled."""
     rng = np.random.default_rng(5)
@@ -45,7 +47,7 @@ def long_docs_spec(corpus: Corpus, tmp_path: Path, **kwargs: Any) -> zf.LoaderSp
     return chain_spec(
         path,
         ("parse", ParseIds()),
-        ("pack", ops.Pack(seq_len=16)),
+        ("pack", pack or ops.Pack(seq_len=16)),
         ("shuffle", ops.Shuffle(buffer=5)),
         lanes=2,
         global_batch_size=4,
@@ -181,11 +183,15 @@ def test_pack_without_provenance_is_refused_by_name(corpus: Corpus, tmp_path: Pa
         zf.Loader(spec, state_mode="recipe")
 
 
-def test_best_fit_is_refused_by_name(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", ["1 2 3", "4 5"])
-    spec = chain_spec(path, ("parse", ParseIds()), ("pack", ops.Pack(seq_len=4, strategy="best_fit")))
-    with pytest.raises(RecipeRefusedError, match=r"^stateful DoFn 'pack': strategy='best_fit' keeps"):
-        zf.Loader(spec, state_mode="recipe")
+@pytest.mark.parametrize("epochs", [None, 1])
+def test_best_fit_waiting_pieces_and_open_bins_are_rebuilt(corpus: Corpus, tmp_path: Path, epochs: Any) -> None:
+    pack = ops.Pack(seq_len=16, strategy="best_fit", buffer=3, open_bins=2, labels=True)
+    spec = long_docs_spec(corpus, tmp_path, pack, epochs=epochs)
+    ref = assert_equal_output_after_checkpoint(spec, 12, **RECIPE)
+    carry = ref.final_state["lane_states"][0]["stages"]["pack"]["values"]["carry"]
+    assert sorted(carry) == ["bins", "pending"]
+    parts = carry["pending"] + carry["bins"]
+    assert parts and all(sorted(p) == ["digest", "docs", "head", "lengths"] for p in parts)
 
 
 class _Keep(beam.DoFn):  # type: ignore[misc]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -43,6 +43,8 @@ MAX_TRIES = 4096
 Outputs = list[np.ndarray]
 #: A record id: (source index, split index, record offset).
 DocKey = tuple[int, int, int]
+#: Maps one part of a state value (or its recipe) and the part's kind to its replacement.
+Leaf = Callable[[Any, str], Any]
 
 
 class RecipeRefusedError(StateError):
@@ -61,14 +63,20 @@ class Pieces:
 
 @runtime_checkable
 class RecipeMaker(Protocol):
-    """An operator whose outputs (``kind="sample"``) and open state values (``kind="carry"``)
-    are token pieces of documents from the front."""
+    """An operator whose outputs (``kind="sample"``) and state (other kinds, its own) are made
+    of token pieces of documents from the front."""
 
-    #: Names of its own state values stored as one recipe each (e.g. ``("carry",)``).
+    #: Names of its own state values made of pieces (e.g. ``("carry",)``), see ``recipe_state``.
     recipe_values: tuple[str, ...]
 
     def recipe_refusal(self) -> str | None:
         """Why this configuration's values cannot be stored as recipes (None: they can)."""
+        ...
+
+    def recipe_state(self, value: Any, leaf: Leaf) -> Any:
+        """One of its ``recipe_values`` with every part made of pieces replaced by
+        ``leaf(part, kind)``: the parts by their recipes at save, the recipes by the parts at
+        restore (the same walk both ways)."""
         ...
 
     def recipe_pieces(self, value: Mapping[str, Any], kind: str) -> Pieces | None:

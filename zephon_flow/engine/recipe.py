@@ -104,35 +104,16 @@ def to_recipes(plan: Plan, state: LoaderState) -> LoaderState:
 
 
 def _lane_to_recipes(found: Layout, plan: Plan, ls: LaneState) -> LaneState:
-    maker = found.maker
-    stages = dict(ls.stages)
-    for label, st in ls.stages.items():
-        values = dict(st.values)
-        for name in found.single.get(label, ()):
-            if values.get(name) is not None:
-                where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
-                values[name] = recipe.encode(maker, values[name], "carry", where)
-        for name in found.lists.get(label, ()):
-            held = values.get(name)
-            if held is None:
-                continue
-            where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
-            if not isinstance(held, list):
-                raise RecipeRefusedError(f"{where} is not a list of elements; {_USE_COMPACT}")
-            values[name] = [recipe.encode(maker, v, "sample", f"{where}[{i}]") for i, v in enumerate(held)]
-        stages[label] = StageState(values=values, timers=dict(st.timers), position=st.position)
-    pending = ls.pending
-    if pending:
-        if not found.pending:
-            raise RecipeRefusedError(
-                f"lane {ls.lane}: its pending outputs were changed by a stateless DoFn after "
-                f"{plan.back[0].label!r}, so they cannot be stored as document recipes; {_USE_COMPACT}"
-            )
-        pending = [
-            recipe.encode(maker, v, "sample", f"lane {ls.lane}, pending output {i}")
-            for i, v in enumerate(pending)
-        ]
-    return replace(ls, stages=stages, pending=pending)
+    if ls.pending and not found.pending:
+        raise RecipeRefusedError(
+            f"lane {ls.lane}: its pending outputs were changed by a stateless DoFn after "
+            f"{plan.back[0].label!r}, so they cannot be stored as document recipes; {_USE_COMPACT}"
+        )
+
+    def encode(value: Any, kind: str, where: str) -> Any:
+        return recipe.encode(found.maker, value, kind, where)
+
+    return _walk(found, ls, encode)
 
 
 def from_recipes(
@@ -150,54 +131,80 @@ def from_recipes(
             f"the checkpoint is a recipe state, but this pipeline cannot rebuild it: {exc}"
         ) from exc
     wanted = [state.lane_states[lane] for lane in lane_ids]
-    keys: set[DocKey] = set()
-    for ls in wanted:
-        for where, value, _ in _recipes(found, ls):
-            keys |= recipe.needed(value if isinstance(value, list) else [value], where)
-    documents = _documents(plan, lanes, sorted(keys), submit)
-    rebuilt = {ls.lane: _lane_from_recipes(found, ls, documents) for ls in wanted}
+    documents = reread(plan, lanes, needs(found, wanted).keys, submit)
+    rebuilt = {
+        ls.lane: _walk(
+            found, ls, lambda r, kind, where: recipe.rebuild(found.maker, r, kind, documents, where)
+        )
+        for ls in wanted
+    }
     return replace(state, lane_states={**state.lane_states, **rebuilt}, recipe=False)
 
 
-def _recipes(found: Layout, ls: LaneState) -> Iterator[tuple[str, Any, str]]:
-    """(where, recipe or list of recipes, kind) of every recipe value in a lane state."""
-    for label, st in ls.stages.items():
-        for name in found.single.get(label, ()):
-            if st.values.get(name) is not None:
-                yield f"lane {ls.lane}, stage {label!r}, state {name!r}", st.values[name], "carry"
-        for name in found.lists.get(label, ()):
-            held = st.values.get(name)
-            if held is not None:
-                if not isinstance(held, list):
-                    raise CorruptStateError(f"lane {ls.lane}, stage {label!r}: state {name!r} is not a list")
-                yield f"lane {ls.lane}, stage {label!r}, state {name!r}", held, "sample"
-    if ls.pending:
-        yield f"lane {ls.lane}, pending outputs", ls.pending, "sample"
+@dataclass(frozen=True)
+class Needs:
+    """What rebuilding some lanes' recipes takes: the records to re-read (sorted), and the
+    pieces and tokens they make up."""
+
+    keys: list[DocKey]
+    pieces: int
+    tokens: int
 
 
-def _lane_from_recipes(found: Layout, ls: LaneState, documents: dict[DocKey, Outputs]) -> LaneState:
+def needs(found: Layout, lane_states: list[LaneState]) -> Needs:
+    """The records (and pieces and tokens) the recipes of ``lane_states`` name."""
+    keys: set[DocKey] = set()
+    counts = [0, 0]
+
+    def collect(value: Any, kind: str, where: str) -> Any:
+        keys.update(recipe.doc_keys(value, where))
+        lengths = value["lengths"]
+        counts[0] += int(lengths.size)
+        counts[1] += int(lengths.sum())
+        return value
+
+    for ls in lane_states:
+        _walk(found, ls, collect)
+    return Needs(sorted(keys), counts[0], counts[1])
+
+
+#: Maps a recipe, its kind and where it is to its replacement.
+_Visit = Callable[[Any, str, str], Any]
+
+
+def _at(visit: _Visit, where: str) -> recipe.Leaf:
+    def leaf(value: Any, kind: str) -> Any:
+        return visit(value, kind, where)
+
+    return leaf
+
+
+def _walk(found: Layout, ls: LaneState, visit: _Visit) -> LaneState:
+    """The lane state with each recipe replaced by ``visit(recipe, kind, where)``."""
     maker = found.maker
-
-    def one(value: Any, kind: str, where: str) -> Any:
-        return recipe.rebuild(maker, value, kind, documents, where)
-
     stages = {}
     for label, st in ls.stages.items():
         values = dict(st.values)
         for name in found.single.get(label, ()):
             if values.get(name) is not None:
-                values[name] = one(values[name], "carry", f"lane {ls.lane}, stage {label!r}, state {name!r}")
+                where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
+                try:
+                    values[name] = maker.recipe_state(values[name], _at(visit, where))
+                except (KeyError, TypeError, IndexError) as exc:
+                    raise CorruptStateError(f"{where}: its recipes are malformed ({exc!r})") from exc
         for name in found.lists.get(label, ()):
             held = values.get(name)
             if held is not None:
                 where = f"lane {ls.lane}, stage {label!r}, state {name!r}"
-                values[name] = [one(v, "sample", f"{where}[{i}]") for i, v in enumerate(held)]
+                if not isinstance(held, list):
+                    raise CorruptStateError(f"{where} should be a list of recipes")
+                values[name] = [visit(v, "sample", f"{where}[{i}]") for i, v in enumerate(held)]
         stages[label] = StageState(values=values, timers=dict(st.timers), position=st.position)
-    pending = [one(v, "sample", f"lane {ls.lane}, pending output {i}") for i, v in enumerate(ls.pending)]
+    pending = [visit(v, "sample", f"lane {ls.lane}, pending output {i}") for i, v in enumerate(ls.pending)]
     return replace(ls, stages=stages, pending=pending)
 
 
-def _documents(plan: Plan, lanes: int, keys: list[DocKey], submit: Submit | None) -> dict[DocKey, Outputs]:
+def reread(plan: Plan, lanes: int, keys: list[DocKey], submit: Submit | None = None) -> dict[DocKey, Outputs]:
     """The front's outputs for each record id, read again and run through the front (on the
     loader's backend when given: chunks in parallel)."""
     records = list(_read(plan, lanes, keys))
