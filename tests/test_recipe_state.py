@@ -16,8 +16,13 @@ from helpers import Corpus, ParseIds, chain_spec, example_spec, write_jsonl
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core import recipe
-from zephon_flow.core.errors import SpecError, StateConflictError, StateError
-from zephon_flow.core.recipe import RecipeRefusedError
+from zephon_flow.core.errors import (
+    RecipeMismatchError,
+    RecipeRefusedError,
+    SpecError,
+    StateConflictError,
+    StateError,
+)
 from zephon_flow.core.state import RECIPE_KIND, STATE_KIND, to_loader_state, write_state
 
 RECIPE = {"state_mode": "recipe"}
@@ -184,7 +189,9 @@ def test_pack_without_provenance_is_refused_by_name(corpus: Corpus, tmp_path: Pa
 
 
 @pytest.mark.parametrize("epochs", [None, 1])
-def test_best_fit_waiting_pieces_and_open_bins_are_rebuilt(corpus: Corpus, tmp_path: Path, epochs: Any) -> None:
+def test_best_fit_waiting_pieces_and_open_bins_are_rebuilt(
+    corpus: Corpus, tmp_path: Path, epochs: Any
+) -> None:
     pack = ops.Pack(seq_len=16, strategy="best_fit", buffer=3, open_bins=2, labels=True)
     spec = long_docs_spec(corpus, tmp_path, pack, epochs=epochs)
     ref = assert_equal_output_after_checkpoint(spec, 12, **RECIPE)
@@ -273,7 +280,9 @@ def test_changed_data_is_refused_at_restore_never_used(tmp_path: Path) -> None:
     ref = reference_run(spec, 3, **RECIPE)
     # Same sizes (the fingerprint's data part is unchanged), other tokens.
     write_jsonl(path, [t.replace("1", "2") for t in texts])
-    with pytest.raises(StateError, match=r"does not give the saved value: the data files, the tokenizer"):
+    with pytest.raises(
+        RecipeMismatchError, match=r"does not give the saved value: the data files, the tokenizer"
+    ):
         zf.Loader(spec, state=ref.states[3])
 
 
@@ -284,7 +293,7 @@ def test_rebuild_finds_a_piece_in_the_middle_of_a_document() -> None:
     saved = recipe.encode(pack, sample, "sample", "test")
     got = recipe.rebuild(pack, saved, "sample", {(0, 0, 5): [doc]}, "test")
     assert all(np.array_equal(got[k], sample[k]) for k in sample)
-    with pytest.raises(StateError, match=r"^test: re-reading the documents \(0, 0, 5\)"):
+    with pytest.raises(RecipeMismatchError, match=r"^test: re-reading the documents \(0, 0, 5\)"):
         recipe.rebuild(pack, saved, "sample", {(0, 0, 5): [doc * 2]}, "test")
 
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from zephon_flow.core.errors import CorruptStateError, StateError
+from zephon_flow.core.errors import CorruptStateError, RecipeMismatchError, RecipeRefusedError, StateError
 
 HEAD = 4
 #: Bytes of a value's digest: enough that a wrong rebuild passing it is not a practical risk.
@@ -45,11 +45,6 @@ Outputs = list[np.ndarray]
 DocKey = tuple[int, int, int]
 #: Maps one part of a state value (or its recipe) and the part's kind to its replacement.
 Leaf = Callable[[Any, str], Any]
-
-
-class RecipeRefusedError(StateError):
-    """A state cannot be stored as a recipe: the message names the operator or source and
-    says to use ``state_mode="compact"``."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +176,7 @@ def rebuild(
         if np.array_equal(digest(value), saved):
             return value
     named = ", ".join(f"{k}" for k in dict.fromkeys(keys)) or "none"
-    raise StateError(
+    raise RecipeMismatchError(
         f"{where}: re-reading the documents {named} (source index, split, offset) and re-running the "
         f"front does not give the saved value: the data files, the tokenizer or a stateless DoFn "
         f"changed since the checkpoint, or the front is not a pure function of the record. Resume "

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from zephon_flow.core import recipe
-from zephon_flow.core.errors import CorruptStateError, StateError
-from zephon_flow.core.recipe import DocKey, Outputs, RecipeMaker, RecipeRefusedError
+from zephon_flow.core.errors import CorruptStateError, RecipeMismatchError, RecipeRefusedError
+from zephon_flow.core.recipe import DocKey, Outputs, RecipeMaker
 from zephon_flow.core.source import Record
 from zephon_flow.core.state import LaneState, LoaderState, StageState
 from zephon_flow.runners.backends.base import ChunkResult
@@ -127,7 +127,7 @@ def from_recipes(
     try:
         found = layout(plan)
     except RecipeRefusedError as exc:
-        raise StateError(
+        raise RecipeRefusedError(
             f"the checkpoint is a recipe state, but this pipeline cannot rebuild it: {exc}"
         ) from exc
     wanted = [state.lane_states[lane] for lane in lane_ids]
@@ -226,7 +226,7 @@ def reread(plan: Plan, lanes: int, keys: list[DocKey], submit: Submit | None = N
             raise AssertionError("unreachable")
         for (key, record), result in zip(part, results, strict=True):
             if isinstance(result, Skipped):
-                raise StateError(
+                raise RecipeMismatchError(
                     f"re-reading the record at {record.path} {record.where} for the checkpoint's "
                     f"recipe state: it is now skipped as bad data ({result.message}); the data "
                     f"changed since the checkpoint. Resume from a compact checkpoint"
@@ -270,7 +270,7 @@ def _read(plan: Plan, lanes: int, keys: list[DocKey]) -> Iterator[tuple[DocKey, 
                 got = next(reader, None)
             if got is None or got[1].offset != offset:
                 split = splits[split_index]
-                raise StateError(
+                raise RecipeMismatchError(
                     f"{sp.source.operator_name}: no record at offset {offset} of {split.path} (split "
                     f"{split_index}); the data changed since the checkpoint, which recipe state needs "
                     f"to re-read. Resume from a compact checkpoint"
