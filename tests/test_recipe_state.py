@@ -313,3 +313,14 @@ def test_recipe_restore_runs_the_front_on_the_loaders_backend(corpus: Corpus, ba
     ref = reference_run(spec, 5, **RECIPE)
     got = run_global(spec, 2, state=ref.states[3], world_size=2, backend=backend, workers=2, **RECIPE)
     assert [zf.batch_digest(b) for b in got] == [d for _, d in ref.digests[3:5]]
+
+
+def test_the_head_hash_of_one_window_is_the_rolling_hash_at_that_start() -> None:
+    tokens = np.random.default_rng(3).integers(0, 2**31 - 1, size=300).astype(np.int32)
+    for width in (1, 5, recipe.HEAD):
+        rolling = recipe._window_hashes(tokens, width)
+        assert [recipe.head_hash(tokens[s : s + width]) for s in (0, 7, 300 - width)] == [
+            int(rolling[0]),
+            int(rolling[7]),
+            int(rolling[300 - width]),
+        ]

@@ -7,8 +7,9 @@ In ``state_mode="recipe"`` a checkpoint keeps, per sequence, only
 - ``docs``: the id of each piece's record (``(source index, split index, record offset)``, the
   ``zf.ProvenanceParam`` id), ``int64 [k, 3]``;
 - ``lengths``: each piece's token count, ``int32 [k]``;
-- ``head``: the sequence's first ``HEAD`` tokens (``-1`` past its end), to find a piece that
-  neither starts nor ends its document (the middle of a long one);
+- ``head``: a 32-bit hash of the sequence's first ``HEAD`` tokens, to find a piece that
+  neither starts nor ends its document (the middle of a long one: a rolling hash over the
+  document finds where it can start) and to pass over wrong placements cheaply;
 - ``digest``: an 8-byte digest of the whole value (every field, dtype and shape), so a rebuild
   that is not bit for bit the saved value is refused, never used.
 
@@ -33,7 +34,12 @@ import numpy as np
 
 from zephon_flow.core.errors import CorruptStateError, RecipeMismatchError, RecipeRefusedError, StateError
 
-HEAD = 4
+#: Tokens the ``head`` hash covers (fewer if the value is shorter): 32 make a match in the
+#: wrong place unlikely even in code, whose short runs (indentation) repeat everywhere.
+HEAD = 32
+_MULT_INT = 0x9E3779B97F4A7C15  # odd: the polynomial hash's multiplier (mod 2**64)
+_MULT = np.uint64(_MULT_INT)
+_MASK = (1 << 64) - 1
 #: Bytes of a value's digest: enough that a wrong rebuild passing it is not a practical risk.
 DIGEST = 8
 #: Placements tried per value before a rebuild gives up (a document of one repeated token can
@@ -43,6 +49,8 @@ MAX_TRIES = 4096
 Outputs = list[np.ndarray]
 #: A record id: (source index, split index, record offset).
 DocKey = tuple[int, int, int]
+#: Window hashes of documents by (id of the token array, window): valid while the arrays live.
+WindowCache = dict[tuple[int, int], np.ndarray]
 #: Maps one part of a state value (or its recipe) and the part's kind to its replacement.
 Leaf = Callable[[Any, str], Any]
 
@@ -112,9 +120,7 @@ def encode(maker: RecipeMaker, value: Any, kind: str, where: str) -> dict[str, n
             f"that does not pass zf.ProvenanceParam), so it cannot be re-read; use "
             f"state_mode='compact'"
         )
-    head = np.full(HEAD, -1, dtype=np.int64)
-    first = np.asarray(pieces.tokens[:HEAD], dtype=np.int64)
-    head[: first.size] = first
+    head = np.asarray(head_hash(np.asarray(pieces.tokens)), dtype=np.uint32)
     return {
         "docs": docs,
         "lengths": np.asarray(pieces.lengths, dtype=np.int32),
@@ -148,18 +154,23 @@ def rebuild(
     kind: str,
     documents: Mapping[DocKey, Outputs],
     where: str,
+    hashes: WindowCache | None = None,
 ) -> Any:
     """The value a recipe describes, from its documents' front outputs; refuses (naming the
-    documents) if no placement of its pieces gives the saved digest."""
+    documents) if no placement of its pieces gives the saved digest. ``hashes`` keeps the
+    documents' window hashes between calls (many pieces of a long document are searched)."""
     keys = doc_keys(recipe, where)
     lengths = _field(recipe, "lengths", where).astype(np.int64)
     head = _field(recipe, "head", where)
     saved = _field(recipe, "digest", where)
     docs = _field(recipe, "docs", where).astype(np.int64)
+    if head.shape != ():
+        raise CorruptStateError(f"{where}: a recipe's head should be one hash, found shape {head.shape}")
+    saved_head = int(head)
     count = len(keys)
     if count == 1:  # a lone piece: candidates one by one (the search only if the ends fail)
         placements: Iterator[tuple[tuple[int, int], ...]] = (
-            (p,) for p in _lone(documents[keys[0]], int(lengths[0]), head)
+            (p,) for p in _lone(documents[keys[0]], int(lengths[0]), saved_head, hashes)
         )
     else:
         choices = [
@@ -172,6 +183,8 @@ def rebuild(
             documents[key][j][s : s + n] for key, (j, s), n in zip(keys, placement, lengths, strict=True)
         ]
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        if head_hash(tokens) != saved_head:
+            continue  # cheap: most wrong placements differ at the start
         value = maker.recipe_value(tokens, lengths.astype(np.int32), docs, kind)
         if np.array_equal(digest(value), saved):
             return value
@@ -197,24 +210,53 @@ def _placements(outputs: Outputs, n: int, index: int, count: int) -> list[tuple[
     return found
 
 
-def _lone(outputs: Outputs, n: int, head: np.ndarray) -> Iterator[tuple[int, int]]:
+def _lone(outputs: Outputs, n: int, head: int, hashes: WindowCache | None) -> Iterator[tuple[int, int]]:
     """Where a value's only piece may lie: at the start or the end of an output, else inside
-    one, where ``head`` matches (the middle of a long document)."""
+    one, where the ``head`` hash matches (the middle of a long document)."""
     ends = _placements(outputs, n, 0, 1)
     yield from ends
     for j, tokens in enumerate(outputs):
-        yield from (p for p in _search(tokens, n, head, j) if p not in ends)
+        yield from (p for p in _search(tokens, n, head, j, hashes) if p not in ends)
 
 
-def _search(tokens: np.ndarray, n: int, head: np.ndarray, j: int) -> Iterator[tuple[int, int]]:
-    """Starts ``s`` where ``tokens[s:s+len(head)]`` is ``head`` (its known part) and ``n``
-    tokens fit."""
-    known = head[head >= 0][: min(HEAD, n)]
+def head_hash(tokens: np.ndarray) -> int:
+    """The 32-bit hash of the first ``HEAD`` tokens (all of them if fewer): the value
+    ``_window_hashes`` gives for a window at 0, computed on Python ints (one short window)."""
+    h = 0
+    for t in tokens[:HEAD].astype(np.uint64).tolist():
+        h = (h * _MULT_INT + t) & _MASK
+    return h >> 32
+
+
+def _window_hashes(tokens: np.ndarray, width: int) -> np.ndarray:
+    """The hash of ``tokens[s:s+width]`` for every start ``s`` (a polynomial over the tokens,
+    mod 2**64, its high 32 bits), all starts at once."""
+    count = tokens.size - width + 1
+    values = tokens.astype(np.uint64)
+    h = np.zeros(count, dtype=np.uint64)
+    for i in range(width):
+        h *= _MULT
+        h += values[i : i + count]
+    out: np.ndarray = (h >> np.uint64(32)).astype(np.uint32)
+    return out
+
+
+def _search(
+    tokens: np.ndarray, n: int, head: int, j: int, hashes: WindowCache | None
+) -> Iterator[tuple[int, int]]:
+    """Starts ``s`` where ``n`` tokens fit and the first ``HEAD`` of them have the ``head`` hash."""
     last = tokens.size - n
-    if last < 0 or known.size == 0:
+    if last < 0:
         return
-    window = np.lib.stride_tricks.sliding_window_view(tokens[: last + known.size], known.size)
-    for s in np.flatnonzero((window == known).all(axis=1))[:MAX_TRIES].tolist():
+    width = min(HEAD, n)
+    key = (id(tokens), width)
+    every = None if hashes is None else hashes.get(key)
+    if every is None:
+        every = _window_hashes(tokens, width)
+        if hashes is not None:
+            hashes[key] = every
+    found = np.flatnonzero(every[: last + 1] == head)
+    for s in found[:MAX_TRIES].tolist():
         yield (j, int(s))
 
 

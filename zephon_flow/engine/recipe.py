@@ -132,12 +132,12 @@ def from_recipes(
         ) from exc
     wanted = [state.lane_states[lane] for lane in lane_ids]
     documents = reread(plan, lanes, needs(found, wanted).keys, submit)
-    rebuilt = {
-        ls.lane: _walk(
-            found, ls, lambda r, kind, where: recipe.rebuild(found.maker, r, kind, documents, where)
-        )
-        for ls in wanted
-    }
+    hashes: recipe.WindowCache = {}  # keyed by array ids: valid while ``documents`` lives
+
+    def rebuild(value: Any, kind: str, where: str) -> Any:
+        return recipe.rebuild(found.maker, value, kind, documents, where, hashes)
+
+    rebuilt = {ls.lane: _walk(found, ls, rebuild) for ls in wanted}
     return replace(state, lane_states={**state.lane_states, **rebuilt}, recipe=False)
 
 
