@@ -324,3 +324,13 @@ def test_the_head_hash_of_one_window_is_the_rolling_hash_at_that_start() -> None
             int(rolling[7]),
             int(rolling[300 - width]),
         ]
+
+
+def test_a_state_taken_every_step_is_the_state_taken_once(corpus: Corpus, tmp_path: Path) -> None:
+    """The recipe writer remembers recipes between calls: what it reuses must be exact."""
+    spec = long_docs_spec(corpus, tmp_path)
+    with zf.Loader(spec, state_mode="recipe") as warm, zf.Loader(spec, state_mode="recipe") as cold:
+        for _ in zip(range(6), warm, cold, strict=False):  # range first: no 7th batch is taken
+            every_step = zf.encode_state(warm.state_dict())
+        assert every_step == zf.encode_state(cold.state_dict())
+        assert zf.encode_state(warm.state_dict()) == every_step  # all from memory this time

@@ -93,15 +93,13 @@ class Loader:
         if state_mode not in STATE_MODES:
             raise SpecError(f"state_mode must be one of {', '.join(STATE_MODES)}, got {state_mode!r}")
         self.spec = spec
-        self._state_mode = state_mode
         self._slice = RankSlice(
             rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
         )
         self._fingerprint = spec.fingerprint
         plan = spec.compile()
-        self._plan = plan
-        if state_mode == "recipe":
-            recipe.layout(plan)  # refused now, by name, rather than at the first state_dict()
+        # Refused now, by name, rather than at the first state_dict().
+        self._recipes = recipe.RecipeWriter(plan) if state_mode == "recipe" else None
         # The backend first: a recipe state's restore runs the front on it.
         self._backend = make_backend(
             backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
@@ -337,8 +335,8 @@ class Loader:
     def state_dict(self) -> dict[str, Any]:
         """Plain data: this rank's lanes, positioned after the last batch yielded (buffered
         sequences as recipes with ``state_mode="recipe"``)."""
-        if self._state_mode == "recipe":
-            return recipe.to_recipes(self._plan, self._last).to_plain()
+        if self._recipes is not None:
+            return self._recipes(self._last).to_plain()
         return self._last.to_plain()
 
     def close(self) -> None:

@@ -15,6 +15,8 @@ naming the operator or source.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -96,23 +98,71 @@ def layout(plan: Plan) -> Layout:
 
 def to_recipes(plan: Plan, state: LoaderState) -> LoaderState:
     """``state`` with its buffered sequences as recipes (refused, by name, if it cannot be)."""
-    if state.recipe:
-        return state
-    found = layout(plan)
-    lanes = {lane: _lane_to_recipes(found, plan, ls) for lane, ls in state.lane_states.items()}
-    return replace(state, lane_states=lanes, recipe=True)
+    return RecipeWriter(plan)(state)
 
 
-def _lane_to_recipes(found: Layout, plan: Plan, ls: LaneState) -> LaneState:
+class RecipeWriter:
+    """Turns a loader's states into recipe states. It remembers each value's recipe until the
+    next call (values are never changed once made, and a shuffle buffer changes by a window a
+    step), so a ``state_dict()`` every step digests only the values that are new since."""
+
+    def __init__(self, plan: Plan) -> None:
+        self._plan = plan
+        self._found = layout(plan)
+        self._memo: dict[int, _Memo] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, state: LoaderState) -> LoaderState:
+        if state.recipe:
+            return state
+        with self._lock:
+            kept: dict[int, _Memo] = {}
+
+            def encode(value: Any, kind: str, where: str) -> Any:
+                hit = self._memo.get(id(value))
+                if hit is not None and hit.matches(value, kind):
+                    kept[id(value)] = hit
+                    return hit.recipe
+                made = recipe.encode(self._found.maker, value, kind, where)
+                if all(isinstance(v, np.ndarray) for v in value.values()):  # weakly referable
+                    kept[id(value)] = _Memo.of(value, kind, made)
+                return made
+
+            lanes = {
+                lane: _lane_to_recipes(self._found, self._plan, ls, encode)
+                for lane, ls in state.lane_states.items()
+            }
+            self._memo = kept
+        return replace(state, lane_states=lanes, recipe=True)
+
+
+@dataclass(frozen=True)
+class _Memo:
+    """A value's recipe, and weak references to the value's arrays: an id that a new value
+    reuses (the old one freed) never matches, since the new one's arrays are other objects."""
+
+    kind: str
+    arrays: tuple[tuple[str, weakref.ref[np.ndarray]], ...]
+    recipe: dict[str, np.ndarray]
+
+    @classmethod
+    def of(cls, value: Any, kind: str, made: dict[str, np.ndarray]) -> _Memo:
+        return cls(kind, tuple((k, weakref.ref(v)) for k, v in value.items()), made)
+
+    def matches(self, value: Any, kind: str) -> bool:
+        return (
+            kind == self.kind
+            and len(value) == len(self.arrays)
+            and all(k in value and value[k] is ref() for k, ref in self.arrays)
+        )
+
+
+def _lane_to_recipes(found: Layout, plan: Plan, ls: LaneState, encode: _Visit) -> LaneState:
     if ls.pending and not found.pending:
         raise RecipeRefusedError(
             f"lane {ls.lane}: its pending outputs were changed by a stateless DoFn after "
             f"{plan.back[0].label!r}, so they cannot be stored as document recipes; {_USE_COMPACT}"
         )
-
-    def encode(value: Any, kind: str, where: str) -> Any:
-        return recipe.encode(found.maker, value, kind, where)
-
     return _walk(found, ls, encode)
 
 
