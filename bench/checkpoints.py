@@ -226,6 +226,13 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
         os.path.join(workdir, f"recipe-plus{later}.zf"),
     )
     rebuild = rebuild_figures(plan, spec.lanes, zf.load_state(base), cfg)
+    # What Loader(state_mode="recipe").state_dict() costs: cold, then one step later (warm:
+    # the writer remembers the recipes of the sequences that stayed).
+    writer = recipe.RecipeWriter(plan)
+    _, cold_s = timed(lambda: writer(to_loader_state(states[fill])))
+    soon = min(cfg.later)
+    _, warm_s = timed(lambda: writer(to_loader_state(states[fill + soon])))
+    rebuild.update(state_dict_cold_s=cold_s, state_dict_later_s=warm_s, state_dict_later_steps=soon)
     before = rows[0]["bytes"]
     compact = rows[1]["bytes"]
     for row in rows:
@@ -287,7 +294,8 @@ def table(result: dict[str, Any]) -> str:
         f"front rebuilt {rb['rebuilt_tokens_per_s_one_core']:,.0f} tokens/s on one core; if every "
         f"piece were a distinct document: ~{rb['projected_resume_s_all_distinct_one_core']:,.0f} s on one "
         f"core for all lanes (~{rb['projected_resume_s_all_distinct_per_rank_of_16']:,.0f} s per rank at "
-        f"world size 16)"
+        f"world size 16); recipe state_dict(): {rb['state_dict_cold_s']:.2f} s cold, "
+        f"{rb['state_dict_later_s']:.2f} s {rb['state_dict_later_steps']} step(s) after the previous one"
     )
     return "\n".join(lines)
 

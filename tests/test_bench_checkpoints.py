@@ -44,4 +44,5 @@ def test_a_tiny_run_reports_every_format_and_resumes(
     rebuild = result["recipe_rebuild"]
     assert 0 < rebuild["distinct_documents"] <= rebuild["pieces"]
     assert rebuild["document_tokens_reread"] > 0 and rebuild["tokens_in_flight"] > 0
+    assert rebuild["state_dict_later_steps"] == 1 and rebuild["state_dict_later_s"] > 0
     assert "| checkpoint | bytes | vs format 2 |" in capsys.readouterr().out
