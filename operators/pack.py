@@ -28,6 +28,8 @@ _CHECK_ROWS = 64
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100
+#: The fields of ``concat``'s open sequence (the ``carry`` state).
+_CARRY_KEYS = {"ids", "pos", "seg", "docs"}
 
 
 class PackedSegments:
@@ -250,7 +252,7 @@ class Pack(beam.DoFn):  # type: ignore[misc]
             ids, lens = value["ids"], value["lens"]
             return recipe.Pieces(value["docs"], lens, ids) if int(np.sum(lens)) == ids.size else None
         names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
-        expected = set(self.padding_sample()) if kind == "sample" else {"ids", "pos", "seg", "docs"}
+        expected = self._output_keys() if kind == "sample" else _CARRY_KEYS
         if kind not in ("sample", "carry") or keys != expected:
             return None
         ids, seg, docs = (value[k] for k in names)
@@ -261,6 +263,11 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         if docs.shape != (lengths.size, 3) or (lengths < 1).any():
             return None
         return recipe.Pieces(docs, lengths, ids[:valid])
+
+    def _output_keys(self) -> set[str]:
+        """The fields of an output sample (what ``_output`` makes)."""
+        keys = {"input_ids", "position_ids", "segment_ids"}
+        return keys | {k for k, on in (("labels", self.labels), ("documents", self.provenance)) if on}
 
     def recipe_value(self, tokens: np.ndarray, lengths: np.ndarray, docs: np.ndarray, kind: str) -> Any:
         """The sample or state part made of these pieces, as ``process`` makes it (positions

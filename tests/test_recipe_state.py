@@ -334,3 +334,9 @@ def test_a_state_taken_every_step_is_the_state_taken_once(corpus: Corpus, tmp_pa
             every_step = zf.encode_state(warm.state_dict())
         assert every_step == zf.encode_state(cold.state_dict())
         assert zf.encode_state(warm.state_dict()) == every_step  # all from memory this time
+
+
+@pytest.mark.parametrize("labels", [False, True])
+def test_pack_knows_the_fields_of_its_samples(labels: bool) -> None:
+    pack = ops.Pack(seq_len=4, labels=labels)
+    assert pack._output_keys() == set(pack.padding_sample())
