@@ -1,4 +1,4 @@
-"""Checkpoint size, save and load time and save memory: format 2 against compact and incremental.
+"""Checkpoint size, save, load and resume time and save memory: format 2, compact, incremental, recipe.
 
 ```bash
 .venv/bin/python -m bench.checkpoints                  # the README's pipeline at its settings
@@ -15,7 +15,17 @@ then 100 steps more. In the same process, one after the other:
 - **compact**: ``zf.save_state`` (format 3: lane by lane, narrowed ids, Pack's derived fields
   rebuilt on load, zstd), and ``zf.load_state``;
 - **incremental**: ``zf.save_state(state, path, base=compact)`` 1, 10 and 100 steps after the
-  compact one, and their load (which loads the base too).
+  compact one, and their load (which loads the base too);
+- **recipe**: the same state as ``Loader(state_mode="recipe").state_dict()`` gives it (buffered
+  sequences as their documents; the conversion is timed as part of the save), and a recipe
+  checkpoint incremental on it 10 steps later.
+
+*resume s* is what a trainer waits for: ``zf.Loader(spec, state=loaded)`` (for a recipe state:
+re-reading the documents in flight and re-running the front on the loader's backend) until its
+first batch. For the recipe state the run also reports how many distinct documents it
+re-read and their tokens, the rate they were rebuilt at, and what resuming would take if every
+sequence in flight held distinct documents (a corpus far larger than the state: this demo corpus
+of 5 MB refills the buffers many times over, so its documents repeat and each is rebuilt once).
 
 Peak RSS while saving is sampled every 2 ms from ``/proc/self/statm`` and reported above the RSS
 before the save. "raw" is the state's in-memory bytes (every array at its size), and MB/s are raw
@@ -45,6 +55,7 @@ from zephon_flow import operators as ops
 from zephon_flow.core import codec
 from zephon_flow.core.state import to_loader_state
 from zephon_flow.demo_data import DemoData, build_demo_data
+from zephon_flow.engine import recipe
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 MB = 1e6
@@ -154,10 +165,16 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
     fill_seconds = time.perf_counter() - start
     raw = raw_bytes(states[fill])
 
-    def resumes(state: Any, step: int) -> bool:
+    def resumes(state: Any, step: int) -> tuple[bool, float]:
+        """Whether a loader resumed from ``state`` gives the next two digests, and the seconds
+        from its construction to its first batch."""
+        start = time.perf_counter()
         with zf.Loader(spec, state=state, backend=cfg.backend, workers=cfg.workers, prefetch=1) as ld:
-            got = [zf.batch_digest(b) for _, (_, b) in zip(range(2), ld, strict=False)]
-        return got == digests[step : step + 2]
+            it = iter(ld)
+            got = [zf.batch_digest(next(it)[1])]
+            first = time.perf_counter() - start
+            got.append(zf.batch_digest(next(it)[1]))
+        return got == digests[step : step + 2], first
 
     rows: list[dict[str, Any]] = []
 
@@ -165,7 +182,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
         with peak_rss() as mem:
             stats, save_s = timed(lambda: save(path))
         loaded, load_s = timed(lambda: zf.load_state(path))
-        ok = resumes(loaded, step)
+        ok, resume_s = resumes(loaded, step)
         del loaded
         rows.append(
             {
@@ -175,6 +192,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
                 "bytes_before_zstd": getattr(stats, "uncompressed", os.path.getsize(path)),
                 "save_s": save_s,
                 "load_s": load_s,
+                "resume_s": resume_s,
                 "save_peak_rss_above_mb": mem["peak_above"] / MB,
                 "raw_mb_per_s": raw / MB / save_s,
                 "resume_digests_match": ok,
@@ -193,6 +211,28 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
             functools.partial(_save_incremental, states[fill + k], base=full),
             os.path.join(workdir, f"plus{k}.zf"),
         )
+    plan = spec.compile()
+
+    def as_recipe(step: int) -> dict[str, Any]:
+        return recipe.to_recipes(plan, to_loader_state(states[step])).to_plain()
+
+    later = max(k for k in cfg.later if k <= 10) if any(k <= 10 for k in cfg.later) else min(cfg.later)
+    base = os.path.join(workdir, "recipe.zf")
+    measure("recipe", fill, lambda p: zf.save_state(as_recipe(fill), p), base)
+    measure(
+        f"recipe, incremental, {later} step(s) after the recipe base",
+        fill + later,
+        lambda p: zf.save_state(as_recipe(fill + later), p, base=base),
+        os.path.join(workdir, f"recipe-plus{later}.zf"),
+    )
+    rebuild = rebuild_figures(plan, spec.lanes, zf.load_state(base), cfg)
+    # What Loader(state_mode="recipe").state_dict() costs: cold, then one step later (warm:
+    # the writer remembers the recipes of the sequences that stayed).
+    writer = recipe.RecipeWriter(plan)
+    _, cold_s = timed(lambda: writer(to_loader_state(states[fill])))
+    soon = min(cfg.later)
+    _, warm_s = timed(lambda: writer(to_loader_state(states[fill + soon])))
+    rebuild.update(state_dict_cold_s=cold_s, state_dict_later_s=warm_s, state_dict_later_steps=soon)
     before = rows[0]["bytes"]
     compact = rows[1]["bytes"]
     for row in rows:
@@ -205,22 +245,58 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
         "fill_seconds": fill_seconds,
         "rows": rows,
         "format_2_over_compact": before / compact,
+        "recipe_rebuild": rebuild,
+    }
+
+
+def rebuild_figures(plan: Any, lanes: int, state: dict[str, Any], cfg: Config) -> dict[str, Any]:
+    """What a recipe restore re-reads: distinct documents and their tokens, against the tokens
+    of every sequence in flight, and the rate the front rebuilt them at (inline, one core)."""
+    loaded = to_loader_state(state)
+    need = recipe.needs(recipe.layout(plan), list(loaded.lane_states.values()))
+    pieces, tokens_in_flight = need.pieces, need.tokens
+    documents, seconds = timed(lambda: recipe.reread(plan, lanes, need.keys))
+    tokens = sum(int(a.size) for outs in documents.values() for a in outs)
+    rate = tokens / seconds if seconds else float("nan")
+    return {
+        "distinct_documents": len(need.keys),
+        "pieces": pieces,
+        "document_tokens_reread": tokens,
+        "tokens_in_flight": tokens_in_flight,
+        "reread_s_one_core": seconds,
+        "rebuilt_tokens_per_s_one_core": rate,
+        "projected_resume_s_all_distinct_one_core": tokens_in_flight / rate if rate else float("nan"),
+        "projected_resume_s_all_distinct_per_rank_of_16": tokens_in_flight / rate / 16
+        if rate
+        else float("nan"),
     }
 
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        "| checkpoint | bytes | vs format 2 | before zstd | save s | raw MB/s saved | peak RSS above, saving "
-        "| load s | resume digests |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| checkpoint | bytes | vs format 2 | vs compact | before zstd | save s | raw MB/s saved "
+        "| peak RSS above, saving | load s | resume s (to first batch) | resume digests |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in result["rows"]:
+        size = f"{r['bytes'] / MB:,.1f} MB" if r["bytes"] >= 100_000 else f"{r['bytes'] / 1e3:,.1f} KB"
         lines.append(
-            f"| {r['format']} | {r['bytes'] / MB:,.1f} MB | {r['size_vs_format_2']:.4f} | "
+            f"| {r['format']} | {size} | {r['size_vs_format_2']:.4f} | {r['size_vs_compact']:.4f} | "
             f"{r['bytes_before_zstd'] / MB:,.1f} MB | {r['save_s']:.2f} | "
             f"{r['raw_mb_per_s']:,.0f} | {r['save_peak_rss_above_mb']:,.0f} MB | {r['load_s']:.2f} | "
-            f"{'match' if r['resume_digests_match'] else 'DIFFER'} |"
+            f"{r['resume_s']:.2f} | {'match' if r['resume_digests_match'] else 'DIFFER'} |"
         )
+    rb = result["recipe_rebuild"]
+    lines.append("")
+    lines.append(
+        f"recipe restore: {rb['distinct_documents']:,} distinct documents ({rb['document_tokens_reread']:,} "
+        f"tokens) re-read for {rb['pieces']:,} pieces holding {rb['tokens_in_flight']:,} tokens; "
+        f"front rebuilt {rb['rebuilt_tokens_per_s_one_core']:,.0f} tokens/s on one core; if every "
+        f"piece were a distinct document: ~{rb['projected_resume_s_all_distinct_one_core']:,.0f} s on one "
+        f"core for all lanes (~{rb['projected_resume_s_all_distinct_per_rank_of_16']:,.0f} s per rank at "
+        f"world size 16); recipe state_dict(): {rb['state_dict_cold_s']:.2f} s cold, "
+        f"{rb['state_dict_later_s']:.2f} s {rb['state_dict_later_steps']} step(s) after the previous one"
+    )
     return "\n".join(lines)
 
 

@@ -51,6 +51,9 @@ class ColumnSource(Source):
     position is the file row of the next row to read; ``weight`` is the rows.
     """
 
+    #: A record's offset is a position ``read_split`` starts at (see ``Source``).
+    rereads_offsets = True
+
     #: How errors name a unit: "row group", "record batch".
     unit_name = "unit"
 

@@ -51,6 +51,9 @@ class ReadJsonl(Source):
     - Lines holding only whitespace are skipped; an empty ``field`` gives no document.
     """
 
+    #: A record's offset is a position ``read_split`` starts at (see ``Source``).
+    rereads_offsets = True
+
     def __init__(
         self,
         pattern: str,

@@ -16,7 +16,7 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
-from zephon_flow.core import derived
+from zephon_flow.core import derived, recipe
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.markers import ProvenanceParam
 from zephon_flow.operators import _best_fit
@@ -28,6 +28,8 @@ _CHECK_ROWS = 64
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100
+#: The fields of ``concat``'s open sequence (the ``carry`` state).
+_CARRY_KEYS = {"ids", "pos", "seg", "docs"}
 
 
 class PackedSegments:
@@ -218,6 +220,70 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         if self.strategy == "best_fit":
             out.update(buffer=self.buffer, open_bins=self.open_bins)
         return {**out, "labels": self.labels, "provenance": self.provenance}
+
+    # -- recipe state (``state_mode="recipe"``, see ``core/recipe.py``) --------------------
+    #: The state value made of document pieces: the open sequence (``concat``), or the waiting
+    #: pieces and open bins (``best_fit``).
+    recipe_values = ("carry",)
+
+    def recipe_refusal(self) -> str | None:
+        """Why this Pack's outputs or state cannot be stored as recipes (None: they can)."""
+        if not self.provenance:
+            return "it has provenance=False, so its sequences do not say which documents they hold"
+        return None
+
+    def recipe_state(self, value: Any, leaf: recipe.Leaf) -> Any:
+        """``value`` (the carry) with each part made of pieces replaced by ``leaf(part, kind)``."""
+        if self.strategy == "concat":
+            return leaf(value, "carry")
+        return {
+            "pending": [leaf(p, "piece") for p in value["pending"]],
+            "bins": [leaf(b, "bin") for b in value["bins"]],
+        }
+
+    def recipe_pieces(self, value: Mapping[str, Any], kind: str) -> recipe.Pieces | None:
+        """The pieces of an output ``"sample"``, of the open sequence (``"carry"``), of a
+        waiting ``"piece"`` or of an open ``"bin"`` (``best_fit``)."""
+        keys = set(value)
+        if kind == "piece" and keys == {"ids", "doc"}:
+            ids, doc = value["ids"], value["doc"]
+            return recipe.Pieces(np.reshape(doc, (1, 3)), np.asarray([ids.size], np.int32), ids)
+        if kind == "bin" and keys == {"ids", "lens", "docs"}:
+            ids, lens = value["ids"], value["lens"]
+            return recipe.Pieces(value["docs"], lens, ids) if int(np.sum(lens)) == ids.size else None
+        names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
+        expected = self._output_keys() if kind == "sample" else _CARRY_KEYS
+        if kind not in ("sample", "carry") or keys != expected:
+            return None
+        ids, seg, docs = (value[k] for k in names)
+        if not all(isinstance(a, np.ndarray) for a in (ids, seg, docs)) or seg.ndim != 1:
+            return None
+        valid = int((seg >= 0).sum())
+        lengths = np.bincount(seg[:valid]).astype(np.int32) if valid else np.zeros(0, dtype=np.int32)
+        if docs.shape != (lengths.size, 3) or (lengths < 1).any():
+            return None
+        return recipe.Pieces(docs, lengths, ids[:valid])
+
+    def _output_keys(self) -> set[str]:
+        """The fields of an output sample (what ``_output`` makes)."""
+        keys = {"input_ids", "position_ids", "segment_ids"}
+        return keys | {k for k, on in (("labels", self.labels), ("documents", self.provenance)) if on}
+
+    def recipe_value(self, tokens: np.ndarray, lengths: np.ndarray, docs: np.ndarray, kind: str) -> Any:
+        """The sample or state part made of these pieces, as ``process`` makes it (positions
+        restart at each piece, segments number them)."""
+        ids = tokens.astype(np.int32, copy=True)
+        docs = docs.astype(np.int64).reshape(-1, 3)
+        if kind == "piece":
+            return {"ids": ids, "doc": docs[0].copy()}
+        if kind == "bin":
+            return {"ids": ids, "lens": lengths.astype(np.int32, copy=True), "docs": docs}
+        starts = np.cumsum(lengths, dtype=np.int32) - lengths
+        pos = np.arange(ids.size, dtype=np.int32) - np.repeat(starts, lengths)
+        seg = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+        if kind == "sample":
+            return self._output(ids, pos, seg, docs)
+        return {"ids": ids, "pos": pos, "seg": seg, "docs": docs}
 
     def padding_sample(self) -> dict[str, np.ndarray]:
         """The sample that fills a lane's rows after its finite input ended: a sequence of

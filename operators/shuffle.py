@@ -32,6 +32,9 @@ class Shuffle(beam.DoFn):  # type: ignore[misc]
     #: Emits the elements it receives unchanged, so a padding sample declared upstream (e.g. by
     #: ``Pack``) still describes the samples after it.
     keeps_sample_layout = True
+    #: State values that hold inputs to emit unchanged: recipe state stores them as their
+    #: upstream operator's recipes (``core/recipe.py``).
+    recipe_elements = ("buffer",)
 
     def __init__(self, buffer: int, *, seed: int | None = None) -> None:
         super().__init__()

@@ -48,6 +48,9 @@ class ReadTextFiles(Source):
       and a file that cannot be opened. With ``on_error="skip"`` the runner drops that file.
     """
 
+    #: A record's offset is a position ``read_split`` starts at (see ``Source``).
+    rereads_offsets = True
+
     def __init__(
         self,
         pattern: str,

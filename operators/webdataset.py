@@ -79,6 +79,9 @@ class ReadWebDataset(Source):
       extension), with two members of one field's extension, or with text that is not UTF-8.
     """
 
+    #: A record's offset is a position ``read_split`` starts at (see ``Source``).
+    rereads_offsets = True
+
     def __init__(
         self,
         pattern: str,

@@ -130,6 +130,7 @@ class Coordinator:
             who="the lane owners",
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
+            rebuild_recipes=False,  # the owners rebuild their own lanes
         )
         self.first_step = start.step
         self._mix_history = [] if start.mixture is None else start.mixture.history()

@@ -13,6 +13,8 @@
           +-- FormatVersionError          written by a newer format
           +-- CorruptStateError           bytes or structure are damaged
           +-- StateConflictError          merged ranks disagree about a lane
+          +-- RecipeRefusedError          state_mode="recipe" cannot store this pipeline's state
+          +-- RecipeMismatchError         a recipe restore did not give back the saved sequences
      +-- ServiceError         the batch service refused a call or failed (carries its message)
 
 Every class also derives from the builtin a caller would naturally catch (``ValueError``
@@ -76,6 +78,16 @@ class StateConflictError(StateError):
     """States being merged disagree (different steps, or different contents for a lane)."""
 
 
+class RecipeRefusedError(StateError):
+    """``state_mode="recipe"`` cannot store this pipeline's state (names the operator or the
+    source, and says to use the default ``state_mode="compact"``)."""
+
+
+class RecipeMismatchError(StateError):
+    """Re-reading a recipe state's documents did not give back a saved sequence bit for bit:
+    the data, the tokenizer or a stateless DoFn changed since the checkpoint (names them)."""
+
+
 class ServiceError(ZephonError, RuntimeError):
     """The batch service refused a request or could not be reached; carries the server's message.
 
@@ -95,6 +107,8 @@ __all__ = [
     "FingerprintMismatchError",
     "FormatVersionError",
     "LaneCountMismatchError",
+    "RecipeMismatchError",
+    "RecipeRefusedError",
     "ServiceError",
     "SpecError",
     "StageError",

@@ -82,6 +82,10 @@ class Source(beam.PTransform):  # type: ignore[misc]
 
     #: How the deterministic runner knows a source (``zephon_flow.core.roles``).
     zephon_role = "source"
+    #: Whether ``read_split(split, record.offset)`` yields that record first (a record's offset
+    #: is a position to read from). Recipe state (``state_mode="recipe"``) re-reads buffered
+    #: documents so and refuses a pipeline with a source that does not declare it.
+    rereads_offsets = False
 
     def __init__(
         self,

@@ -21,6 +21,10 @@ from zephon_flow.core.errors import (
 )
 
 STATE_KIND = "zephon-flow/loader-state"
+#: The kind of a recipe state (``state_mode="recipe"``): buffered sequences are stored as the
+#: documents they came from (``core/recipe.py``) and rebuilt by re-reading them. A reader that
+#: does not know recipes refuses the kind instead of misreading the state.
+RECIPE_KIND = "zephon-flow/loader-state+recipe"
 #: The one file extension of checkpoints that zephon-flow writes (``zephon serve``, the demo).
 CHECKPOINT_SUFFIX = ".zfstate"
 
@@ -215,6 +219,8 @@ class LoaderState:
 
     ``mix_history`` is ``[[from_step, Mix params], ...]``, from step 0, one entry per mixture
     in force (a new one per accepted change on resume); empty for a pipeline without a Mix.
+    ``recipe``: the lanes' buffered sequences are recipes (kind ``RECIPE_KIND``), to be rebuilt
+    with the pipeline (``engine/recipe.py``) before the lanes run.
     """
 
     step: int
@@ -222,10 +228,11 @@ class LoaderState:
     fingerprint: dict[str, str]
     lane_states: dict[int, LaneState]
     mix_history: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    recipe: bool = False
 
     def to_plain(self) -> dict[str, Any]:
         return {
-            "kind": STATE_KIND,
+            "kind": RECIPE_KIND if self.recipe else STATE_KIND,
             "format_version": codec.FORMAT_VERSION,
             "step": self.step,
             "lanes": self.lanes,
@@ -237,8 +244,10 @@ class LoaderState:
     @classmethod
     def from_plain(cls, plain: Any) -> LoaderState:
         kind = _need(plain, "kind", "checkpoint")
-        if kind != STATE_KIND:
-            raise CorruptStateError(f"checkpoint kind is {str(kind)[:60]!r}, expected {STATE_KIND!r}")
+        if kind not in (STATE_KIND, RECIPE_KIND):
+            raise CorruptStateError(
+                f"checkpoint kind is {str(kind)[:60]!r}, expected {STATE_KIND!r} or {RECIPE_KIND!r}"
+            )
         version = _int(_need(plain, "format_version", "checkpoint"), "checkpoint format_version")
         if version > codec.FORMAT_VERSION:
             raise FormatVersionError(
@@ -282,6 +291,7 @@ class LoaderState:
             fingerprint=dict(fingerprint),
             lane_states={s.lane: s for s in states},
             mix_history=history,
+            recipe=kind == RECIPE_KIND,
         )
 
     def check_compatible(
@@ -364,6 +374,12 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
             )
         if st.fingerprint != first.fingerprint:
             raise FingerprintMismatchError(f"state {i} was written for another pipeline than state 0")
+        if st.recipe != first.recipe:
+            raise StateConflictError(
+                f"cannot merge a recipe state with a compact one (state 0 is "
+                f"{'recipe' if first.recipe else 'compact'}, state {i} is not): save every rank's "
+                f"state with the same state_mode"
+            )
         if st.mix_history != first.mix_history:
             raise StateConflictError(
                 f"states disagree about the mixture history: state 0 has {first.mix_history!r}, "
@@ -377,7 +393,9 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
                 )
             digests[lane] = digest
             merged[lane] = ls
-    return LoaderState(first.step, first.lanes, first.fingerprint, merged, first.mix_history).to_plain()
+    return LoaderState(
+        first.step, first.lanes, first.fingerprint, merged, first.mix_history, recipe=first.recipe
+    ).to_plain()
 
 
 def to_loader_state(state: Any) -> LoaderState:
@@ -409,6 +427,11 @@ def write_state(
             raise StateError(
                 f"base {base_path} was written for another pipeline or lane count than this state; "
                 f"an incremental checkpoint needs a base of the same pipeline"
+            )
+        if base_state.recipe != st.recipe:
+            raise StateError(
+                f"base {base_path} is a {'recipe' if base_state.recipe else 'compact'} state and this "
+                f"one is not; an incremental checkpoint needs a base of the same state_mode"
             )
         name = os.path.relpath(os.path.abspath(base_path), os.path.abspath(relative_to))
         ref = (state_file.Base(name, digest), index)

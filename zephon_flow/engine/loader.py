@@ -23,6 +23,7 @@ from zephon_flow.core.errors import (
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
+from zephon_flow.engine import recipe
 from zephon_flow.engine.endsync import EndSync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
@@ -32,6 +33,8 @@ from zephon_flow.runners.lane import LaneRunner, SkipHook
 from zephon_flow.runners.plan import Plan
 
 _END = object()
+#: What ``Loader.state_dict`` stores: buffered sequences' tokens, or where they came from.
+STATE_MODES = ("compact", "recipe")
 _log = logging.getLogger("zephon_flow")
 
 
@@ -82,32 +85,37 @@ class Loader:
         end_sync: EndSync | None = None,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
         ray_address: str | None = None,
+        state_mode: str = "compact",
     ) -> None:
-        # Phases: check the options, restore the state, build the lanes, take the first state.
+        # Phases: check the options, start the backend, restore the state, build the lanes,
+        # take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
         for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
             if not isinstance(flag, bool):
                 raise SpecError(f"{name} must be True or False, got {flag!r}")
+        if state_mode not in STATE_MODES:
+            raise SpecError(f"state_mode must be one of {', '.join(STATE_MODES)}, got {state_mode!r}")
         self.spec = spec
         self._slice = RankSlice(
             rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
         )
         self._fingerprint = spec.fingerprint
         plan = spec.compile()
-        start = self._restore(
-            plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
+        # Refused now, by name, rather than at the first state_dict().
+        self._recipes = recipe.RecipeWriter(plan) if state_mode == "recipe" else None
+        # The backend first: a recipe state's restore runs the front on it.
+        self._backend = make_backend(
+            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
         )
+        try:
+            start = self._restore(
+                plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
+            )
+        except BaseException:
+            self._backend.close()
+            raise
         self._mix_history = [] if start.mixture is None else start.mixture.history()
-        self._build_lanes(
-            plan,
-            start,
-            backend=backend,
-            workers=workers,
-            chunk_records=chunk_records,
-            depth=prefetch_chunks,
-            chunk_timeout=chunk_timeout,
-            ray_address=ray_address,
-        )
+        self._build_lanes(plan, start, chunk_records=chunk_records, depth=prefetch_chunks)
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
         self._end_sync = end_sync or default_end_sync(
@@ -139,6 +147,7 @@ class Loader:
             who=f"rank {self._slice.rank} of {self._slice.world_size}",
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
+            submit=self._backend.submit,
         )
 
     def _build_lanes(
@@ -146,24 +155,13 @@ class Loader:
         plan: Plan,
         start: LaneStart,
         *,
-        backend: str,
-        workers: int,
         chunk_records: int,
         depth: int,
-        chunk_timeout: float,
-        ray_address: str | None = None,
     ) -> None:
-        """The stateless backend and one ``LaneRunner`` per lane under this rank's rows."""
+        """One ``LaneRunner`` per lane under this rank's rows, on the stateless backend."""
         self._skip_lock = threading.Lock()
         self._skip_warned: set[str] = set()
         self._source_labels = [sp.label for sp in plan.sources]
-        self._backend = make_backend(
-            backend,
-            workers=workers,
-            segment=plan.front_segment(),
-            chunk_timeout=chunk_timeout,
-            ray_address=ray_address,
-        )
         self._lanes = build_lane_runners(
             self.spec,
             plan,
@@ -295,12 +293,16 @@ class Loader:
             yield step, batch
 
     def state(self) -> LoaderState:
-        """This rank's lanes, positioned after the last batch yielded (``save_state`` takes it)."""
+        """This rank's lanes, positioned after the last batch yielded (``save_state`` takes it;
+        buffered sequences as recipes with ``state_mode="recipe"``)."""
+        if self._recipes is not None:
+            return self._recipes(self._last)
         return self._last
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: this rank's lanes, positioned after the last batch yielded."""
-        return self._last.to_plain()
+        """Plain data: this rank's lanes, positioned after the last batch yielded (buffered
+        sequences as recipes with ``state_mode="recipe"``)."""
+        return self.state().to_plain()
 
     def close(self) -> None:
         if self._closed:
@@ -355,9 +357,13 @@ def restore_lanes(
     who: str,
     allow_mix_change: bool = False,
     allow_code_change: bool = False,
+    submit: recipe.Submit | None = None,
+    rebuild_recipes: bool = True,
 ) -> LaneStart:
     """Where lanes ``lane_ids`` start: fresh, or from ``state`` (checked against the spec);
-    ``who`` names what runs them in the error for a lane the state lacks."""
+    ``who`` names what runs them in the error for a lane the state lacks. A recipe state's
+    lanes are rebuilt (their records re-read, the front re-run on ``submit``, a backend's, if
+    given) unless ``rebuild_recipes`` is False (the caller only plans from the state)."""
     mixture = None if plan.mixer is None else plan.mixer.mixture()
     if state is None:
         return LaneStart(0, dict.fromkeys(lane_ids), mixture)
@@ -377,6 +383,8 @@ def restore_lanes(
             f"the state has no entry for lane(s) {missing}, which {who} runs; gather every "
             f"rank's state_dict() and pass zf.merge_states(states)"
         )
+    if rebuild_recipes:
+        loaded = recipe.from_recipes(plan, loaded, spec.lanes, lane_ids, submit)
     return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
 
