@@ -105,7 +105,11 @@ class Loader:
         self._recipes = recipe.RecipeWriter(plan) if state_mode == "recipe" else None
         # The backend first: a recipe state's restore runs the front on it.
         self._backend = make_backend(
-            backend, workers=workers, segment=plan.front_segment(), chunk_timeout=chunk_timeout
+            backend,
+            workers=workers,
+            segment=plan.front_segment(),
+            chunk_timeout=chunk_timeout,
+            ray_address=ray_address,
         )
         try:
             start = self._restore(
