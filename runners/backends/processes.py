@@ -21,6 +21,7 @@ from typing import Any
 from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
+from zephon_flow.runners.backends import oob
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
@@ -68,7 +69,7 @@ def _worker_main(
     try:
         segment: FrontSegment = pickler.loads(payload)
     except Exception as exc:
-        conn.send((-1, Failure.of(exc, f"a worker could not load the pipeline's DoFns: {exc}")))
+        oob.send(conn, (-1, Failure.of(exc, f"a worker could not load the pipeline's DoFns: {exc}")))
         return
 
     def report(stage: int, first: int, last: int) -> None:
@@ -87,11 +88,11 @@ def _worker_main(
         result: ChunkResult = segment.run_chunk(chunk, report)
         progress[_TASK] = _IDLE
         try:
-            conn.send((task_id, result))
+            oob.send(conn, (task_id, result))  # pickled whole before a byte is written
         except (EOFError, OSError):
             return
         except Exception as exc:  # outputs that do not pickle: say which DoFn made them
-            conn.send((task_id, Failure.of(exc, f"the outputs of a chunk cannot be sent back: {exc}")))
+            oob.send(conn, (task_id, Failure.of(exc, f"the outputs of a chunk cannot be sent back: {exc}")))
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
@@ -121,7 +122,7 @@ class _Worker:
     tasks: dict[int, _Task] = field(default_factory=dict)
     #: Pickled chunks for the sender thread: a send blocks while the worker is busy and the
     #: pipe is full, and the dispatcher must never wait on one worker.
-    outbox: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
+    outbox: queue.SimpleQueue[memoryview | None] = field(default_factory=queue.SimpleQueue)
 
 
 def _send_all(worker: _Worker) -> None:
@@ -189,7 +190,7 @@ class ProcessBackend:
         self._wake()
         self._thread.join(timeout=CLOSE_GRACE)
         for worker in self._workers:
-            worker.outbox.put(ForkingPickler.dumps(None).tobytes())
+            worker.outbox.put(ForkingPickler.dumps(None))
             worker.outbox.put(None)
         self._alive_w.close()  # every worker's watchdog sees EOF and exits
         deadline = time.monotonic() + CLOSE_GRACE
@@ -277,7 +278,7 @@ class ProcessBackend:
                 if task.future.cancelled():
                     continue
                 try:
-                    data = bytes(ForkingPickler.dumps((task.id, task.chunk)))
+                    data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
                 except Exception as exc:
                     _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
                     continue
@@ -287,7 +288,7 @@ class ProcessBackend:
     def _receive(self, worker: _Worker) -> None:
         try:
             while worker.conn.poll():
-                task_id, result = worker.conn.recv()
+                task_id, result = oob.recv(worker.conn)
                 if task_id == -1:  # the worker could not install the DoFns: no worker can
                     self._broken = result
                     for task in [*worker.tasks.values(), *self._drain()]:
