@@ -14,6 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -102,6 +103,14 @@ def _context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["zephon_flow.runners.backends.processes", "zephon_flow.operators"])
     return ctx
+
+
+def start_worker_server() -> None:
+    """Starts the forkserver now, without waiting for it: a fresh interpreter importing Beam
+    takes seconds, which then overlap the caller's own start-up (compiling the pipeline, loading
+    its tokenizer) instead of following it. ``ProcessBackend`` later finds it running."""
+    _context()
+    forkserver.ensure_running()
 
 
 @dataclass(eq=False)
