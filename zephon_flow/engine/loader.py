@@ -27,7 +27,7 @@ from zephon_flow.engine.endsync import EndSync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
-from zephon_flow.runners.backends.processes import start_worker_server
+from zephon_flow.runners.backends.processes import can_fork, start_worker_server
 from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.runners.plan import Plan
 
@@ -83,7 +83,7 @@ class Loader:
     ) -> None:
         # Phases: check the options, restore the state, build the lanes, take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
-        if backend == "processes":  # its server boots while the pipeline compiles
+        if backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
             start_worker_server()
         for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
             if not isinstance(flag, bool):
