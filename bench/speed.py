@@ -10,7 +10,8 @@ installed package (``zephon_flow`` with ``operators`` and ``runners`` inside it)
 same interpreter, the same bench code (a link to this ``bench/``) and the same data, its folder
 first on the path. Each round runs every contender once, in rotated order, one process each
 (``bench.procs``): for text, ``limit_tiktoken`` (tiktoken alone in 2 processes), zephon-flow with
-``engine="auto"`` now and at the baseline, and torch's ``DataLoader``; for the vision-language
+``engine="auto"`` now and at the baseline, with ``engine="hf"`` (torch's tokenizer) now, and
+torch's ``DataLoader``; for the vision-language
 workload, its limit (Pillow + tokenizer alone), zephon-flow now and at the baseline, and torch's
 ``DataLoader``. The data is ``bench.run``'s (``bench/data.py``). Reported per contender: medians
 over rounds of the rate after warm-up, the first batch and the consumer's and its children's CPU
@@ -40,6 +41,8 @@ TEXT: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "limit_tiktoken": ("bench.contenders.limit", ("engine=tiktoken",), False),
     "zephon_auto": ("bench.contenders.zephon_embedded", ("engine=auto",), False),
     "zephon_auto_baseline": ("bench.contenders.zephon_embedded", ("engine=auto",), True),
+    # the HF engine: torch's own tokenizer, for the first batch against torch's
+    "zephon_hf": ("bench.contenders.zephon_embedded", ("engine=hf",), False),
     "torch_dataloader": ("bench.contenders.torch_loader", ("loader=plain",), False),
 }
 VLM: dict[str, tuple[str, dict[str, Any], bool]] = {
