@@ -42,18 +42,22 @@ TRAINER = textwrap.dedent(
     from test_backend_faults import _spec
     if {thread}:  # a Python thread: the workers come from the forkserver
         threading.Thread(target=threading.Event().wait, daemon=True).start()
+    marker = Path({tmp!r}) / "handled"
+    # The trainer's own SIGTERM handler: a forked worker must not run it (it dies as by default).
+    signal.signal(signal.SIGTERM, lambda *_: marker.write_text(str(os.getpid())))
     forkable = can_fork()
     loader = zf.Loader(_spec(Path({tmp!r}), "none"), backend="processes", workers=2, chunk_records=1)
     digests, parents = [], set()
     for step, batch in loader:
         digests.append(batch_digest(batch))
-        if step == 2:  # a worker dies: its replacement comes from the forkserver
+        if step == 2:  # SIGTERM kills a worker; its replacement comes from the forkserver
             me = psutil.Process()
             workers = [psutil.Process(w.process.pid) for w in loader._backend._workers]
             parents = {{p.ppid() == me.pid for p in workers}}
-            os.kill(workers[0].pid, signal.SIGKILL)
+            os.kill(workers[0].pid, signal.SIGTERM)
     loader.close()
-    print(json.dumps({{"forkable": forkable, "forked": sorted(parents), "digests": digests}}))
+    handled = marker.read_text() if marker.exists() else None
+    print(json.dumps({{"forkable": forkable, "forked": sorted(parents), "digests": digests, "handled": handled}}))
     """
 )
 
@@ -71,6 +75,7 @@ def test_forked_and_forkserver_workers_give_the_inline_batches(tmp_path: Path) -
     forked = _run(tmp_path, thread=False)
     assert forked["forkable"] is True and forked["forked"] == [True]
     assert forked["digests"] == want
+    assert forked["handled"] is None  # the worker died of SIGTERM; the trainer's handler stayed its own
     served = _run(tmp_path, thread=True)
     assert served["forkable"] is False and served["forked"] == [False]
     assert served["digests"] == want

@@ -50,6 +50,16 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _default_signal_handlers() -> None:
+    """Python's own handlers, as a worker started by the forkserver has them: SIGINT raises
+    ``KeyboardInterrupt``, any handler the trainer installed in Python is dropped."""
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handler = signal.getsignal(sig)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def _watch_parent(alive: Connection) -> None:
     """Blocks on a pipe whose only writer is the parent's backend: EOF means the parent closed
     the backend or died, and either way this worker has nothing left to do."""
@@ -72,6 +82,8 @@ def _worker_main(
     closes first (the watchdog's EOF needs the parent's end of ``alive`` closed everywhere)."""
     for end in inherited:
         end.close()
+    if inherited:  # forked from the trainer: not its signal handlers (a save on SIGTERM, ...)
+        _default_signal_handlers()
     _die_with_parent()
     threading.Thread(target=_watch_parent, args=(alive,), name="zephon-parent-watch", daemon=True).start()
     # The forkserver may predate the parent's current sys.path (a pipeline file loaded by
