@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import apache_beam as beam
 import numpy as np
 import pytest
+from helpers import chain_spec, run_batches, write_jsonl
 
+from zephon_flow.core.errors import StageError
 from zephon_flow.runners.backends import oob
 
 
@@ -98,3 +103,18 @@ def test_a_writer_that_dies_mid_message_is_an_eof_naming_the_cut() -> None:
     child.close()
     with pytest.raises(EOFError, match="closed in the middle of a message"):
         oob.recv(parent)
+
+
+class _Unsendable(beam.DoFn):  # type: ignore[misc]
+    """Outputs a sample holding a lock: it cannot be pickled back to the consumer."""
+
+    def process(self, text: str) -> Iterator[dict[str, Any]]:
+        yield {"n": np.int64(int(text)), "lock": threading.Lock()}
+
+
+def test_outputs_that_do_not_pickle_fail_the_loader_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "docs.jsonl"
+    write_jsonl(path, [str(i) for i in range(4)])
+    spec = chain_spec(str(path), ("unsendable", _Unsendable()), epochs=1)
+    with pytest.raises(StageError, match=r"the outputs of a chunk cannot be sent back: cannot pickle"):
+        run_batches(spec, backend="processes", workers=1)
