@@ -58,12 +58,13 @@ class Finished:
     timed_out: bool
 
 
-def run_contender(cmd: list[str], timeout: float) -> Finished:
-    """Runs ``cmd`` from the repository root; its whole tree is killed after ``timeout`` s."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+def run_contender(cmd: list[str], timeout: float, root: Path = ROOT) -> Finished:
+    """Runs ``cmd`` from ``root`` (the repository's, or a baseline's unpacked package: see
+    ``bench.speed``), first on the path; its whole tree is killed after ``timeout`` s."""
+    env = {**os.environ, "PYTHONPATH": str(root), "TOKENIZERS_PARALLELISM": "false"}
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=out, stderr=err, text=True)
         peak = 0
         timed_out = False
         while proc.poll() is None:
@@ -80,11 +81,13 @@ def run_contender(cmd: list[str], timeout: float) -> Finished:
     return Finished(result, stderr, time.perf_counter() - start, peak, timed_out)
 
 
-def run_task(name: str, cmd: list[str], timeout: float, *, label: str, **fallback: Any) -> dict[str, Any]:
+def run_task(
+    name: str, cmd: list[str], timeout: float, *, label: str, root: Path = ROOT, **fallback: Any
+) -> dict[str, Any]:
     """Runs one contender's task: its JSON result (or, when it printed none, ``fallback`` with
     ``ok`` false and the end of its stderr), marked when it was cut at ``timeout``, plus its name,
     wall time and the peak resident memory of its tree; one progress line to stderr."""
-    done = run_contender(cmd, timeout)
+    done = run_contender(cmd, timeout, root)
     if done.result is not None:
         result = done.result
     else:

@@ -19,6 +19,9 @@ GOAL_FLAT = 1.2
 ZEPHON = ("zephon_processes_hf", "zephon_processes_auto")
 RESUME_ZEPHON = ("zephon_processes_hf", "zephon_inline_hf")
 OTHER_ENGINE = {"zephon_processes_auto"}  # not the limit's HF tokenizer: may beat it legitimately
+#: The limit of each other-engine contender's own engine (tiktoken alone in 2 processes).
+OWN_LIMIT = {"zephon_processes_auto": "limit_tiktoken"}
+GOAL_OWN_LIMIT = 0.9
 
 
 def _throughput(runs: list[dict[str, Any]], peers: set[str]) -> dict[str, Any]:
@@ -33,13 +36,28 @@ def _throughput(runs: list[dict[str, Any]], peers: set[str]) -> dict[str, Any]:
         row["over_best_peer"] = ratio(row["tokens_per_s"], peer_rates.get(best_peer)) if best_peer else None
         row["over_limit_paired_median"] = paired[name]
         row["flags"] = _flags(name, row, limit)
+    for name, own in OWN_LIMIT.items():
+        if name in table and own in table:
+            table[name]["over_own_limit"] = ratio(table[name]["tokens_per_s"], table[own]["tokens_per_s"])
+            table[name]["over_own_limit_paired_median"] = _paired(runs, name, own)
+            table[name]["flags"] = rate_flags(table[name], {"tokens_per_s": table[own]["tokens_per_s"]})
     return {"table": table, "best_peer": best_peer}
+
+
+def _paired(runs: list[dict[str, Any]], name: str, limit: str) -> float | None:
+    """The median over rounds of ``name``'s tokens/s over ``limit``'s in the same round."""
+    rounds: dict[int, dict[str, float]] = {}
+    for run in runs:
+        if run["ok"]:
+            rounds.setdefault(run["round"], {})[run["name"]] = run["tokens_per_s"]
+    pairs = [r[name] / r[limit] for r in rounds.values() if r.get(name) and r.get(limit)]
+    return median(pairs) if pairs else None
 
 
 def _flags(name: str, row: dict[str, Any], limit: float | None) -> list[str]:
     """Why this row's rate is not a valid steady-state throughput (empty when it looks valid);
     the limit, and an engine other than the limit's, are not held to the limit's rate."""
-    exempt = name == "limit" or name in OTHER_ENGINE
+    exempt = name in ("limit", *OWN_LIMIT.values()) or name in OTHER_ENGINE
     return rate_flags(row, {} if exempt else {"tokens_per_s": limit, "end_to_end_tokens_per_s": limit})
 
 
@@ -90,6 +108,8 @@ def summarise(
         if name in table:
             goals[f"{name}_over_limit"] = {"value": table[name]["over_limit"], "goal": GOAL_LIMIT}
             goals[f"{name}_over_best_peer"] = {"value": table[name]["over_best_peer"], "goal": GOAL_PEER}
+        if table.get(name, {}).get("over_own_limit") is not None:
+            goals[f"{name}_over_own_limit"] = {"value": table[name]["over_own_limit"], "goal": GOAL_OWN_LIMIT}
     # the resume goals: from the processes backend's study, or the inline one's if only that ran
     z: dict[str, Any] = next((resume[n] for n in RESUME_ZEPHON if "points" in resume.get(n, {})), {})
     if "points" in z:
@@ -104,7 +124,7 @@ def summarise(
                 "raw": [[x[key] for x in p["samples"] if key in x] for p in (first, last)],
             }
     for name in ZEPHON:
-        for key in (f"{name}_over_limit", f"{name}_over_best_peer"):
+        for key in (f"{name}_over_limit", f"{name}_over_best_peer", f"{name}_over_own_limit"):
             if key in goals:
                 goals[key]["flags"] = table[name]["flags"]
         if throughput["best_peer"] and f"{name}_over_best_peer" in goals:
@@ -165,6 +185,13 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {'**FLAGGED**' if row.get('flags') else 'ok'} |"
         )
     lines.append(f"\nBest peer: {res['throughput']['best_peer']}.")
+    for name, own in OWN_LIMIT.items():
+        if table.get(name, {}).get("over_own_limit") is not None:
+            lines.append(
+                f"{name} over its own engine's limit ({own}): {fmt(table[name]['over_own_limit'], '.2f')} "
+                f"(paired median {fmt(table[name]['over_own_limit_paired_median'], '.2f')}; "
+                f"goal >= {GOAL_OWN_LIMIT})."
+            )
     served, embedded = table.get("zephon_service_hf"), table.get("zephon_processes_hf")
     if served and embedded:
         lines.append(

@@ -41,6 +41,8 @@ CONTENDERS: dict[str, Entry] = {
     "limit": Entry("main", "bench.contenders.limit", peer=False),
     "zephon_processes_hf": Entry("main", "bench.contenders.zephon_embedded", ("engine=hf",), peer=False),
     "zephon_processes_auto": Entry("main", "bench.contenders.zephon_embedded", ("engine=auto",), peer=False),
+    # tiktoken alone in 2 processes: the limit of zephon_processes_auto's engine.
+    "limit_tiktoken": Entry("main", "bench.contenders.limit", ("engine=tiktoken",), peer=False),
     # One core, no worker processes: a knob a user may pick, and the quick smoke test's zephon-flow.
     "zephon_inline_hf": Entry(
         "main", "bench.contenders.zephon_embedded", ("engine=hf", "backend=inline"), peer=False

@@ -70,8 +70,22 @@ _ALPHABET = frozenset(byte_alphabet().values())
 _TO_LATIN1 = str.maketrans({c: chr(b) for b, c in byte_alphabet().items()})
 
 
+#: The last vocabulary translated and its result: the plan, the verification sample and the
+#: ranks each need it, for the same (never modified) vocabulary of a tokenizer being checked.
+_LAST: list[tuple[dict[str, int], dict[int, bytes]]] = []
+
+
 def vocabulary_bytes(vocab: dict[str, int]) -> dict[int, bytes]:
-    """id -> the bytes each token of a byte-level vocabulary stands for."""
+    """id -> the bytes each token of a byte-level vocabulary stands for (do not modify it)."""
+    last = _LAST[:1]
+    if last and last[0][0] is vocab:
+        return last[0][1]
+    out = _translate(vocab)
+    _LAST[:] = [(vocab, out)]
+    return out
+
+
+def _translate(vocab: dict[str, int]) -> dict[int, bytes]:
     if not _ALPHABET.issuperset("".join(vocab)):
         token = next(t for t in vocab if not _ALPHABET.issuperset(t))
         raise NotExpressible(

@@ -332,38 +332,39 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         else:
             c_ids, c_pos, c_seg, c_docs = held["ids"], held["pos"], held["seg"], held["docs"]
             next_seg = int(c_seg[-1]) + 1 if c_seg.size else 0
-        # Position and segment ids of the whole document at once: the part that fits the
-        # open sequence continues it; every later piece starts a sequence, at position 0
-        # and segment 0.
-        n = ids.size
-        room = self.seq_len - c_ids.size
-        t = np.arange(n, dtype=np.int32)
-        later = t >= room
-        pos = np.where(later, (t - room) % self.seq_len, t).astype(np.int32, copy=False)
-        seg = np.where(later, 0, next_seg).astype(np.int32, copy=False)
-        all_ids = np.concatenate([c_ids, ids])
-        all_pos = np.concatenate([c_pos, pos])
-        all_seg = np.concatenate([c_seg, seg])
-        # The documents of the open sequence's segments (the carry's, then this one); every
-        # later sequence holds only this document.
+        # The part of the document that fits continues the open sequence (its next segment);
+        # every later piece starts a sequence of its own, at position 0 and segment 0, and
+        # holds only this document. Each array is built once, at its final size.
+        n, width = ids.size, self.seq_len
+        room = width - c_ids.size
         table = np.concatenate([c_docs, doc_id.reshape(1, 3)])
+        head = min(n, room)
+        first = (
+            np.concatenate([c_ids, ids[:head]]),
+            np.concatenate([c_pos, np.arange(head, dtype=np.int32)]),
+            np.concatenate([c_seg, np.full(head, next_seg, dtype=np.int32)]),
+        )
+        if n < room:  # the open sequence is still not full
+            carry.write({"ids": first[0], "pos": first[1], "seg": first[2], "docs": table})
+            return
+        yield self._output(*first, table)
         alone = table[-1:]
-        full = all_ids.size // self.seq_len * self.seq_len
-        for start in range(0, full, self.seq_len):
-            stop = start + self.seq_len
+        start = room
+        while n - start >= width:
             yield self._output(
-                all_ids[start:stop].copy(),
-                all_pos[start:stop].copy(),
-                all_seg[start:stop].copy(),
-                table if start == 0 else alone,
+                ids[start : start + width].copy(),
+                np.arange(width, dtype=np.int32),
+                np.zeros(width, dtype=np.int32),
+                alone,
             )
-        tail_docs = table if full == 0 else alone if full < all_ids.size else _NO_DOCS
+            start += width
+        rest = n - start
         carry.write(
             {
-                "ids": all_ids[full:].copy(),
-                "pos": all_pos[full:].copy(),
-                "seg": all_seg[full:].copy(),
-                "docs": tail_docs,
+                "ids": ids[start:].copy(),
+                "pos": np.arange(rest, dtype=np.int32),
+                "seg": np.zeros(rest, dtype=np.int32),
+                "docs": alone if rest else _NO_DOCS,
             }
         )
 

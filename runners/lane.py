@@ -206,11 +206,14 @@ class LaneRunner:
             self._pending.append(value)
             return
         stage = back[index]
-        with dofn_errors(stage.label, f"lane {self.lane}, after source cursor {self._cursor.to_plain()}"):
+        try:
             if isinstance(stage, StatefulInvoker):
                 outputs = stage.process(self.lane, value, self._stages[stage.label], doc)
             else:
                 outputs = stage(value)
+        except Exception as exc:  # the place is written out only for an error: it costs a dict repr
+            with dofn_errors(stage.label, f"lane {self.lane}, after source cursor {self._cursor.to_plain()}"):
+                raise exc
         for out in outputs:
             self._push(index + 1, out, doc)
 

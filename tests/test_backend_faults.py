@@ -213,7 +213,8 @@ def test_workers_die_with_a_killed_trainer(tmp_path: Path) -> None:
         assert trainer.stdout is not None
         assert trainer.stdout.readline().strip() == "ready"
         family = {p.pid for p in psutil.Process(trainer.pid).children(recursive=True)}
-        assert len(family) >= 3, "expected a forkserver and two workers"
+        # Two workers, forked from the trainer (single-threaded here) or from a forkserver.
+        assert len(family) >= 2, "expected two workers"
         os.kill(trainer.pid, signal.SIGKILL)
         trainer.wait(timeout=10)
         _wait_gone(family)

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
+from zephon_flow.runners.backends import oob
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
@@ -48,6 +50,16 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _default_signal_handlers() -> None:
+    """Python's own handlers, as a worker started by the forkserver has them: SIGINT raises
+    ``KeyboardInterrupt``, any handler the trainer installed in Python is dropped."""
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError):
+            handler = signal.getsignal(sig)
+            if callable(handler) and handler is not signal.default_int_handler:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def _watch_parent(alive: Connection) -> None:
     """Blocks on a pipe whose only writer is the parent's backend: EOF means the parent closed
     the backend or died, and either way this worker has nothing left to do."""
@@ -57,9 +69,21 @@ def _watch_parent(alive: Connection) -> None:
 
 
 def _worker_main(
-    payload: bytes, sys_path: list[str], conn: Connection, alive: Connection, progress: Any
+    payload: bytes,
+    sys_path: list[str],
+    conn: Connection,
+    alive: Connection,
+    progress: Any,
+    inherited: tuple[Connection, ...] = (),
 ) -> None:
-    """A worker: install the segment, then run the chunks the parent sends until told to stop."""
+    """A worker: install the segment, then run the chunks the parent sends until told to stop.
+
+    ``inherited``: the parent's ends of its pipes, which a forked worker holds copies of and
+    closes first (the watchdog's EOF needs the parent's end of ``alive`` closed everywhere)."""
+    for end in inherited:
+        end.close()
+    if inherited:  # forked from the trainer: not its signal handlers (a save on SIGTERM, ...)
+        _default_signal_handlers()
     _die_with_parent()
     threading.Thread(target=_watch_parent, args=(alive,), name="zephon-parent-watch", daemon=True).start()
     # The forkserver may predate the parent's current sys.path (a pipeline file loaded by
@@ -68,7 +92,7 @@ def _worker_main(
     try:
         segment: FrontSegment = pickler.loads(payload)
     except Exception as exc:
-        conn.send((-1, Failure.of(exc, f"a worker could not load the pipeline's DoFns: {exc}")))
+        oob.send(conn, (-1, Failure.of(exc, f"a worker could not load the pipeline's DoFns: {exc}")))
         return
 
     def report(stage: int, first: int, last: int) -> None:
@@ -87,11 +111,11 @@ def _worker_main(
         result: ChunkResult = segment.run_chunk(chunk, report)
         progress[_TASK] = _IDLE
         try:
-            conn.send((task_id, result))
+            oob.send(conn, (task_id, result))  # pickled whole before a byte is written
         except (EOFError, OSError):
             return
         except Exception as exc:  # outputs that do not pickle: say which DoFn made them
-            conn.send((task_id, Failure.of(exc, f"the outputs of a chunk cannot be sent back: {exc}")))
+            oob.send(conn, (task_id, Failure.of(exc, f"the outputs of a chunk cannot be sent back: {exc}")))
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
@@ -101,6 +125,42 @@ def _context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["zephon_flow.runners.backends.processes", "zephon_flow.operators"])
     return ctx
+
+
+#: Native threads that may be running when workers are forked: pools that inherit the main
+#: thread's name (OpenBLAS's, started by importing numpy) and jemalloc's background thread
+#: (pyarrow's); both are built to survive a fork. gRPC's, CUDA's and others have names.
+_FORK_SAFE_NATIVE = ("jemalloc_bg_thd",)
+
+
+def can_fork() -> bool:
+    """Whether workers may be forked from this process directly, as torch's ``DataLoader``
+    forks its own: on Linux, when no Python thread but this one runs and every native thread
+    is one of the pools above (``/proc/self/task``). Then no thread can hold a lock that the
+    child would inherit locked, which is what makes forking a threaded process unsafe, and the
+    child starts in milliseconds with the parent's imports and caches (Beam, the tokenizer)
+    instead of a fresh interpreter importing them for seconds."""
+    if not sys.platform.startswith("linux") or threading.active_count() != 1:
+        return False
+    try:
+        main = _thread_name("self")
+        names = [_thread_name(f"self/task/{tid}") for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return False
+    return all(name == main or name in _FORK_SAFE_NATIVE for name in names)
+
+
+def _thread_name(where: str) -> str:
+    with open(f"/proc/{where}/comm", encoding="utf-8", errors="replace") as f:
+        return f.read().strip()
+
+
+def start_worker_server() -> None:
+    """Starts the forkserver now, without waiting for it: a fresh interpreter importing Beam
+    takes seconds, which then overlap the caller's own start-up (compiling the pipeline, loading
+    its tokenizer) instead of following it. ``ProcessBackend`` later finds it running."""
+    _context()
+    forkserver.ensure_running()
 
 
 @dataclass(eq=False)
@@ -121,7 +181,11 @@ class _Worker:
     tasks: dict[int, _Task] = field(default_factory=dict)
     #: Pickled chunks for the sender thread: a send blocks while the worker is busy and the
     #: pipe is full, and the dispatcher must never wait on one worker.
-    outbox: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
+    outbox: queue.SimpleQueue[memoryview | None] = field(default_factory=queue.SimpleQueue)
+
+
+def _start_sender(worker: _Worker) -> None:
+    threading.Thread(target=_send_all, args=(worker,), name="zephon-worker-send", daemon=True).start()
 
 
 def _send_all(worker: _Worker) -> None:
@@ -163,7 +227,15 @@ class ProcessBackend:
         self._numbers = 0
         self._closing = False
         self._broken: Failure | None = None
-        self._workers = [self._start_worker() for _ in range(workers)]
+        # The first workers are forked from this process when it is single-threaded (see
+        # ``can_fork``), all before any thread of ours starts; replacements come from the
+        # forkserver (by then the dispatcher runs).
+        fork = multiprocessing.get_context("fork") if can_fork() else None
+        self._workers: list[_Worker] = []
+        for _ in range(workers):
+            self._workers.append(self._start_worker(fork, sender=False))
+        for worker in self._workers:
+            _start_sender(worker)
         self._thread = threading.Thread(target=self._dispatch, name="zephon-workers", daemon=True)
         self._thread.start()
 
@@ -189,7 +261,7 @@ class ProcessBackend:
         self._wake()
         self._thread.join(timeout=CLOSE_GRACE)
         for worker in self._workers:
-            worker.outbox.put(ForkingPickler.dumps(None).tobytes())
+            worker.outbox.put(ForkingPickler.dumps(None))
             worker.outbox.put(None)
         self._alive_w.close()  # every worker's watchdog sees EOF and exits
         deadline = time.monotonic() + CLOSE_GRACE
@@ -213,13 +285,20 @@ class ProcessBackend:
         with contextlib.suppress(OSError, ValueError):
             self._wake_w.send_bytes(b"")
 
-    def _start_worker(self) -> _Worker:
-        parent, child = self._ctx.Pipe(duplex=True)
-        progress = self._ctx.RawArray(ctypes.c_double, 5)
+    def _start_worker(self, fork: Any = None, *, sender: bool = True) -> _Worker:
+        """A new worker process: forked from this process with ``fork`` (the fork context),
+        else from the forkserver; its sender thread started unless ``sender`` is False."""
+        ctx = fork or self._ctx
+        parent, child = ctx.Pipe(duplex=True)
+        progress = ctx.RawArray(ctypes.c_double, 5)
         progress[_TASK] = _IDLE
-        process = self._ctx.Process(
+        inherited: tuple[Connection, ...] = ()
+        if fork is not None:
+            others = (w.conn for w in self._workers)  # the workers forked before this one
+            inherited = (parent, self._alive_w, self._wake_r, self._wake_w, *others)
+        process = ctx.Process(
             target=_worker_main,
-            args=(self._payload, self._sys_path, child, self._alive_r, progress),
+            args=(self._payload, self._sys_path, child, self._alive_r, progress, inherited),
             name=f"zephon-worker-{self._numbers}",
             daemon=True,
         )
@@ -227,7 +306,8 @@ class ProcessBackend:
         child.close()
         worker = _Worker(self._numbers, process, parent, progress)
         self._numbers += 1
-        threading.Thread(target=_send_all, args=(worker,), name="zephon-worker-send", daemon=True).start()
+        if sender:
+            _start_sender(worker)
         return worker
 
     def _dispatch(self) -> None:
@@ -277,7 +357,7 @@ class ProcessBackend:
                 if task.future.cancelled():
                     continue
                 try:
-                    data = bytes(ForkingPickler.dumps((task.id, task.chunk)))
+                    data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
                 except Exception as exc:
                     _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
                     continue
@@ -287,7 +367,7 @@ class ProcessBackend:
     def _receive(self, worker: _Worker) -> None:
         try:
             while worker.conn.poll():
-                task_id, result = worker.conn.recv()
+                task_id, result = oob.recv(worker.conn)
                 if task_id == -1:  # the worker could not install the DoFns: no worker can
                     self._broken = result
                     for task in [*worker.tasks.values(), *self._drain()]:

@@ -29,6 +29,7 @@ from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.backends.base import Backend
+from zephon_flow.runners.backends.processes import can_fork, start_worker_server
 from zephon_flow.runners.lane import LaneRunner, SkipHook
 from zephon_flow.runners.plan import Plan
 
@@ -90,6 +91,8 @@ class Loader:
         # Phases: check the options, start the backend, restore the state, build the lanes,
         # take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
+        if backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
+            start_worker_server()
         for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
             if not isinstance(flag, bool):
                 raise SpecError(f"{name} must be True or False, got {flag!r}")
