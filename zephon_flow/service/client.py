@@ -214,22 +214,21 @@ class Client:
         self._status = self._method("Status", pb.StatusRequest, pb.StatusReply)
         self._acker: _Acker | None = None
         self._closed = False
-        # ``lane_owners=True``: ``address`` is the coordinator of ``zephon serve --ray
-        # --lane-owners N``; the rows come from the owners of this rank's lanes (fanin.py).
-        self._fan_in = (
-            OwnerFanIn(
-                address,
-                rank=rank,
-                world_size=world_size,
-                fingerprint=self._fingerprint,
-                metadata=self._metadata,
-                channel_options=_CHANNEL_OPTIONS,
-                timeout=timeout,
-                retries=retries,
-                backoff=backoff,
-            )
-            if lane_owners
-            else None
+        self._fan_in = self._owners_fan_in() if lane_owners else None
+
+    def _owners_fan_in(self) -> OwnerFanIn:
+        """For ``lane_owners=True``: ``address`` is the coordinator of ``zephon serve --ray
+        --lane-owners N``; the rows come from the owners of this rank's lanes (fanin.py)."""
+        return OwnerFanIn(
+            self.address,
+            rank=self.rank,
+            world_size=self.world_size,
+            fingerprint=self._fingerprint,
+            metadata=self._metadata,
+            channel_options=_CHANNEL_OPTIONS,
+            timeout=self._timeout,
+            retries=self._retries,
+            backoff=self._backoff,
         )
 
     def _method(self, method: str, request: Any, reply: Any) -> grpc.UnaryUnaryMultiCallable:

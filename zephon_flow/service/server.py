@@ -132,6 +132,8 @@ class BatchServer:
         chunk_timeout: float = 300.0,
         window: int | None = None,
     ) -> None:
+        # Phases: check the options, open the loader, hold its steps, set up checkpoints and
+        # streams, listen.
         if window is not None:
             warnings.warn("BatchServer(window=) is now BatchServer(ahead=)", DeprecationWarning, stacklevel=2)
             ahead = window
@@ -147,43 +149,39 @@ class BatchServer:
             port=port,
             chunk_bytes=chunk_bytes,
         )
-        self.spec = spec
-        self.fingerprint = spec.fingerprint["total"]
-        self._checkpoint_dir = checkpoint_dir
-        if checkpoint_dir is not None:
-            os.makedirs(checkpoint_dir, exist_ok=True)
+        self.spec, self.fingerprint = spec, spec.fingerprint["total"]
         if loader is None:
-            loader = Loader(
-                spec,
-                rank=0,
-                world_size=1,
-                backend=backend,
-                workers=workers,
-                state=load_state(resume) if resume is not None else None,
-                chunk_timeout=chunk_timeout,
+            loader = _embedded_loader(
+                spec, resume, backend=backend, workers=workers, chunk_timeout=chunk_timeout
             )
         self._loader = loader
-        first = self._loader.state()
-        self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
-        self._last_checkpoint = first.step
+        first = loader.state()
+        self._held = _hold(
+            first, ahead=ahead, keep=keep, held_bytes=held_bytes, checkpoint_every=checkpoint_every
+        )
+        self._set_up_checkpoints(checkpoint_dir, checkpoint_every, keep_checkpoints, first.step)
+        self._set_up_streams(stream_timeout, chunk_bytes)
+        self._server = self._grpc_server(token, max_streams)
+        self.host, self.port = host, self._listen(host, port, tls)
+
+    def _set_up_checkpoints(
+        self, directory: str | None, every: int | None, keep: int, first_step: int
+    ) -> None:
+        """Where ``Checkpoint`` and ``--checkpoint-every`` write, and the last step written."""
+        self._checkpoint_dir = directory
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+        self._checkpoint_every, self._keep_checkpoints = every, keep
+        self._last_checkpoint = first_step
         self._checkpoint_lock = threading.Lock()
+
+    def _set_up_streams(self, stream_timeout: float, chunk_bytes: int) -> None:
+        """The open streams, the producer and watchdog threads, health and the byte count."""
         self._stream_timeout = float(stream_timeout)
         self._open: set[_OpenStream] = set()
         self._open_lock = threading.Lock()
         #: The pipeline's error once it has failed (the server then only reports it).
         self.failed: BaseException | None = None
-        # Resumed from its own --checkpoint-every checkpoint, the server can be up to N steps
-        # (plus ``ahead`` and an acknowledgement stride) behind its ranks: they may reconnect
-        # that far ahead, and production replays the steps in between.
-        reach = ahead if checkpoint_every is None else 2 * ahead + checkpoint_every
-        self._held: HeldSteps[LoaderState] = HeldSteps(
-            first_step=first.step,
-            first_state=first,
-            ahead=ahead,
-            keep=keep,
-            reach=reach,
-            max_bytes=held_bytes,
-        )
         self._chunk_bytes = chunk_bytes
         self._stop = threading.Event()
         self._producer = threading.Thread(target=self._produce, name="zephon-serve-producer", daemon=True)
@@ -192,8 +190,6 @@ class BatchServer:
         self._bytes_lock = threading.Lock()
         self._started = time.monotonic()
         self._health = health.HealthServicer()
-        self._server = self._grpc_server(token, max_streams)
-        self.host, self.port = host, self._listen(host, port, tls)
 
     def _grpc_server(self, token: str | None, max_streams: int) -> grpc.Server:
         """The gRPC server with the batch service, health, and the token check if any."""
@@ -516,6 +512,34 @@ def serve_forever(server: BatchServer) -> int:
             return EXIT_PIPELINE_FAILED
     server.stop(grace=1.0)
     return 0
+
+
+def _embedded_loader(
+    spec: LoaderSpec, resume: str | None, *, backend: str, workers: int, chunk_timeout: float
+) -> Loader:
+    """The server's own Loader: world size 1, every lane, from ``resume`` or the start."""
+    return Loader(
+        spec,
+        rank=0,
+        world_size=1,
+        backend=backend,
+        workers=workers,
+        state=load_state(resume) if resume is not None else None,
+        chunk_timeout=chunk_timeout,
+    )
+
+
+def _hold(
+    first: LoaderState, *, ahead: int, keep: int, held_bytes: int | None, checkpoint_every: int | None
+) -> HeldSteps[LoaderState]:
+    """The held steps, from the loader's first state. Resumed from its own --checkpoint-every
+    checkpoint, the server can be up to N steps (plus ``ahead`` and an acknowledgement stride)
+    behind its ranks: they may reconnect that far ahead, and production replays the steps in
+    between."""
+    reach = ahead if checkpoint_every is None else 2 * ahead + checkpoint_every
+    return HeldSteps(
+        first_step=first.step, first_state=first, ahead=ahead, keep=keep, reach=reach, max_bytes=held_bytes
+    )
 
 
 def _check_options(
