@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import contextlib
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from zephon_flow.runners.segment import Chunk, Failure, RecordResult
@@ -25,3 +27,37 @@ class Backend(Protocol):
     def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]: ...
 
     def close(self) -> None: ...
+
+
+#: How many workers (processes or actors) a chunk may kill before it fails as poison.
+MAX_ATTEMPTS = 3
+
+
+@dataclass(eq=False)
+class Task:
+    """A submitted chunk as a pool backend tracks it: ``deaths`` names each worker it killed."""
+
+    id: int
+    chunk: Chunk
+    future: Future[ChunkResult]
+    lane: int
+    deaths: list[str] = field(default_factory=list)
+
+
+def settle(future: Future[ChunkResult], result: ChunkResult) -> None:
+    """Sets ``future``'s result unless a closing stream cancelled it meanwhile."""
+    with contextlib.suppress(InvalidStateError):
+        future.set_result(result)
+
+
+def lost_message(task: Task, *, killed: str, replacement: str, logs: str) -> str:
+    """Why ``task`` failed after killing ``MAX_ATTEMPTS`` workers (``killed``: "worker
+    processes", "Ray actors"), and what to do about it."""
+    deaths = "\n".join(f"  - {d}" for d in task.deaths)
+    return (
+        f"lane {task.lane}: the stateless work on a chunk of {len(task.chunk)} record(s) killed "
+        f"{len(task.deaths)} {killed} in a row (it is retried on {replacement} "
+        f"{MAX_ATTEMPTS - 1} times):\n{deaths}\nA DoFn that exhausts memory is the usual cause "
+        f"({logs} for the OOM killer); reduce its memory or the chunk "
+        f"size (Loader(chunk_records=...)), or fix how it handles this record."
+    )

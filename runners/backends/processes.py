@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
@@ -23,11 +23,10 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners.backends import oob
-from zephon_flow.runners.backends.base import ChunkResult
+from zephon_flow.runners.backends.base import MAX_ATTEMPTS, ChunkResult, Task, lost_message, settle
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: A chunk whose worker dies this many times (each time while running it) fails the loader.
-MAX_ATTEMPTS = 3
 #: Chunks queued on one worker (one runs, the next waits in its pipe: no idle round trip).
 PER_WORKER = 2
 #: How long ``close`` lets workers exit on their own before killing them.
@@ -164,21 +163,12 @@ def start_worker_server() -> None:
 
 
 @dataclass(eq=False)
-class _Task:
-    id: int
-    chunk: Chunk
-    future: Future[ChunkResult]
-    lane: int
-    deaths: list[str] = field(default_factory=list)
-
-
-@dataclass(eq=False)
 class _Worker:
     number: int
     process: Any  # multiprocessing's Process of the forkserver context
     conn: Connection
     progress: Any  # a shared array of doubles, see _TASK.._STARTED
-    tasks: dict[int, _Task] = field(default_factory=dict)
+    tasks: dict[int, Task] = field(default_factory=dict)
     #: Pickled chunks for the sender thread: a send blocks while the worker is busy and the
     #: pipe is full, and the dispatcher must never wait on one worker.
     outbox: queue.SimpleQueue[memoryview | None] = field(default_factory=queue.SimpleQueue)
@@ -222,7 +212,7 @@ class ProcessBackend:
         self._alive_r, self._alive_w = self._ctx.Pipe(duplex=False)
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._lock = threading.Lock()
-        self._pending: deque[_Task] = deque()
+        self._pending: deque[Task] = deque()
         self._next_id = 0
         self._numbers = 0
         self._closing = False
@@ -248,7 +238,7 @@ class ProcessBackend:
             if self._closing:
                 future.cancel()
                 return future
-            self._pending.append(_Task(self._next_id, chunk, future, lane))
+            self._pending.append(Task(self._next_id, chunk, future, lane))
             self._next_id += 1
         self._wake()
         return future
@@ -317,9 +307,9 @@ class ProcessBackend:
             self._broken = Failure.of(exc, f"the processes backend's dispatcher failed: {exc}")
             for worker in self._workers:
                 for task in worker.tasks.values():
-                    _settle(task.future, self._broken)
+                    settle(task.future, self._broken)
             for task in self._drain():
-                _settle(task.future, self._broken)
+                settle(task.future, self._broken)
 
     def _serve(self) -> None:
         while True:
@@ -346,7 +336,7 @@ class ProcessBackend:
     def _assign(self) -> None:
         if self._broken is not None:
             for task in self._drain():
-                _settle(task.future, self._broken)
+                settle(task.future, self._broken)
             return
         for worker in self._workers:
             while len(worker.tasks) < PER_WORKER:
@@ -359,7 +349,7 @@ class ProcessBackend:
                 try:
                     data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
                 except Exception as exc:
-                    _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
+                    settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
                     continue
                 worker.outbox.put(data)
                 worker.tasks[task.id] = task
@@ -371,20 +361,20 @@ class ProcessBackend:
                 if task_id == -1:  # the worker could not install the DoFns: no worker can
                     self._broken = result
                     for task in [*worker.tasks.values(), *self._drain()]:
-                        _settle(task.future, result)
+                        settle(task.future, result)
                     worker.tasks.clear()
                     return
                 if task_id in worker.tasks:
-                    _settle(worker.tasks.pop(task_id).future, result)
+                    settle(worker.tasks.pop(task_id).future, result)
         except (EOFError, OSError):
             pass  # it died: the sentinel is (or will be) ready too
 
-    def _drain(self) -> list[_Task]:
+    def _drain(self) -> list[Task]:
         with self._lock:
             tasks, self._pending = list(self._pending), deque()
         return tasks
 
-    def _running(self, worker: _Worker) -> tuple[_Task | None, str]:
+    def _running(self, worker: _Worker) -> tuple[Task | None, str]:
         """The chunk the worker is running (if any) and where in it, from its progress slots."""
         progress = worker.progress
         task = worker.tasks.get(int(progress[_TASK]))
@@ -410,21 +400,33 @@ class ProcessBackend:
         return f"worker {worker.number} (pid {worker.process.pid}) {how}"
 
     def _replace(
-        self, worker: _Worker, note: str, *, failed: _Task | None = None, error: Failure | None = None
+        self, worker: _Worker, note: str, *, failed: Task | None = None, error: Failure | None = None
     ) -> None:
         """Swaps a dead (or killed) worker for a new one; its chunks run again, except ``failed``."""
         self._receive(worker)  # results it sent before dying still count
         running, where = self._running(worker)
-        again: list[_Task] = []
+        again: list[Task] = []
         for task in sorted(worker.tasks.values(), key=lambda t: t.id):
             if task is failed:
                 assert error is not None
-                _settle(task.future, error)
+                settle(task.future, error)
                 continue
             if task is running:
                 task.deaths.append(f"{note} {where}")
                 if len(task.deaths) >= MAX_ATTEMPTS:
-                    _settle(task.future, Failure.of(WorkerLostError(_lost_message(task))))
+                    settle(
+                        task.future,
+                        Failure.of(
+                            WorkerLostError(
+                                lost_message(
+                                    task,
+                                    killed="worker processes",
+                                    replacement="a new worker",
+                                    logs="see the kernel log",
+                                )
+                            )
+                        ),
+                    )
                     continue
             again.append(task)
         worker.tasks.clear()
@@ -463,19 +465,3 @@ class ProcessBackend:
     def _orphan(self, tasks: Any) -> None:
         for task in tasks:
             task.future.cancel()
-
-
-def _lost_message(task: _Task) -> str:
-    deaths = "\n".join(f"  - {d}" for d in task.deaths)
-    return (
-        f"lane {task.lane}: the stateless work on a chunk of {len(task.chunk)} record(s) killed "
-        f"{len(task.deaths)} worker processes in a row (it is retried on a new worker "
-        f"{MAX_ATTEMPTS - 1} times):\n{deaths}\nA DoFn that exhausts memory is the usual cause "
-        f"(see the kernel log for the OOM killer); reduce its memory or the chunk size "
-        f"(Loader(chunk_records=...)), or fix how it handles this record."
-    )
-
-
-def _settle(future: Future[ChunkResult], result: ChunkResult | Failure) -> None:
-    with contextlib.suppress(InvalidStateError):  # cancelled by a closing stream meanwhile
-        future.set_result(result)

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -19,13 +19,12 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners import ray_env
-from zephon_flow.runners.backends.base import ChunkResult
+from zephon_flow.runners.backends.base import MAX_ATTEMPTS, ChunkResult, Task, lost_message, settle
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: What the errors call this backend when Ray is missing or unreachable.
 FEATURE = "backend='ray'"
 #: A chunk whose actor dies this many times (each time while running it) fails the loader.
-MAX_ATTEMPTS = 3
 #: Calls queued on one actor (one runs, the next waits in the actor's mailbox).
 PER_WORKER = 2
 #: One call carries the chunks waiting when it is sent, up to this many chunks or records (a
@@ -92,12 +91,7 @@ def _actor_class() -> Any:
 
 
 @dataclass(eq=False)
-class _Task:
-    id: int
-    chunk: Chunk
-    future: Future[ChunkResult]
-    lane: int
-    deaths: list[str] = field(default_factory=list)
+class _Task(Task):
     #: In a bundle whose actor died: sent alone from now on, so that a death names its chunk.
     alone: bool = False
 
@@ -227,9 +221,9 @@ class RayBackend:
             self._broken = Failure.of(exc, f"the ray backend's dispatcher failed: {exc}")
             for actor in self._actors:
                 for task in _tasks(actor):
-                    _settle(task.future, self._broken)
+                    settle(task.future, self._broken)
             for task in self._drain():
-                _settle(task.future, self._broken)
+                settle(task.future, self._broken)
 
     def _serve(self) -> None:
         while True:
@@ -254,7 +248,7 @@ class RayBackend:
     def _assign(self) -> None:
         if self._broken is not None:
             for task in self._drain():
-                _settle(task.future, self._broken)
+                settle(task.future, self._broken)
             return
         for actor in self._actors:
             while len(actor.calls) < PER_WORKER:
@@ -265,7 +259,7 @@ class RayBackend:
                     ref = actor.handle.run.remote(pickle.dumps([(t.id, t.chunk) for t in bundle], _PROTOCOL))
                 except Exception as exc:  # a chunk does not serialise: say so
                     for task in bundle:
-                        _settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
+                        settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
                     continue
                 call = _Call(bundle)
                 if not actor.calls:
@@ -319,14 +313,14 @@ class RayBackend:
         if not loaded:  # the actor could not install the DoFns: no actor can
             self._broken = results[0]
             for queued in [*_tasks(actor), *self._drain()]:
-                _settle(queued.future, results[0])
+                settle(queued.future, results[0])
             actor.calls.clear()
             return
         if actor.calls[0] is call:
             actor.head_since = time.monotonic()
         actor.calls.remove(call)
         for task, result in zip(call.tasks, results, strict=True):
-            _settle(task.future, result)
+            settle(task.future, result)
 
     def _drain(self) -> list[_Task]:
         with self._lock:
@@ -354,14 +348,26 @@ class RayBackend:
             for task in call.tasks:
                 if task is failed:
                     assert error is not None
-                    _settle(task.future, error)
+                    settle(task.future, error)
                     continue
                 if running and failed is None and len(call.tasks) > 1:
                     task.alone = True
                 elif running and failed is None:
                     task.deaths.append(f"{note} {_records(self._segment, task.chunk)}")
                     if len(task.deaths) >= MAX_ATTEMPTS:
-                        _settle(task.future, Failure.of(WorkerLostError(_lost_message(task))))
+                        settle(
+                            task.future,
+                            Failure.of(
+                                WorkerLostError(
+                                    lost_message(
+                                        task,
+                                        killed="Ray actors",
+                                        replacement="a new actor",
+                                        logs="see `ray logs` and the kernel log",
+                                    )
+                                )
+                            ),
+                        )
                         continue
                 again.append(task)
         actor.calls.clear()
@@ -432,19 +438,3 @@ def _records(segment: FrontSegment, chunk: Chunk) -> str:
         f"while running the {len(chunk)} records from {a.path} {a.where} (via {names[i].operator_name}) "
         f"to {b.path} {b.where} (via {names[j].operator_name})"
     )
-
-
-def _lost_message(task: _Task) -> str:
-    deaths = "\n".join(f"  - {d}" for d in task.deaths)
-    return (
-        f"lane {task.lane}: the stateless work on a chunk of {len(task.chunk)} record(s) killed "
-        f"{len(task.deaths)} Ray actors in a row (it is retried on a new actor "
-        f"{MAX_ATTEMPTS - 1} times):\n{deaths}\nA DoFn that exhausts memory is the usual cause "
-        f"(see `ray logs` and the kernel log for the OOM killer); reduce its memory or the chunk "
-        f"size (Loader(chunk_records=...)), or fix how it handles this record."
-    )
-
-
-def _settle(future: Future[ChunkResult], result: ChunkResult) -> None:
-    with contextlib.suppress(InvalidStateError):  # cancelled by a closing stream meanwhile
-        future.set_result(result)
