@@ -321,9 +321,17 @@ def test_while_one_lane_waits_the_others_read_ahead(tmp_path: Path) -> None:
     plan = SourcePlan("numbers", source, ())
     streams = [
         SourceStream(
-            0, plan, backend, lane=lane, lanes=2, seed=7, cursor=list(FRESH), chunk_records=4, depth=3,
+            0,
+            plan,
+            backend,
+            lane=lane,
+            lanes=2,
+            seed=7,
+            cursor=list(FRESH),
+            chunk_records=4,
+            depth=3,
             read_ahead=shared,
-        )  # fmt: skip
+        )
         for lane in (0, 1)
     ]
     for stream in streams:
