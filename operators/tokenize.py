@@ -11,6 +11,8 @@ tiktoken (byte-level BPE only, several times faster). With ``engine="auto"`` tik
 when ``bpe_engines.plan_tiktoken`` maps the file onto it *and* both engines give the same ids
 on the fixed verification sample (``bpe_sample``); otherwise HF, and the reason is logged once.
 ``engine="tiktoken"`` raises ``SpecError`` instead of falling back; ``engine="hf"`` never tries.
+The verdict is kept on disk (``_verdict_cache``), so a file is mapped and compared once per
+machine and library versions, not at every start.
 
 Each process then re-checks its own tiktoken against the digest of HF's ids for the sample, and
 encodes the first ``STREAM_CHECK_DOCS`` documents it sees with both engines, emitting HF's ids;
@@ -36,6 +38,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.operators import _verdict_cache
 from zephon_flow.operators._tokenizer_files import resolve_tokenizer_path, special_affixes
 from zephon_flow.operators.bpe_engines import (
     HfEngine,
@@ -185,47 +188,73 @@ def _verdict(path: str, sha256: str, raw: bytes, hf: Any, doc: dict[str, Any] | 
     with _CACHE:
         if sha256 in _VERDICTS:
             return _VERDICTS[sha256]
-        try:
-            doc = doc if doc is not None else _parse(path, raw)
-            plan = plan_tiktoken(doc, raw, hf)
-            fast = _build(sha256, doc, plan)
-            reference, want = HfEngine(hf), []
-            for i, text in enumerate(_sample(doc, plan)):
-                want.append(reference.encode(text))
-                got = _attempt(fast, text)
-                if got != want[-1]:
-                    raise _Disagreement(_disagreement(f"verification text #{i}", text, want[-1], got))
-            verdict = _Verdict(plan=plan, reason=None, disagreed=False, digest=_digest(want))
-            _TIKTOKEN[sha256] = fast
-        except NotExpressible as exc:
-            disagreed = isinstance(exc, _Disagreement)
-            verdict = _Verdict(plan=None, reason=str(exc), disagreed=disagreed, digest="")
+        doc = doc if doc is not None else _parse(path, raw)
+        verdict = _cached_verdict(sha256, doc)
+        if verdict is None:
+            verdict = _decide(sha256, doc, raw, hf)
+            _verdict_cache.store(sha256, verdict.plan, verdict.reason, verdict.disagreed, verdict.digest)
         _VERDICTS[sha256] = verdict
         return verdict
+
+
+def _cached_verdict(sha256: str, doc: dict[str, Any]) -> _Verdict | None:
+    """The verdict cached on disk, once this process's tiktoken reproduces its digest; None to
+    decide afresh (no entry, or one this process cannot confirm)."""
+    cached = _verdict_cache.load(sha256)
+    if cached is None:
+        return None
+    plan, reason, disagreed, digest = cached
+    if plan is None:
+        return _Verdict(plan=None, reason=reason, disagreed=disagreed, digest="")
+    fast = _check(sha256, doc, plan, digest)
+    if isinstance(fast, str):
+        return None
+    _TIKTOKEN[sha256] = fast
+    return _Verdict(plan=plan, reason=None, disagreed=False, digest=digest)
+
+
+def _decide(sha256: str, doc: dict[str, Any], raw: bytes, hf: Any) -> _Verdict:
+    """Maps the file onto tiktoken and compares both engines on the verification sample."""
+    try:
+        plan = plan_tiktoken(doc, raw, hf)
+        fast = _build(sha256, doc, plan)
+        reference, want = HfEngine(hf), []
+        for i, text in enumerate(_sample(doc, plan)):
+            want.append(reference.encode(text))
+            got = _attempt(fast, text)
+            if got != want[-1]:
+                raise _Disagreement(_disagreement(f"verification text #{i}", text, want[-1], got))
+    except NotExpressible as exc:
+        return _Verdict(plan=None, reason=str(exc), disagreed=isinstance(exc, _Disagreement), digest="")
+    _TIKTOKEN[sha256] = fast
+    return _Verdict(plan=plan, reason=None, disagreed=False, digest=_digest(want))
 
 
 def _checked_tiktoken(path: str, sha256: str, plan: TiktokenPlan, digest: str) -> TiktokenEngine | str:
     """This process's tiktoken engine for the file, checked against the sample's digest."""
     with _CACHE:
         if sha256 not in _TIKTOKEN:
-            doc = _parse(path, _read(path, sha256))
-            try:
-                fast = _build(sha256, doc, plan)
-            except NotExpressible as exc:
-                _TIKTOKEN[sha256] = str(exc)
-                return _TIKTOKEN[sha256]
-            got = [_attempt(fast, text) for text in _sample(doc, plan)]
-            failed = next((g for g in got if isinstance(g, str)), None)
-            if failed is not None:
-                _TIKTOKEN[sha256] = f"tiktoken raised {failed} on the verification sample"
-            elif _digest([g for g in got if not isinstance(g, str)]) != digest:
-                _TIKTOKEN[sha256] = (
-                    "tiktoken in this process does not reproduce HF's ids for the verification "
-                    "sample (another tiktoken version?)"
-                )
-            else:
-                _TIKTOKEN[sha256] = fast
+            _TIKTOKEN[sha256] = _check(sha256, _parse(path, _read(path, sha256)), plan, digest)
         return _TIKTOKEN[sha256]
+
+
+def _check(sha256: str, doc: dict[str, Any], plan: TiktokenPlan, digest: str) -> TiktokenEngine | str:
+    """A tiktoken engine built from ``plan`` that reproduces ``digest`` on the verification
+    sample, or why not."""
+    try:
+        fast = _build(sha256, doc, plan)
+    except NotExpressible as exc:
+        return str(exc)
+    got = [_attempt(fast, text) for text in _sample(doc, plan)]
+    failed = next((g for g in got if isinstance(g, str)), None)
+    if failed is not None:
+        return f"tiktoken raised {failed} on the verification sample"
+    if _digest([g for g in got if not isinstance(g, str)]) != digest:
+        return (
+            "tiktoken in this process does not reproduce HF's ids for the verification "
+            "sample (another tiktoken version?)"
+        )
+    return fast
 
 
 def _eos_id(tok: Any, path: str, eos_token: str | None) -> int:

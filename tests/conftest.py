@@ -1,11 +1,28 @@
-"""Session fixtures: a tiny corpus with its tokenizer, and the demo corpus, each built once."""
+"""Session fixtures: a tiny corpus with its tokenizer, and the demo corpus, each built once;
+the on-disk caches (seek indexes, tokenizer verdicts) in a folder of the session's own."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
 
 import pytest
 from helpers import Corpus, make_corpus
 
 from zephon_flow.demo_data import DemoData, build_demo_data
+
+
+@pytest.fixture(scope="session", autouse=True)
+def own_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``ZEPHON_CACHE_DIR`` for the session (tests that study the cache set their own), so
+    tests neither read nor fill the user's ``~/.cache/zephon-flow``."""
+    before = os.environ.get("ZEPHON_CACHE_DIR")
+    os.environ["ZEPHON_CACHE_DIR"] = str(tmp_path_factory.mktemp("zephon-cache"))
+    yield
+    if before is None:
+        del os.environ["ZEPHON_CACHE_DIR"]
+    else:
+        os.environ["ZEPHON_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import logging
+import os
 import pickle
 import random
 import re
@@ -119,10 +120,64 @@ def stdlib_texts() -> list[str]:
 
 
 @pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Empty per-process caches, so a test's verdicts and logs are its own."""
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Empty per-process caches and an empty verdict cache on disk, so a test's verdicts and
+    logs are its own."""
     for name, value in (("_HF", {}), ("_VERDICTS", {}), ("_TIKTOKEN", {}), ("_SAID", set())):
         monkeypatch.setattr(tokenize, name, value)
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "verdict-cache"))
+
+
+def _new_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forgets what this process decided and built, as a new process would; the disk stays."""
+    for name, value in (("_HF", {}), ("_VERDICTS", {}), ("_TIKTOKEN", {}), ("_SAID", set())):
+        monkeypatch.setattr(tokenize, name, value)
+
+
+def test_a_verdict_is_decided_once_per_machine_and_confirmed_in_each_process(
+    small: str, fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = ops.Tokenize(small, engine="auto")
+    assert first.selected_engine == "tiktoken"
+    (entry,) = (Path(os.environ["ZEPHON_CACHE_DIR"])).glob("verdict-*.json")
+    _new_process(monkeypatch)
+
+    def no_planning(*args: object) -> None:
+        raise AssertionError("the cached verdict should have been used")
+
+    planning = tokenize.plan_tiktoken
+    monkeypatch.setattr(tokenize, "plan_tiktoken", no_planning)
+    second = ops.Tokenize(small, engine="auto")
+    assert second.selected_engine == "tiktoken" and second._digest == first._digest
+    first.setup()
+    second.setup()
+    text = "The cached verdict, then the same ids: ünïcode and 12345."
+    (ours,), (theirs,) = list(second.process(text)), list(first.process(text))
+    assert ours.tolist() == theirs.tolist() and len(ours) > 10
+    # an entry this process cannot confirm (a digest that tiktoken does not reproduce) is not
+    # trusted: the file is decided afresh and the entry rewritten
+    data = json.loads(entry.read_text(encoding="utf-8"))
+    entry.write_text(json.dumps({**data, "digest": "0" * 64}), encoding="utf-8")
+    monkeypatch.setattr(tokenize, "plan_tiktoken", planning)
+    _new_process(monkeypatch)
+    third = ops.Tokenize(small, engine="auto")
+    assert third.selected_engine == "tiktoken" and third._digest == first._digest
+    assert json.loads(entry.read_text(encoding="utf-8"))["digest"] == first._digest
+
+
+@pytest.mark.parametrize(
+    "damage", ["{not json", "[]", '{"plan": 1, "reason": null, "disagreed": false, "digest": ""}']
+)
+def test_a_damaged_verdict_entry_is_decided_afresh(
+    small: str, fresh: None, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    want = ops.Tokenize(small, engine="auto")._digest
+    (entry,) = (Path(os.environ["ZEPHON_CACHE_DIR"])).glob("verdict-*.json")
+    entry.write_text(damage, encoding="utf-8")
+    _new_process(monkeypatch)
+    again = ops.Tokenize(small, engine="auto")
+    assert again.selected_engine == "tiktoken" and again._digest == want
+    assert json.loads(entry.read_text(encoding="utf-8"))["digest"] == want
 
 
 def _write(path: Path, doc: dict[str, Any]) -> str:
