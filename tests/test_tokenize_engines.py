@@ -145,7 +145,7 @@ def test_a_verdict_is_decided_once_per_machine_and_confirmed_in_each_process(
     def no_planning(*args: object) -> None:
         raise AssertionError("the cached verdict should have been used")
 
-    planning = tokenize.plan_tiktoken
+    planning = getattr(tokenize, "plan_tiktoken")  # noqa: B009 (imported there, not exported)
     monkeypatch.setattr(tokenize, "plan_tiktoken", no_planning)
     second = ops.Tokenize(small, engine="auto")
     assert second.selected_engine == "tiktoken" and second._digest == first._digest
