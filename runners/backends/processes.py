@@ -213,6 +213,7 @@ class ProcessBackend:
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         self._lock = threading.Lock()
         self._pending: deque[Task] = deque()
+        self._woken = False  # a wake-up is in the pipe that the dispatcher has not drained
         self._next_id = 0
         self._numbers = 0
         self._closing = False
@@ -240,7 +241,9 @@ class ProcessBackend:
                 return future
             self._pending.append(Task(self._next_id, chunk, future, lane))
             self._next_id += 1
-        self._wake()
+            wake, self._woken = not self._woken, True
+        if wake:  # one wake-up in the pipe is enough: the dispatcher takes every pending chunk
+            self._wake()
         return future
 
     def close(self) -> None:
@@ -325,6 +328,8 @@ class ProcessBackend:
                     with contextlib.suppress(EOFError, OSError):
                         while self._wake_r.poll():
                             self._wake_r.recv_bytes()
+                    with self._lock:  # chunks submitted from now on wake it again
+                        self._woken = False
                 elif obj in by_conn:
                     self._receive(by_conn[obj])
             for obj in ready:
