@@ -14,18 +14,13 @@ is), and an entry that cannot be read, parsed or checked is ignored and decided 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
-import os
-import tempfile
 from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
-from zephon_flow.operators import bpe_engines, bpe_regex, bpe_sample
+from zephon_flow.operators import _file_cache, bpe_engines, bpe_regex, bpe_sample
 from zephon_flow.operators.bpe_engines import NormalForm, TiktokenPlan
-from zephon_flow.operators.seek_index import cache_dir
 
 #: Bumped when what a verdict means changes in a way the code digest would not show.
 VERDICT_FORMAT = 1
@@ -58,40 +53,31 @@ def _version(name: str) -> str:
         return "absent"
 
 
-def path_of(sha256: str) -> str:
-    return os.path.join(cache_dir(), f"verdict-{key(sha256)}.json")
+def name_of(sha256: str) -> str:
+    """The entry's file name in the cache folder."""
+    return f"verdict-{key(sha256)}.json"
 
 
 def load(sha256: str) -> tuple[TiktokenPlan | None, str | None, bool, str] | None:
     """``(plan, reason, disagreed, digest)`` cached for the file, or None (absent or unreadable)."""
+    entry = _file_cache.load_json(name_of(sha256))
+    if entry is None:
+        return None
     try:
-        with open(path_of(sha256), encoding="utf-8") as f:
-            entry = json.load(f)
         return _parse(entry)
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
 def store(sha256: str, plan: TiktokenPlan | None, reason: str | None, disagreed: bool, digest: str) -> None:
-    """Writes the verdict (atomically); a cache that cannot be written only costs a new check."""
+    """Writes the verdict (all or nothing); a cache that cannot be written only costs a new check."""
     entry = {
         "plan": None if plan is None else asdict(plan),
         "reason": reason,
         "disagreed": disagreed,
         "digest": digest,
     }
-    target = path_of(sha256)
-    with contextlib.suppress(OSError):
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".verdict-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(entry, f)
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    _file_cache.store_json(name_of(sha256), entry)
 
 
 def _parse(entry: Any) -> tuple[TiktokenPlan | None, str | None, bool, str]:

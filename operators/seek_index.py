@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import hashlib
 import io
 import json
 import os
@@ -40,6 +39,8 @@ import zstandard
 
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError
+from zephon_flow.operators import _file_cache
+from zephon_flow.operators._file_cache import cache_dir
 
 #: Bumped whenever the index format or its meaning changes: old cache entries are not read.
 INDEX_VERSION = 1
@@ -47,7 +48,6 @@ INDEX_VERSION = 1
 GZIP_SPACING = 1 << 20
 #: Seek points a gzip index keeps at most (each holds a 32 KiB window).
 MAX_POINTS = 1024
-_HASHED = 1 << 20
 _ZSTD_MAGIC = 0xFD2FB528
 _CHUNK = 1 << 16
 
@@ -70,11 +70,6 @@ class SeekIndex:
     @property
     def splittable(self) -> bool:
         return len(self.points) > 1
-
-
-def cache_dir() -> str:
-    """Where seek indexes are kept: ``$ZEPHON_CACHE_DIR`` or ``~/.cache/zephon-flow/index``."""
-    return os.environ.get("ZEPHON_CACHE_DIR") or os.path.expanduser("~/.cache/zephon-flow/index")
 
 
 def index_for(path: str, *, operator: str) -> SeekIndex:
@@ -275,12 +270,7 @@ def _measure_frames(
 
 
 def _cache_key(path: str, info: files.FileInfo, kind: str, spacing: int, operator: str) -> str:
-    name = os.path.abspath(files.local_path(path)) if files.is_local(path) else path
-    h = hashlib.sha256()
-    h.update(f"{INDEX_VERSION}\0{kind}\0{spacing}\0{name}\0{info.size}\0{info.mtime_ns}\0".encode())
-    h.update(files.read_bytes(path, 0, _HASHED, operator=operator))
-    h.update(files.read_bytes(path, max(0, info.size - _HASHED), _HASHED, operator=operator))
-    return h.hexdigest()[:40]
+    return _file_cache.key(path, info, f"seek-index {INDEX_VERSION} {kind} {spacing}", operator=operator)
 
 
 def _load(meta: str) -> SeekIndex | None:

@@ -11,10 +11,12 @@ from typing import IO, Any
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.source import START, Record, Source, Split
-from zephon_flow.operators import _plan
+from zephon_flow.operators import _file_cache, _plan
 
 #: The fewest samples an automatic plan puts in a split.
 MIN_SPLIT_SAMPLES = 16
+#: The cached sample offsets' kind and version: bumped when how members group into samples changes.
+LISTING = "webdataset-samples 1"
 _BLOCK = tarfile.BLOCKSIZE
 _COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2", b"\xfd7zXZ": "xz"}
 
@@ -158,11 +160,27 @@ class ReadWebDataset(Source):
         return splits
 
     def _index(self, path: str) -> list[int]:
-        """The offset of the first member of every sample of the shard.
+        """The offset of the first member of every sample of the shard, cached on disk between
+        runs (``_file_cache``: keyed by the shard's path, size, time and end bytes), since
+        walking every member header of every shard is what listing costs.
 
         A damaged shard counts the sample at the damage too, so that its last split ends there
         and reading it raises the damage.
         """
+        info = files.stat(path, operator=self.operator_name)
+        name = ""
+        if info.size > 0:
+            name = f"tar-samples-{_file_cache.key(path, info, LISTING, operator=self.operator_name)}.json"
+            cached = _file_cache.load_json(name)
+            if isinstance(cached, list) and all(type(o) is int for o in cached):
+                return cached
+        offsets = self._walk(path)
+        if name:
+            _file_cache.store_json(name, offsets)
+        return offsets
+
+    def _walk(self, path: str) -> list[int]:
+        """``_index`` from the shard's member headers."""
         offsets: list[int] = []
         with self._open(path) as (fh, size):
             if size == 0:

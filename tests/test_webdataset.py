@@ -119,6 +119,35 @@ def test_split_offsets_point_at_each_splits_first_header(tmp_path: Path) -> None
     assert [e["__key__"] for e in elements(source)] == [f"{long}{i:06d}" for i in range(7)]
 
 
+def test_a_shards_sample_offsets_are_listed_once_and_relisted_when_it_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tar(tmp_path / "s.tar", sample_members(9))
+    walks: list[str] = []
+    walk = ReadWebDataset._walk
+
+    def counted(self: ReadWebDataset, shard: str) -> list[int]:
+        walks.append(shard)
+        return walk(self, shard)
+
+    monkeypatch.setattr(ReadWebDataset, "_walk", counted)
+    first = ReadWebDataset(path, samples_per_split=2)
+    want = [e["__key__"] for e in elements(first)]
+    assert walks == [path] and want == [f"{i:06d}" for i in range(9)]
+    second = ReadWebDataset(path, samples_per_split=3)  # another process, another plan
+    assert [e["__key__"] for e in elements(second)] == want and walks == [path]
+    # a damaged entry is listed again and rewritten
+    (entry,) = (tmp_path / "cache").glob("tar-samples-*.json")
+    entry.write_text("[1, 2", encoding="utf-8")
+    assert [e["__key__"] for e in elements(ReadWebDataset(path, samples_per_split=2))] == want
+    assert walks == [path, path] and entry.read_text(encoding="utf-8").startswith("[0, ")
+    # the shard rewritten with other samples: another key, listed afresh
+    write_tar(tmp_path / "s.tar", sample_members(5, prefix="b"))
+    assert [e["__key__"] for e in elements(ReadWebDataset(path))] == [f"b{i:06d}" for i in range(5)]
+    assert walks == [path, path, path]
+
+
 @pytest.mark.parametrize("lanes", [1, 2, 8])
 def test_automatic_runs_are_sized_from_samples_and_lanes(
     tmp_path: Path, lanes: int, monkeypatch: pytest.MonkeyPatch
