@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import apache_beam as beam
 import pytest
@@ -131,6 +133,21 @@ def test_global_windows_and_reshuffle_pass_through(corpus: Corpus) -> None:
 def test_build_must_return_a_pcollection() -> None:
     with pytest.raises(SpecError, match=r"build\(p\) must return a beam.PCollection, got Pipeline"):
         zf.Loader(zf.LoaderSpec(lambda p: p, lanes=1, global_batch_size=1))
+
+
+def test_compiling_leaves_no_temporary_folder_behind(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beam's Pipeline makes a temporary folder that only its run() removes; a spec's graph is
+    compiled, never run, so a trainer start must not leave one in /tmp (nor a refused one)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spec = zf.LoaderSpec(
+        lambda p: web(corpus, p) | "key" >> beam.ParDo(DocKey()), lanes=2, global_batch_size=4
+    )
+    assert spec.fingerprint["total"]
+    with pytest.raises(SpecError):
+        zf.Loader(zf.LoaderSpec(lambda p: p, lanes=1, global_batch_size=1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
 def test_build_must_be_callable() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,10 +78,13 @@ class LoaderSpec:
     def _compile(self) -> _Compiled:
         runner = DeterministicRunner(seed=self.seed)
         pipeline = beam.Pipeline(runner=runner, options=PipelineOptions([]))
-        output = self.build(pipeline)
-        if not isinstance(output, beam.PCollection):
-            raise SpecError(f"build(p) must return a beam.PCollection, got {type(output).__name__}")
-        plan = runner.compile(pipeline, output)
+        try:
+            output = self.build(pipeline)
+            if not isinstance(output, beam.PCollection):
+                raise SpecError(f"build(p) must return a beam.PCollection, got {type(output).__name__}")
+            plan = runner.compile(pipeline, output)
+        finally:  # Beam makes it for run(), which removes it; this pipeline is never run
+            shutil.rmtree(pipeline.local_tempdir, ignore_errors=True)
         parts = {
             "graph": _digest(plan.graph),
             "lanes": _digest(self.lanes),
