@@ -16,7 +16,7 @@ from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.segment import Skipped
-from zephon_flow.runners.streams import ReadAhead, SourceStream
+from zephon_flow.runners.streams import SourceStream
 
 #: Called once per record dropped by ``on_error="skip"``: (source index, the error's message).
 SkipHook = Callable[[int, str], None]
@@ -52,7 +52,6 @@ class LaneFeed:
         chunk_records: int,
         depth: int,
         on_skip: SkipHook,
-        read_ahead: ReadAhead | None = None,
     ) -> None:
         self._lane, self._mixture, self._on_skip = lane, mixture, on_skip
         self._mix_seed = dofn_seed(seed, plan.mix_label or "")
@@ -70,7 +69,6 @@ class LaneFeed:
                 cursor=list(pos),
                 chunk_records=chunk_records,
                 depth=per_source,
-                read_ahead=read_ahead,
             )
             for i, (sp, pos) in enumerate(zip(plan.sources, cursor.sources, strict=True))
         ]
@@ -145,7 +143,6 @@ class LaneRunner:
 
     ``step`` is the number of windows the lane has closed (the checkpoint's step); the mix
     draws each record at the step of the window the lane is filling when it consumes it.
-    Lanes driven by one thread share a ``read_ahead`` (see ``streams.ReadAhead``).
     """
 
     def __init__(
@@ -163,7 +160,6 @@ class LaneRunner:
         step: int = 0,
         mixture: MixPolicy | None = None,
         on_skip: SkipHook = _no_skip_hook,
-        read_ahead: ReadAhead | None = None,
     ) -> None:
         self._plan, self._window = plan, window
         self.lane = lane
@@ -202,7 +198,6 @@ class LaneRunner:
             chunk_records=chunk_records,
             depth=depth,
             on_skip=on_skip,
-            read_ahead=read_ahead,
         )
 
     def _push(self, index: int, value: Any, doc: DocId | None) -> None:

@@ -25,7 +25,6 @@ class ReorderBuffer(Generic[T]):
         self._clock = clock
         self._next = first
         self._submitted = first
-        self._arrived = 0
         self._items: dict[int, T] = {}
         self._cond = threading.Condition()
 
@@ -48,7 +47,6 @@ class ReorderBuffer(Generic[T]):
             if seq >= self._submitted:
                 raise StageError(f"{self._name}: result for sequence number {seq} that was never submitted")
             self._items[seq] = item
-            self._arrived += 1
             self._cond.notify_all()
 
     def take(self, timeout: float | None = None) -> T:
@@ -70,16 +68,6 @@ class ReorderBuffer(Generic[T]):
             item = self._items.pop(self._next)
             self._next += 1
             return item
-
-    def ready(self) -> bool:
-        """Whether ``take`` would return at once: the item at the watermark has arrived."""
-        with self._cond:
-            return self._next in self._items
-
-    def arrived(self) -> int:
-        """How many items have been put so far (taken or not)."""
-        with self._cond:
-            return self._arrived
 
     def in_flight(self) -> int:
         with self._cond:

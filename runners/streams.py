@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -145,56 +144,15 @@ class Taken:
     doc: DocId
 
 
-class ReadAhead:
-    """The source streams that one thread drives (every lane of a loader or a lane owner).
-
-    While that thread waits for one stream's next result, it keeps every stream topped up
-    (each within its own budget of chunks in flight), so the backend's workers never idle
-    while some lane still has records to read: at start, and whenever one lane waits on a slow
-    record, the others read ahead instead of waiting their turn. Streams are only ever touched
-    by the driving thread; the backend's threads only report arrivals here.
-    """
-
-    def __init__(self) -> None:
-        self._streams: list[SourceStream] = []
-        self._cond = threading.Condition()
-        self._arrivals = 0
-
-    def add(self, stream: SourceStream) -> None:
-        self._streams.append(stream)
-
-    def arrived(self) -> None:
-        """A result arrived for one of the streams (called from the backend's threads)."""
-        with self._cond:
-            self._arrivals += 1
-            self._cond.notify_all()
-
-    def wait_until(self, ready: Callable[[], bool]) -> None:
-        """Returns once ``ready()`` is true, topping up every stream each time a result arrives."""
-        while True:
-            with self._cond:
-                seen = self._arrivals
-            for stream in self._streams:
-                stream.read_ahead()
-            if ready():
-                return
-            with self._cond:
-                while self._arrivals == seen:
-                    self._cond.wait()
-
-
 class SourceStream:
     """Reads one source ahead for one lane: chunks of its records go to the backend, results
     come back through a reorder buffer, and ``take`` hands them out one record at a time.
 
     Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows by
-    one per chunk whose result has arrived, so the first record after a (re)start needs one
-    small chunk, not the full read-ahead; steady state is ``depth`` chunks of
-    ``chunk_records`` records (or ``CHUNK_BYTES``), results not yet taken included.
-
-    ``read_ahead`` is the set of streams driven by the same thread (a stream alone when
-    None): while this stream waits, the others read ahead (see ``ReadAhead``). A read error
-    met while reading ahead is raised once the records before it have been taken.
+    one per chunk taken, so the first record after a (re)start needs one small chunk, not the
+    full read-ahead; steady state is ``depth`` chunks of ``chunk_records`` records (or
+    ``CHUNK_BYTES``). A read error met while reading ahead is raised once the records before
+    it have been taken, so they are delivered first.
     """
 
     def __init__(
@@ -209,7 +167,6 @@ class SourceStream:
         cursor: list[int],
         chunk_records: int,
         depth: int,
-        read_ahead: ReadAhead | None = None,
     ) -> None:
         self._index, self._backend, self._lane = index, backend, lane
         self._reader = SourceReader(plan.source, plan.label, lane=lane, lanes=lanes, seed=seed, cursor=cursor)
@@ -223,10 +180,9 @@ class SourceStream:
         self._ready: deque[Taken] = deque()
         self._ended = False
         self._submitted = 0
+        self._taken = 0
         #: A read error met ahead of the records still in flight: raised after them.
         self._error: Exception | None = None
-        self._read_ahead = read_ahead or ReadAhead()
-        self._read_ahead.add(self)
 
     def _submit_one(self) -> bool:
         if self._ended:
@@ -268,15 +224,13 @@ class SourceStream:
 
     def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
         self._reorder.put(seq, _result(future))
-        self._read_ahead.arrived()
 
     def prime(self) -> None:
         """Submits the first chunk now, so lanes and sources start their stateless work together."""
-        self.read_ahead()
+        self._top_up()
 
-    def read_ahead(self) -> None:
-        """Submits chunks up to the budget; a read error is kept for ``take`` to raise in order."""
-        budget = min(self._depth, 1 + self._reorder.arrived())
+    def _top_up(self) -> None:
+        budget = min(self._depth, 1 + self._taken)
         while self._error is None and self._reorder.in_flight() < budget:
             try:
                 if not self._submit_one():
@@ -287,14 +241,13 @@ class SourceStream:
     def take(self) -> Taken | None:
         """The source's next record in order, or None when the source has no more."""
         while not self._ready:
-            self.read_ahead()
+            self._top_up()
             if self._reorder.in_flight() == 0:
                 if self._error is not None:
                     raise self._error
                 return None
-            if not self._reorder.ready():
-                self._read_ahead.wait_until(self._reorder.ready)
             result = self._reorder.take()
+            self._taken += 1
             entries, _ = self._inflight.popleft()
             if isinstance(result, Failure):
                 result.reraise()

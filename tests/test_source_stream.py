@@ -4,7 +4,6 @@ splits, cursors, read skips) and ``SourceStream`` (chunks on a backend, results 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,7 +21,7 @@ from zephon_flow.runners.dealing import Dealing, Share
 from zephon_flow.runners.dofns import StatelessInvoker
 from zephon_flow.runners.plan import SourcePlan
 from zephon_flow.runners.segment import Chunk, FrontSegment, Skipped
-from zephon_flow.runners.streams import ReadAhead, ReadSkip, SourceReader, SourceStream, Taken
+from zephon_flow.runners.streams import ReadSkip, SourceReader, SourceStream, Taken
 
 FRESH = [0, 0, START, 0]
 
@@ -287,75 +286,7 @@ def test_a_chunk_failure_comes_back_with_the_worker_traceback(tmp_path: Path, ba
     assert "-- traceback on the worker --" in text and "in process" in text
 
 
-# -- ReadAhead: streams driven by one thread ----------------------------------------------------
-
-
-class Held:
-    """Runs each chunk at once but completes its future only when the test says so."""
-
-    def __init__(self, segment: FrontSegment) -> None:
-        self._segment = segment
-        self.held: list[tuple[int, Future[ChunkResult], ChunkResult]] = []
-
-    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
-        future: Future[ChunkResult] = Future()
-        self.held.append((lane, future, self._segment.run_chunk(chunk)))
-        return future
-
-    def submitted(self, lane: int) -> int:
-        return sum(1 for ln, _, _ in self.held if ln == lane)
-
-    def release(self, lane: int) -> None:
-        for ln, future, result in self.held:
-            if ln == lane and not future.done():
-                future.set_result(result)
-
-    def close(self) -> None:
-        pass
-
-
-def test_while_one_lane_waits_the_others_read_ahead(tmp_path: Path) -> None:
-    source = _source(tmp_path, range(40), per_split=20, epochs=1)
-    backend = Held(_segment(source))
-    shared = ReadAhead()
-    plan = SourcePlan("numbers", source, ())
-    streams = [
-        SourceStream(
-            0,
-            plan,
-            backend,
-            lane=lane,
-            lanes=2,
-            seed=7,
-            cursor=list(FRESH),
-            chunk_records=4,
-            depth=3,
-            read_ahead=shared,
-        )
-        for lane in (0, 1)
-    ]
-    for stream in streams:
-        stream.prime()
-    assert [backend.submitted(0), backend.submitted(1)] == [1, 1]
-    got: list[Taken | None] = []
-    waiter = threading.Thread(target=lambda: got.append(streams[0].take()))
-    waiter.start()
-    # lane 0's first chunk is held: as lane 1's results arrive, its budget grows (slow start)
-    # and it reads ahead, up to depth chunks, though nobody takes from it
-    for expected in (2, 3):
-        backend.release(1)
-        deadline = time.monotonic() + 10
-        while backend.submitted(1) < expected and time.monotonic() < deadline:
-            time.sleep(0.01)
-    backend.release(1)
-    time.sleep(0.1)
-    assert backend.submitted(1) == 3 and backend.submitted(0) == 1 and not got
-    backend.release(0)
-    waiter.join(timeout=10)
-    assert len(got) == 1 and got[0] is not None and got[0].result == [int(got[0].doc[2])]
-    # lane 1 hands out what it read ahead, in order
-    first = streams[1].take()
-    assert first is not None and first.after == [0, 0, first.doc[2] + 1, 1]
+# -- read errors met ahead -----------------------------------------------------------------------
 
 
 def test_a_read_error_met_while_reading_ahead_comes_after_the_records_before_it(tmp_path: Path) -> None:

@@ -32,7 +32,6 @@ from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.backends.processes import can_fork, start_worker_server
 from zephon_flow.runners.lane import LaneRunner, SkipHook
 from zephon_flow.runners.plan import Plan
-from zephon_flow.runners.streams import ReadAhead
 
 _END = object()
 #: What ``Loader.state_dict`` stores: buffered sequences' tokens, or where they came from.
@@ -406,9 +405,7 @@ def build_lane_runners(
     depth: int,
     on_skip: SkipHook,
 ) -> list[LaneRunner]:
-    """One ``LaneRunner`` per lane of ``start``, in its order, sharing ``backend``; they are
-    driven by one thread, so they share one read-ahead (a waiting lane lets the others read)."""
-    read_ahead = ReadAhead()
+    """One ``LaneRunner`` per lane of ``start``, in its order, sharing ``backend``."""
     return [
         LaneRunner(
             plan,
@@ -423,7 +420,6 @@ def build_lane_runners(
             step=start.step,
             mixture=start.mixture,
             on_skip=on_skip,
-            read_ahead=read_ahead,
         )
         for lane, lane_state in start.lanes.items()
     ]
