@@ -4,6 +4,7 @@ Run from the repository root::
 
     .venv/bin/python -m bench.speed                          # baseline 7bd57f7, 3 rounds, text and VLM
     .venv/bin/python -m bench.speed --rounds 5 --workloads vlm --baseline HEAD~3
+    .venv/bin/python -m bench.speed --workloads vlm --vlm-stamps-only     # first batches on like data
 
 The baseline's package is unpacked with ``git archive`` into a temporary folder laid out as the
 installed package (``zephon_flow`` with ``operators`` and ``runners`` inside it) and run with the
@@ -23,10 +24,12 @@ per-round ratios, robust to a machine whose load changes between rounds). Result
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,8 @@ from typing import Any
 from bench import procs, vlm_run
 from bench.procs import ROOT
 from bench.stats import median, rotated
+from bench.vlm import VlmWorkload
+from bench.vlm import shards as vlm_shards
 
 BASELINE = "7bd57f7"  # the branch point of issue 15's speed work
 #: name -> (module, options, runs at the baseline)
@@ -174,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vlm-contenders", default=",".join(VLM))
     p.add_argument("--text-workload", help="a text workload JSON (default: bench.run's real data)")
     p.add_argument("--vlm-workload", help="a VLM workload JSON (default: bench.run's real data)")
+    p.add_argument(
+        "--vlm-stamps-only",
+        action="store_true",
+        help="the VLM data without its photos (the tuxpaint stamps only, in a tar of their own): "
+        "every loader's first batch then holds the same kind of samples",
+    )
     p.add_argument("--timeout", type=float, default=1800.0)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = p.parse_args(argv)
@@ -198,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             paths["vlm"] = args.vlm_workload
         else:
             paths["vlm"] = str(work / "vlm.json")
-            Path(paths["vlm"]).write_text(vlm_run.real_workload(None).to_json(), encoding="utf-8")
+            w = vlm_run.real_workload(None)
+            if args.vlm_stamps_only:
+                w = _stamps_only(w, work)
+            Path(paths["vlm"]).write_text(w.to_json(), encoding="utf-8")
     for r in range(args.rounds):
         for kind in kinds:
             if kind == "text":
@@ -223,6 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "speed.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
+
+
+def _stamps_only(w: VlmWorkload, work: Path) -> VlmWorkload:
+    """``w`` over one tar holding only its ``tuxpaint-*`` samples (small stamps), in order.
+
+    The full data's lanes deal one split of large photos into the first batch (one of them, a
+    3595 x 3723 RGBA PNG, takes 0.5 s to decode alone), while torch's ``DataLoader`` reads the
+    tar in file order and starts with stamps; without the photos both start alike."""
+    out = work / "stamps" / "stamps-00000.tar"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out, "w") as dest:
+        for shard in vlm_shards(w):
+            with tarfile.open(shard) as src:
+                for member in src.getmembers():
+                    if member.isfile() and member.name.rpartition("/")[2].startswith("tuxpaint-"):
+                        dest.addfile(member, src.extractfile(member))
+    return dataclasses.replace(w, tars=str(out.parent / "stamps-*.tar"))
 
 
 def _text_workload(work: Path) -> str:
