@@ -211,13 +211,14 @@ class SourceStream:
                 break
         if not entries:
             return False
-        self._submitted += 1
-        seq = self._reorder.expect()
         if chunk:
             future = self._backend.submit(chunk, lane=self._lane)
         else:  # only read skips: nothing for the backend to do
             future = Future()
             future.set_result([])
+        # Reserved once submitted: a submit that raises leaves no number the buffer would wait for.
+        self._submitted += 1
+        seq = self._reorder.expect()
         self._inflight.append((entries, future))
         future.add_done_callback(functools.partial(self._deliver, seq))
         return True

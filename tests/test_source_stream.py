@@ -298,3 +298,39 @@ def test_a_read_error_met_while_reading_ahead_comes_after_the_records_before_it(
         while (got := stream.take()) is not None:
             taken.append(got.result)
     assert taken == [[n] for n in range(9)]
+
+
+class Refusing:
+    """The inline backend, refusing the ``refuse``-th submission (counted from 0) by raising."""
+
+    def __init__(self, segment: FrontSegment, refuse: int) -> None:
+        self._inner, self._refuse, self._count = InlineBackend(segment), refuse, 0
+
+    def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
+        self._count += 1
+        if self._count - 1 == self._refuse:
+            raise RuntimeError("the backend is gone")
+        return self._inner.submit(chunk)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_submit_that_raises_is_raised_after_the_records_before_it_not_waited_for(tmp_path: Path) -> None:
+    source = _source(tmp_path, range(20), per_split=20, epochs=1)
+    stream = _stream(source, Refusing(_segment(source), refuse=2), chunk_records=4, depth=4)
+    outcome: list[object] = []
+
+    def drain() -> None:
+        taken = []
+        try:
+            while (got := stream.take()) is not None:
+                taken.append(got.result)
+        except RuntimeError as exc:
+            outcome.append((taken, str(exc)))
+
+    worker = threading.Thread(target=drain, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "take() waited for a chunk that was never submitted"
+    assert outcome == [([[0], [1], [2]], "the backend is gone")]  # chunks of 1 and 2 records first
