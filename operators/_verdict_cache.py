@@ -34,8 +34,11 @@ def _code() -> str:
     if _code_digest is None:
         h = hashlib.sha256()
         for module in (bpe_engines, bpe_regex, bpe_sample):
-            with open(module.__file__ or "", "rb") as f:
-                h.update(f.read())
+            try:
+                with open(module.__file__ or "", "rb") as f:
+                    h.update(f.read())
+            except OSError:  # no source to read (a zipped or compiled install): the version
+                h.update(f"{module.__name__} {_version('zephon-flow')}".encode())
         _code_digest = h.hexdigest()
     return _code_digest
 
