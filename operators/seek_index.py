@@ -25,10 +25,8 @@ can tell a cache hit from a rebuild.
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import io
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -82,7 +80,7 @@ def index_for(path: str, *, operator: str) -> SeekIndex:
     kind = "gzip" if path.endswith(".gz") else "zstd"
     spacing = max(GZIP_SPACING, info.size * 4 // MAX_POINTS) if kind == "gzip" else 0
     key = _cache_key(path, info, kind, spacing, operator)
-    meta = os.path.join(cache_dir(), key + ".json")
+    meta = key + ".json"
     found = _load(meta)
     if found is not None:
         return found
@@ -274,9 +272,10 @@ def _cache_key(path: str, info: files.FileInfo, kind: str, spacing: int, operato
 
 
 def _load(meta: str) -> SeekIndex | None:
+    d = _file_cache.load_json(meta)
+    if d is None:
+        return None
     try:
-        with open(meta, encoding="utf-8") as f:
-            d = json.load(f)
         index = SeekIndex(
             str(d["kind"]),
             tuple((int(c), int(u)) for c, u in d["points"]),
@@ -284,25 +283,22 @@ def _load(meta: str) -> SeekIndex | None:
             str(d["reason"]),
             str(d["gzip_index"]),
         )
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # absent or unreadable: rebuilt and rewritten
+    except (ValueError, KeyError, TypeError):
+        return None  # unreadable: rebuilt and rewritten
     if index.gzip_index and not os.path.exists(index.gzip_index):
         return None
     return index
 
 
 def _store(meta: str, index: SeekIndex) -> None:
-    body = json.dumps(
-        {
-            "kind": index.kind,
-            "points": [list(p) for p in index.points],
-            "size": index.size,
-            "reason": index.reason,
-            "gzip_index": index.gzip_index,
-        }
-    ).encode()
-    with contextlib.suppress(OSError):  # a read-only cache only costs a rebuild next time
-        files.atomic_write(meta, lambda f: f.write(body))
+    entry = {
+        "kind": index.kind,
+        "points": [list(p) for p in index.points],
+        "size": index.size,
+        "reason": index.reason,
+        "gzip_index": index.gzip_index,
+    }
+    _file_cache.store_json(meta, entry)  # a read-only cache only costs a rebuild next time
 
 
 # -- reading -----------------------------------------------------------------------------

@@ -168,15 +168,14 @@ class ReadWebDataset(Source):
         and reading it raises the damage.
         """
         info = files.stat(path, operator=self.operator_name)
-        name = ""
-        if info.size > 0:
-            name = f"tar-samples-{_file_cache.key(path, info, LISTING, operator=self.operator_name)}.json"
-            cached = _file_cache.load_json(name)
-            if isinstance(cached, list) and all(type(o) is int for o in cached):
-                return cached
+        if info.size == 0:
+            return self._walk(path)  # refuses it by name
+        name = f"tar-samples-{_file_cache.key(path, info, LISTING, operator=self.operator_name)}.json"
+        cached = _file_cache.load_json(name)
+        if isinstance(cached, list) and all(type(o) is int for o in cached):
+            return cached
         offsets = self._walk(path)
-        if name:
-            _file_cache.store_json(name, offsets)
+        _file_cache.store_json(name, offsets)
         return offsets
 
     def _walk(self, path: str) -> list[int]:

@@ -7,6 +7,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from zephon_flow.core.errors import WorkerLostError
 from zephon_flow.runners.segment import Chunk, Failure, RecordResult
 
 ChunkResult = list[RecordResult] | Failure
@@ -61,3 +62,14 @@ def lost_message(task: Task, *, killed: str, replacement: str, logs: str) -> str
         f"({logs} for the OOM killer); reduce its memory or the chunk "
         f"size (Loader(chunk_records=...)), or fix how it handles this record."
     )
+
+
+def record_death(task: Task, note: str, *, killed: str, replacement: str, logs: str) -> bool:
+    """Counts a worker's death against ``task`` (``note`` says which and where); once it has
+    killed ``MAX_ATTEMPTS``, fails it with ``WorkerLostError`` and returns True (not to rerun)."""
+    task.deaths.append(note)
+    if len(task.deaths) < MAX_ATTEMPTS:
+        return False
+    message = lost_message(task, killed=killed, replacement=replacement, logs=logs)
+    settle(task.future, Failure.of(WorkerLostError(message)))
+    return True

@@ -21,9 +21,9 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
-from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
+from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners.backends import oob
-from zephon_flow.runners.backends.base import MAX_ATTEMPTS, ChunkResult, Task, lost_message, settle
+from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: A chunk whose worker dies this many times (each time while running it) fails the loader.
@@ -416,24 +416,15 @@ class ProcessBackend:
                 assert error is not None
                 settle(task.future, error)
                 continue
-            if task is running:
-                task.deaths.append(f"{note} {where}")
-                if len(task.deaths) >= MAX_ATTEMPTS:
-                    settle(
-                        task.future,
-                        Failure.of(
-                            WorkerLostError(
-                                lost_message(
-                                    task,
-                                    killed="worker processes",
-                                    replacement="a new worker",
-                                    logs="see the kernel log",
-                                )
-                            )
-                        ),
-                    )
-                    continue
-            again.append(task)
+            lost = task is running and record_death(
+                task,
+                f"{note} {where}",
+                killed="worker processes",
+                replacement="a new worker",
+                logs="see the kernel log",
+            )
+            if not lost:
+                again.append(task)
         worker.tasks.clear()
         worker.outbox.put(None)
         with contextlib.suppress(OSError):

@@ -17,9 +17,9 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
-from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
+from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners import ray_env
-from zephon_flow.runners.backends.base import MAX_ATTEMPTS, ChunkResult, Task, lost_message, settle
+from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: What the errors call this backend when Ray is missing or unreachable.
@@ -353,21 +353,14 @@ class RayBackend:
                 if running and failed is None and len(call.tasks) > 1:
                     task.alone = True
                 elif running and failed is None:
-                    task.deaths.append(f"{note} {_records(self._segment, task.chunk)}")
-                    if len(task.deaths) >= MAX_ATTEMPTS:
-                        settle(
-                            task.future,
-                            Failure.of(
-                                WorkerLostError(
-                                    lost_message(
-                                        task,
-                                        killed="Ray actors",
-                                        replacement="a new actor",
-                                        logs="see `ray logs` and the kernel log",
-                                    )
-                                )
-                            ),
-                        )
+                    lost = record_death(
+                        task,
+                        f"{note} {_records(self._segment, task.chunk)}",
+                        killed="Ray actors",
+                        replacement="a new actor",
+                        logs="see `ray logs` and the kernel log",
+                    )
+                    if lost:
                         continue
                 again.append(task)
         actor.calls.clear()

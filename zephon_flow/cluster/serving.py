@@ -24,6 +24,7 @@ from zephon_flow.core.state import save_state
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
+from zephon_flow.service.rpc import unary_handler
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, encode_step
 
 SERVICE = "zephon.v1.LaneOwners"
@@ -65,11 +66,7 @@ class OwnerServer:
                 "StreamRows": grpc.unary_stream_rpc_method_handler(
                     self._stream, request_deserializer=lo.RowsRequest.FromString
                 ),
-                "Live": grpc.unary_unary_rpc_method_handler(
-                    self._live,
-                    request_deserializer=lo.LiveRequest.FromString,
-                    response_serializer=lo.LiveReply.SerializeToString,
-                ),
+                "Live": unary_handler(self._live, lo.LiveRequest, lo.LiveReply),
             },
             max_streams,
         )
@@ -164,26 +161,10 @@ class CoordinatorServer:
             host,
             port,
             {
-                "Table": grpc.unary_unary_rpc_method_handler(
-                    self._table,
-                    request_deserializer=lo.TableRequest.FromString,
-                    response_serializer=lo.TableReply.SerializeToString,
-                ),
-                "Replace": grpc.unary_unary_rpc_method_handler(
-                    self._replace,
-                    request_deserializer=lo.ReplaceRequest.FromString,
-                    response_serializer=lo.TableReply.SerializeToString,
-                ),
-                "Checkpoint": grpc.unary_unary_rpc_method_handler(
-                    self._checkpoint,
-                    request_deserializer=pb.CheckpointRequest.FromString,
-                    response_serializer=pb.CheckpointReply.SerializeToString,
-                ),
-                "Progress": grpc.unary_unary_rpc_method_handler(
-                    self._progress,
-                    request_deserializer=pb.AckRequest.FromString,
-                    response_serializer=pb.AckReply.SerializeToString,
-                ),
+                "Table": unary_handler(self._table, lo.TableRequest, lo.TableReply),
+                "Replace": unary_handler(self._replace, lo.ReplaceRequest, lo.TableReply),
+                "Checkpoint": unary_handler(self._checkpoint, pb.CheckpointRequest, pb.CheckpointReply),
+                "Progress": unary_handler(self._progress, pb.AckRequest, pb.AckReply),
             },
             64,
         )

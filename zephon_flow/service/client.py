@@ -14,6 +14,7 @@ from zephon_flow.core.errors import ServiceError, SpecError
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.fanin import OwnerFanIn
+from zephon_flow.service.rpc import unary_call
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, StepAssembler
 
 _METHOD = "/zephon.v1.BatchService/"
@@ -233,11 +234,7 @@ class Client:
 
     def _method(self, method: str, request: Any, reply: Any) -> grpc.UnaryUnaryMultiCallable:
         """The callable for the service's unary ``method``."""
-        return self._channel.unary_unary(
-            _METHOD + method,
-            request_serializer=request.SerializeToString,
-            response_deserializer=reply.FromString,
-        )
+        return unary_call(self._channel, _METHOD + method, request, reply)
 
     @property
     def next_step(self) -> int:

@@ -24,6 +24,7 @@ from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
+from zephon_flow.service.rpc import unary_call
 from zephon_flow.service.wire import StepAssembler, to_torch
 
 _METHOD = "/zephon.v1.LaneOwners/"
@@ -119,25 +120,11 @@ class OwnerFanIn:
         self._timeout, self._retries, self._backoff = timeout, retries, backoff
         self._progress_every, self._prefetch = progress_every, prefetch
         self._channel = grpc.insecure_channel(address, options=channel_options)
-        self._table_call = self._channel.unary_unary(
-            _METHOD + "Table",
-            request_serializer=lo.TableRequest.SerializeToString,
-            response_deserializer=lo.TableReply.FromString,
-        )
-        self._replace_call = self._channel.unary_unary(
-            _METHOD + "Replace",
-            request_serializer=lo.ReplaceRequest.SerializeToString,
-            response_deserializer=lo.TableReply.FromString,
-        )
-        self._progress_call = self._channel.unary_unary(
-            _METHOD + "Progress",
-            request_serializer=pb.AckRequest.SerializeToString,
-            response_deserializer=pb.AckReply.FromString,
-        )
-        self._checkpoint_call = self._channel.unary_unary(
-            _METHOD + "Checkpoint",
-            request_serializer=pb.CheckpointRequest.SerializeToString,
-            response_deserializer=pb.CheckpointReply.FromString,
+        self._table_call = unary_call(self._channel, _METHOD + "Table", lo.TableRequest, lo.TableReply)
+        self._replace_call = unary_call(self._channel, _METHOD + "Replace", lo.ReplaceRequest, lo.TableReply)
+        self._progress_call = unary_call(self._channel, _METHOD + "Progress", pb.AckRequest, pb.AckReply)
+        self._checkpoint_call = unary_call(
+            self._channel, _METHOD + "Checkpoint", pb.CheckpointRequest, pb.CheckpointReply
         )
         self._streams: dict[int, _OwnerStream] = {}
         self._reply: lo.TableReply | None = None
@@ -223,11 +210,7 @@ class OwnerFanIn:
         reply = self.table()
         for entry in reply.owners:
             with grpc.insecure_channel(entry.address, options=self.channel_options) as channel:
-                call = channel.unary_unary(
-                    _METHOD + "Live",
-                    request_serializer=lo.LiveRequest.SerializeToString,
-                    response_deserializer=lo.LiveReply.FromString,
-                )
+                call = unary_call(channel, _METHOD + "Live", lo.LiveRequest, lo.LiveReply)
                 if call(lo.LiveRequest(step=step), metadata=self.metadata, timeout=self._timeout).live:
                     return True
         return False

@@ -26,6 +26,7 @@ from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.held import HeldSteps, HeldStepsError
+from zephon_flow.service.rpc import unary_handler
 from zephon_flow.service.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_step, slice_rows
 
 SERVICE = "zephon.v1.BatchService"
@@ -340,21 +341,9 @@ class BatchServer:
                 "StreamBatches": grpc.unary_stream_rpc_method_handler(
                     self._stream, request_deserializer=pb.StreamBatchesRequest.FromString
                 ),
-                "Ack": grpc.unary_unary_rpc_method_handler(
-                    self._ack,
-                    request_deserializer=pb.AckRequest.FromString,
-                    response_serializer=pb.AckReply.SerializeToString,
-                ),
-                "Checkpoint": grpc.unary_unary_rpc_method_handler(
-                    self._checkpoint,
-                    request_deserializer=pb.CheckpointRequest.FromString,
-                    response_serializer=pb.CheckpointReply.SerializeToString,
-                ),
-                "Status": grpc.unary_unary_rpc_method_handler(
-                    self._status,
-                    request_deserializer=pb.StatusRequest.FromString,
-                    response_serializer=pb.StatusReply.SerializeToString,
-                ),
+                "Ack": unary_handler(self._ack, pb.AckRequest, pb.AckReply),
+                "Checkpoint": unary_handler(self._checkpoint, pb.CheckpointRequest, pb.CheckpointReply),
+                "Status": unary_handler(self._status, pb.StatusRequest, pb.StatusReply),
             },
         )
 
