@@ -37,7 +37,7 @@ class OwnerOptions:
     backend: str = "inline"
     workers: int = 1
     chunk_records: int = 16
-    prefetch_chunks: int = 4
+    prefetch_chunks: int = 8
     chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
     ahead: int = 4
     keep: int = 4

@@ -47,7 +47,9 @@ class Loader:
     Only the lanes under this rank's rows are run. Stateless work goes to ``backend``
     (``"inline"``, ``"threads"``, ``"processes"`` or ``"ray"`` with ``workers``; ``ray_address``
     joins a Ray cluster, ``None`` a local Ray started for the loader); ``prefetch`` batches are
-    produced ahead on a background thread. ``state`` (from ``state_dict``, ``merge_states``
+    produced ahead on a background thread. Each lane keeps up to ``prefetch_chunks`` chunks of
+    ``chunk_records`` records in flight on the backend (fewer at a start: the read-ahead grows
+    with each chunk taken, so the first batch waits for small chunks only). ``state`` (from ``state_dict``, ``merge_states``
     or checkpoint bytes) resumes the global sequence under any topology.
 
     ``allow_mix_change=True`` accepts a ``state`` written for a pipeline that differs only in
@@ -80,7 +82,7 @@ class Loader:
         state: LoaderState | bytes | Mapping[str, Any] | None = None,
         prefetch: int = 2,
         chunk_records: int = 16,
-        prefetch_chunks: int = 4,
+        prefetch_chunks: int = 8,
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
         end_sync: EndSync | None = None,
