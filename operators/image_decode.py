@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import apache_beam as beam
@@ -146,8 +146,13 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         }
 
     def process(self, element: Any) -> Any:
+        return self.outputs(element, self.decode)
+
+    def outputs(self, element: Any, decode: Callable[[bytes, str, str | None], Any]) -> Iterator[Any]:
+        """``process`` with the pixels made by ``decode`` (``self.decode``, or ``self.decode_image``
+        when a following ``ResizeImage`` takes the Pillow image as it is)."""
         if isinstance(element, bytes | bytearray | memoryview):
-            yield self.decode(bytes(element), "the sample")
+            yield decode(bytes(element), "the sample", None)
             return
         wanted = " or ".join(map(repr, self.fields))
         if not isinstance(element, Mapping):
@@ -166,26 +171,34 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
         if not isinstance(data, bytes | bytearray | memoryview):
             raise DataError(f"DecodeImage: field {field!r} of {name} holds {type(data).__name__}, not bytes")
         out = {k: v for k, v in element.items() if self.keep_input or k != field}
-        out[self.output] = self.decode(bytes(data), name, field)
+        out[self.output] = decode(bytes(data), name, field)
         yield out
 
     def decode(self, data: bytes, name: str, field: str | None = None) -> np.ndarray:
         """The pixels of one encoded image; ``name`` and ``field`` say where in errors."""
+        arr = np.asarray(self.decode_image(data, name, field), dtype=np.uint8)
+        if arr.ndim == 2:
+            arr = arr[:, :, None]
+        return np.ascontiguousarray(arr)
+
+    def decode_image(self, data: bytes, name: str, field: str | None = None) -> Image.Image:
+        """``decode``'s pixels as a loaded Pillow image in ``self.mode``, before they are copied
+        into an array. It is read from memory, so there is no file to close."""
         where = f"field {field or self.fields[0]!r} of {name}"
         try:
-            with Image.open(io.BytesIO(data), formats=self.formats) as im:
-                pixels = im.size[0] * im.size[1]
-                if pixels > self.max_pixels:
-                    raise DataError(
-                        f"DecodeImage: the image in {where} is {im.size[0]}x{im.size[1]} = {pixels} "
-                        f"pixels, over max_pixels={self.max_pixels} (a decompression bomb?); raise "
-                        f"DecodeImage(max_pixels=...) if such images are expected"
-                    )
-                if self.draft_size is not None and im.format == "JPEG":
-                    h, w = self.draft_size
-                    im.draft(im.mode, (w, h))
-                im.load()
-                return self._convert(im, where)
+            im = Image.open(io.BytesIO(data), formats=self.formats)
+            pixels = im.size[0] * im.size[1]
+            if pixels > self.max_pixels:
+                raise DataError(
+                    f"DecodeImage: the image in {where} is {im.size[0]}x{im.size[1]} = {pixels} "
+                    f"pixels, over max_pixels={self.max_pixels} (a decompression bomb?); raise "
+                    f"DecodeImage(max_pixels=...) if such images are expected"
+                )
+            if self.draft_size is not None and im.format == "JPEG":
+                h, w = self.draft_size
+                im.draft(im.mode, (w, h))
+            im.load()
+            return self._convert(im, where)
         except DataError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -196,7 +209,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
                 f"DecodeImage: cannot decode the image in {where} ({len(data)} bytes): {exc}"
             ) from exc
 
-    def _convert(self, im: Image.Image, where: str) -> np.ndarray:
+    def _convert(self, im: Image.Image, where: str) -> Image.Image:
         # exif_transpose copies the image even when there is nothing to turn: ask first.
         if self.exif_transpose and im.getexif().get(ExifTags.Base.Orientation, 1) in range(2, 9):
             im = ImageOps.exif_transpose(im)
@@ -213,7 +226,4 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
             im = Image.alpha_composite(base, rgba)
         if im.mode != self.mode:
             im = im.convert(self.mode)
-        arr = np.asarray(im, dtype=np.uint8)
-        if arr.ndim == 2:
-            arr = arr[:, :, None]
-        return np.ascontiguousarray(arr)
+        return im

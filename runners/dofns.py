@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +119,10 @@ class StatelessInvoker:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_ready": False}
 
+    def label_of(self, exc: BaseException) -> str:
+        """The label errors raised by this step name (a fused step's: the part that raised)."""
+        return self.label
+
     def _setup(self) -> None:
         self.dofn.setup()
         self._ready = True
@@ -153,6 +157,39 @@ class StatelessInvoker:
                     f"per element (not Beam-style output batches)"
                 )
         return [list(outputs) for outputs in results]
+
+
+class FusedInvoker(StatelessInvoker):
+    """Two adjacent stateless DoFns run as the one DoFn the second returned from ``fuse_after``.
+
+    It counts as one stage of the front; errors name the DoFn they came from (the fused DoFn
+    marks the second's with ``zephon_fused_part = 1``), and a worker's death names both."""
+
+    def __init__(self, first: StatelessInvoker, second: StatelessInvoker, fused: beam.DoFn) -> None:
+        super().__init__(f"{first.label}+{second.label}", fused)
+        self.labels = (first.label, second.label)
+
+    def label_of(self, exc: BaseException) -> str:
+        return self.labels[1] if getattr(exc, "zephon_fused_part", 0) == 1 else self.labels[0]
+
+
+def fuse(chain: Sequence[StatelessInvoker]) -> list[StatelessInvoker]:
+    """``chain`` with each pair of neighbours that runs faster as one DoFn fused: the second
+    DoFn's ``fuse_after(first)`` returns that DoFn (e.g. ``DecodeImage`` then ``ResizeImage``,
+    which then skip a full-size copy of each image). The outputs are the same; a DoFn without
+    ``fuse_after``, or whose ``fuse_after`` returns None, runs on its own."""
+    out: list[StatelessInvoker] = []
+    for step in chain:
+        join = getattr(step.dofn, "fuse_after", None)
+        previous = out[-1] if out else None
+        fused = None
+        if previous is not None and not isinstance(previous, FusedInvoker) and callable(join):
+            fused = join(previous.dofn)
+        if fused is None:
+            out.append(step)
+        else:
+            out[-1] = FusedInvoker(previous, step, fused)  # type: ignore[arg-type]
+    return out
 
 
 @dataclass

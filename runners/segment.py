@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 
 from zephon_flow.core.errors import ChunkTimeoutError, DataError, StageError, WorkerLostError, ZephonError
 from zephon_flow.core.source import Record, Source
-from zephon_flow.runners.dofns import StatelessInvoker, dofn_errors
+from zephon_flow.runners.dofns import StatelessInvoker, dofn_errors, fuse
 
 #: A unit of work for a backend: (source index, raw record) pairs, in lane order.
 Chunk = list[tuple[int, Record]]
@@ -89,12 +89,13 @@ class FrontSegment:
         common: list[StatelessInvoker],
     ) -> None:
         self.sources = sources
-        self.source_chains = source_chains
-        self.common = common
+        # Neighbours that run faster as one DoFn are fused (dofns.fuse): same outputs.
+        self.source_chains = [fuse(chain) for chain in source_chains]
+        self.common = fuse(common)
         # Sources are labelled by now (the runner binds labels when it compiles the plan).
         self._names = [s.operator_name for s in sources]
         #: Stages in run order (stage n is ``stages[n - 1]``): per-source chains, then common.
-        self.stages = [step for chain in source_chains for step in chain] + list(common)
+        self.stages = [step for chain in self.source_chains for step in chain] + list(self.common)
 
     def describe(self, chunk: Chunk, stage: int, first: int, last: int) -> str:
         """Names the operator and the record(s) a ``Progress`` report points at, for errors
@@ -158,7 +159,7 @@ class FrontSegment:
                 outputs: list[Any] = run()
                 return outputs
             except Exception as exc:
-                _rethrow(step.label, self._where(*chunk[k]), exc)
+                _rethrow(step.label_of(exc), self._where(*chunk[k]), exc)
         except DataError as named:  # bad data only: any other exception is a bug and still raises
             if self.sources[chunk[k][0]].on_error != "skip":
                 raise
