@@ -102,33 +102,45 @@ def _parse(path: str, raw: bytes) -> dict[str, Any]:
             f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load: it is JSON "
             f'without a "model" (save one with tokenizers.Tokenizer.save)'
         )
-    # Whatever the engine: a packing pipeline needs every token of every document, always
-    # the same ones.
-    for key, why in (("truncation", "would cut documents"), ("padding", "would add pad tokens")):
-        if doc.get(key) is not None:
+    return doc
+
+
+def _check_settings(path: str, tok: Any) -> None:
+    """Whatever the engine, a packing pipeline needs every token of every document, always the
+    same ones: truncation, padding and BPE dropout are refused (read from HF's loaded object,
+    which saves parsing the JSON a second time)."""
+    for key, value, why in (
+        ("truncation", tok.truncation, "would cut documents"),
+        ("padding", tok.padding, "would add pad tokens"),
+    ):
+        if value is not None:
             raise SpecError(
                 f'Tokenize: {path} sets "{key}", which {why}; save the tokenizer with '
                 f"tokenizer.no_{key}() (Pack cuts documents into sequences itself)"
             )
-    model = doc["model"]
-    if isinstance(model, dict) and model.get("dropout") not in (None, 0, 0.0):
+    dropout = getattr(tok.model, "dropout", None)
+    if dropout not in (None, 0, 0.0):
         raise SpecError(
-            f'Tokenize: {path} sets BPE "dropout" ({model["dropout"]}), which makes token ids '
+            f'Tokenize: {path} sets BPE "dropout" ({dropout:g}), which makes token ids '
             f"random; save the tokenizer without dropout"
         )
-    return doc
 
 
 def _hf_tokenizer(path: str, raw: bytes, sha256: str) -> Any:
+    """HF's tokenizer for the file, loaded once per process; a file it cannot load is refused
+    with the JSON's own fault when it has one (not JSON, no "model")."""
     with _CACHE:
         if sha256 not in _HF:
             try:
-                _HF[sha256] = Tokenizer.from_buffer(raw)
+                tok = Tokenizer.from_buffer(raw)
             except Exception as exc:
+                _parse(path, raw)
                 raise SpecError(
                     f"Tokenize: {path} is not a tokenizer file that HF tokenizers can load "
                     f"(unsupported model or damaged file): {exc}"
                 ) from exc
+            _check_settings(path, tok)
+            _HF[sha256] = tok
         return _HF[sha256]
 
 
@@ -184,11 +196,11 @@ def _build(sha256: str, doc: dict[str, Any], plan: TiktokenPlan) -> TiktokenEngi
         raise NotExpressible(f"tiktoken cannot build it: {exc}") from exc
 
 
-def _verdict(path: str, sha256: str, raw: bytes, hf: Any, doc: dict[str, Any] | None) -> _Verdict:
+def _verdict(path: str, sha256: str, raw: bytes, hf: Any) -> _Verdict:
     with _CACHE:
         if sha256 in _VERDICTS:
             return _VERDICTS[sha256]
-        doc = doc if doc is not None else _parse(path, raw)
+        doc = _parse(path, raw)
         verdict = _cached_verdict(sha256, doc)
         if verdict is None:
             verdict = _decide(sha256, doc, raw, hf)
@@ -304,8 +316,6 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         raw = _read(path)
         self.path = path
         self.sha256 = hashlib.sha256(raw).hexdigest()
-        with _CACHE:  # a file HF has loaded in this process (same sha256) is known to be JSON
-            doc = None if self.sha256 in _HF else _parse(path, raw)
         tok = _hf_tokenizer(path, raw, self.sha256)
         self.append_eos = bool(append_eos)
         self.eos_id = _eos_id(tok, path, eos_token) if append_eos else None
@@ -321,7 +331,7 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         self._plan: TiktokenPlan | None = None
         self._digest = ""
         if engine != "hf":
-            self._choose(_verdict(path, self.sha256, raw, tok, doc))
+            self._choose(_verdict(path, self.sha256, raw, tok))
         self._init_runtime()
 
     def _choose(self, verdict: _Verdict) -> None:
