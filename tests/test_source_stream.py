@@ -3,8 +3,10 @@ splits, cursors, read skips) and ``SourceStream`` (chunks on a backend, results 
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from lane_parts import Lines, write_lines
 
 from zephon_flow.core.errors import CorruptStateError, DataError, StageError
 from zephon_flow.core.source import START, Record
+from zephon_flow.runners.backends import make_backend
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.backends.threads import ThreadBackend
@@ -334,3 +337,25 @@ def test_a_submit_that_raises_is_raised_after_the_records_before_it_not_waited_f
     worker.join(timeout=10)
     assert not worker.is_alive(), "take() waited for a chunk that was never submitted"
     assert outcome == [([[0], [1], [2]], "the backend is gone")]  # chunks of 1 and 2 records first
+
+
+class Pid(beam.DoFn):  # type: ignore[misc]
+    """Which process ran the record (after a pause, so both chunks are in flight together)."""
+
+    def process(self, value: str) -> Iterator[int]:
+        time.sleep(0.2)
+        yield os.getpid()
+
+
+def test_two_chunks_submitted_together_run_on_two_workers_not_one_after_the_other(tmp_path: Path) -> None:
+    """The processes backend gives every idle worker a chunk before queueing a second chunk
+    behind a busy one (it used to fill the first worker's queue first)."""
+    source = _source(tmp_path, range(2), per_split=2, epochs=1)
+    backend = make_backend("processes", workers=2, segment=_segment(source, [StatelessInvoker("pid", Pid())]))
+    try:
+        records = [(0, Record(str(n), source.paths()[0], f"line {n}", n)) for n in range(2)]
+        futures = [backend.submit([record]) for record in records]
+        pids = [future.result(timeout=60) for future in futures]
+    finally:
+        backend.close()
+    assert pids[0] != pids[1], pids

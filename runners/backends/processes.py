@@ -343,21 +343,25 @@ class ProcessBackend:
             for task in self._drain():
                 settle(task.future, self._broken)
             return
-        for worker in self._workers:
-            while len(worker.tasks) < PER_WORKER:
-                with self._lock:
-                    if not self._pending:
-                        return
-                    task = self._pending.popleft()
-                if task.future.cancelled():
-                    continue
-                try:
-                    data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
-                except Exception as exc:
-                    settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
-                    continue
-                worker.outbox.put(data)
-                worker.tasks[task.id] = task
+        # Breadth first: every worker gets a chunk to run before any gets one to queue, else
+        # two chunks submitted together would both go to the first worker while the second idles
+        # (and a short chunk would wait behind a long one there).
+        for depth in range(1, PER_WORKER + 1):
+            for worker in self._workers:
+                while len(worker.tasks) < depth:
+                    with self._lock:
+                        if not self._pending:
+                            return
+                        task = self._pending.popleft()
+                    if task.future.cancelled():
+                        continue
+                    try:
+                        data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
+                    except Exception as exc:
+                        settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
+                        continue
+                    worker.outbox.put(data)
+                    worker.tasks[task.id] = task
 
     def _receive(self, worker: _Worker) -> None:
         try:
