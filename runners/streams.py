@@ -247,6 +247,9 @@ class SourceStream:
                 if self._error is not None:
                     raise self._error
                 return None
+            head = self._inflight[0][1]
+            if not head.done():  # the lane waits for it: ahead of other lanes' read-ahead
+                self._backend.hurry(head)
             result = self._reorder.take()
             self._taken += 1
             entries, _ = self._inflight.popleft()

@@ -148,6 +148,9 @@ class Recording:
         self.sizes.append(len(chunk))
         return self._inner.submit(chunk)
 
+    def hurry(self, future: Future[ChunkResult]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -160,12 +163,15 @@ class Late:
         self._segment = segment
         self._submitted = 0
         self.completed: list[int] = []
+        self.hurried: list[int] = []  # submission numbers the stream asked to run next
+        self._numbers: dict[int, int] = {}
         self._timers: list[threading.Timer] = []
 
     def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]:
         future: Future[ChunkResult] = Future()
         result, seq = self._segment.run_chunk(chunk), self._submitted
         self._submitted += 1
+        self._numbers[id(future)] = seq
 
         def complete() -> None:
             self.completed.append(seq)
@@ -175,6 +181,9 @@ class Late:
         self._timers.append(timer)
         timer.start()
         return future
+
+    def hurry(self, future: Future[ChunkResult]) -> None:
+        self.hurried.append(self._numbers[id(future)])
 
     def close(self) -> None:
         for timer in self._timers:
@@ -240,6 +249,8 @@ def test_results_completing_out_of_order_are_taken_in_order(tmp_path: Path) -> N
     assert [t.result for t in got] == [[n] for n in range(30)]
     assert backend.completed != sorted(backend.completed)  # some arrived before an earlier one
     assert sorted(backend.completed) == list(range(len(backend.completed)))
+    # The stream asked the backend to hurry the late chunks it waited for, and only those.
+    assert backend.hurried and all(n % 2 == 1 for n in backend.hurried)
 
 
 def test_a_record_that_fails_to_decode_in_a_skipping_source_comes_back_skipped(tmp_path: Path) -> None:
@@ -315,6 +326,9 @@ class Refusing:
             raise RuntimeError("the backend is gone")
         return self._inner.submit(chunk)
 
+    def hurry(self, future: Future[ChunkResult]) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -359,3 +373,34 @@ def test_two_chunks_submitted_together_run_on_two_workers_not_one_after_the_othe
     finally:
         backend.close()
     assert pids[0] != pids[1], pids
+
+
+class Stamp(beam.DoFn):  # type: ignore[misc]
+    """The value and when its work started, after a pause long enough to keep workers busy."""
+
+    def process(self, value: str) -> Iterator[tuple[str, float]]:
+        started = time.monotonic()
+        time.sleep(0.4)
+        yield value, started
+
+
+def test_a_hurried_chunk_runs_before_chunks_submitted_earlier(tmp_path: Path) -> None:
+    """``hurry`` moves a waiting chunk to the front of the processes backend's queue: what a
+    lane does when it is blocked on it while other lanes' read-ahead is queued."""
+    source = _source(tmp_path, range(7), per_split=7, epochs=1)
+    backend = make_backend(
+        "processes", workers=2, segment=_segment(source, [StatelessInvoker("stamp", Stamp())])
+    )
+    try:
+        records = [(0, Record(str(n), source.paths()[0], f"line {n}", n)) for n in range(7)]
+        futures = [backend.submit([record]) for record in records]  # 4 fill both workers
+        backend.hurry(futures[6])
+        started = {}
+        for future in futures:
+            result = future.result(timeout=60)
+            assert isinstance(result, list)
+            ((value, when),) = result[0]  # type: ignore[misc]
+            started[int(value)] = when
+    finally:
+        backend.close()
+    assert started[6] < started[4] and started[6] < started[5], started

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from zephon_flow.core.errors import WorkerLostError
 from zephon_flow.runners.segment import Chunk, Failure, RecordResult
@@ -26,6 +27,11 @@ class Backend(Protocol):
     """
 
     def submit(self, chunk: Chunk, *, lane: int = -1) -> Future[ChunkResult]: ...
+
+    def hurry(self, future: Future[ChunkResult]) -> None:
+        """A lane waits for ``future``: its chunk, if still waiting for a worker, runs next
+        (ahead of other lanes' read-ahead). Only the order of the work changes, never a result."""
+        ...
 
     def close(self) -> None: ...
 
@@ -73,3 +79,14 @@ def record_death(task: Task, note: str, *, killed: str, replacement: str, logs: 
     message = lost_message(task, killed=killed, replacement=replacement, logs=logs)
     settle(task.future, Failure.of(WorkerLostError(message)))
     return True
+
+
+def to_front(pending: deque[Any], future: Future[ChunkResult]) -> None:
+    """Moves the waiting task of ``future`` (anything with ``.future``) to the front of
+    ``pending``, if it is there; the caller holds the lock guarding ``pending``."""
+    for i, task in enumerate(pending):
+        if task.future is future:
+            if i:
+                del pending[i]
+                pending.appendleft(task)
+            return

@@ -23,7 +23,7 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners.backends import oob
-from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle
+from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle, to_front
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: A chunk whose worker dies this many times (each time while running it) fails the loader.
@@ -245,6 +245,10 @@ class ProcessBackend:
         if wake:  # one wake-up in the pipe is enough: the dispatcher takes every pending chunk
             self._wake()
         return future
+
+    def hurry(self, future: Future[ChunkResult]) -> None:
+        with self._lock:
+            to_front(self._pending, future)
 
     def close(self) -> None:
         with self._lock:

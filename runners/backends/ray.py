@@ -19,7 +19,7 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners import ray_env
-from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle
+from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle, to_front
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: What the errors call this backend when Ray is missing or unreachable.
@@ -181,6 +181,10 @@ class RayBackend:
             self._next_id += 1
         self._events.put(("wake",))
         return future
+
+    def hurry(self, future: Future[ChunkResult]) -> None:
+        with self._lock:
+            to_front(self._pending, future)
 
     def close(self) -> None:
         with self._lock:
