@@ -121,8 +121,11 @@ def decode_resize(data: bytes, size: int) -> np.ndarray:
             wide = np.asarray(im).astype(np.int64)
             im = Image.fromarray(((np.clip(wide, 0, 65535) * 255 + 32767) // 65535).astype(np.uint8))
         if im.mode in _ALPHA_MODES or "transparency" in im.info:
-            rgba = im.convert("RGBA")
-            im = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
+            rgba = im if im.mode == "RGBA" else im.convert("RGBA")
+            if rgba.getchannel("A").getextrema() == (255, 255):  # compositing would change nothing
+                im = rgba
+            else:
+                im = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba)
         if im.mode != "RGB":
             im = im.convert("RGB")
         w, h = im.size

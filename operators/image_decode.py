@@ -221,9 +221,14 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
                 f"which have no fixed 8-bit meaning; convert such images before the pipeline"
             )
         if im.mode in ("RGBA", "LA", "La", "RGBa", "PA") or "transparency" in im.info:
-            rgba = im.convert("RGBA")
-            base = Image.new("RGBA", rgba.size, (*self.background, 255))
-            im = Image.alpha_composite(base, rgba)
+            rgba = im if im.mode == "RGBA" else im.convert("RGBA")  # convert() would copy it
+            # Compositing leaves opaque pixels exactly as they are (Pillow's integer formula
+            # gives src for alpha 255), so a wholly opaque image skips it: photos saved as RGBA.
+            if rgba.getchannel("A").getextrema() == (255, 255):
+                im = rgba
+            else:
+                base = Image.new("RGBA", rgba.size, (*self.background, 255))
+                im = Image.alpha_composite(base, rgba)
         if im.mode != self.mode:
             im = im.convert(self.mode)
         return im

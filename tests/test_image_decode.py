@@ -63,6 +63,27 @@ def test_rgba_and_la_alpha_is_composited_over_the_background() -> None:
     assert decode(encode(la, "PNG"), background=(1, 2, 3)).tolist() == [[[1, 2, 3], [50, 50, 50]]]
 
 
+def test_an_opaque_rgba_image_gives_what_compositing_it_gives_bit_for_bit() -> None:
+    """Opaque images skip the composite (it leaves alpha-255 pixels unchanged); the pixels are
+    those of the composite, whatever the background, in RGB and in L."""
+    rng = np.random.default_rng(11)
+    pixels = rng.integers(0, 256, size=(40, 56, 4), dtype=np.uint8)
+    pixels[..., 3] = 255
+    opaque = Image.fromarray(pixels, "RGBA")
+    for background in ((255, 255, 255), (3, 200, 17)):
+        composite = Image.alpha_composite(Image.new("RGBA", opaque.size, (*background, 255)), opaque)
+        for mode in ("RGB", "L"):
+            want = np.asarray(composite.convert(mode)).reshape(40, 56, -1)
+            got = decode(encode(opaque, "PNG"), background=background, mode=mode)
+            np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(decode(encode(opaque, "PNG")), pixels[..., :3])
+    # One pixel short of opaque: composited as before.
+    pixels[7, 9, 3] = 254
+    partly = Image.fromarray(pixels, "RGBA")
+    black = Image.alpha_composite(Image.new("RGBA", partly.size, (0, 0, 0, 255)), partly).convert("RGB")
+    np.testing.assert_array_equal(decode(encode(partly, "PNG"), background=(0, 0, 0)), np.asarray(black))
+
+
 def test_grayscale_gives_three_equal_channels_or_one_channel_in_mode_l() -> None:
     grey = np.array([[0, 128, 255]], dtype=np.uint8)
     data = encode(Image.fromarray(grey, "L"), "PNG")
