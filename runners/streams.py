@@ -20,6 +20,11 @@ from zephon_flow.runners.segment import Chunk, Failure, RecordResult, Skipped
 
 #: A chunk is closed once its records' payloads reach this many bytes (long documents).
 CHUNK_BYTES = 256 * 1024
+#: Chunks a stream puts in flight before any is taken (of 1, 2 and 4 records): every lane's
+#: first window then keeps the workers busy from the start, not one doubling at a time while
+#: the lane thread is still on an earlier lane. Measured: text's first batch 0.8-1.0 s -> 0.5-0.7 s
+#: after ``Loader()``, with less work before it; VLM's 0.48-0.52 -> 0.38-0.44 s.
+START_CHUNKS = 3
 
 
 @dataclass(frozen=True)
@@ -148,9 +153,9 @@ class SourceStream:
     """Reads one source ahead for one lane: chunks of its records go to the backend, results
     come back through a reorder buffer, and ``take`` hands them out one record at a time.
 
-    Slow start: the k-th chunk holds at most 2**k records and the in-flight budget grows by
-    one per chunk taken, so the first record after a (re)start needs one small chunk, not the
-    full read-ahead; steady state is ``depth`` chunks of ``chunk_records`` records (or
+    Slow start: the k-th chunk holds at most 2**k records and the in-flight budget starts at
+    ``START_CHUNKS`` and grows by one per chunk taken, so the first record after a (re)start
+    needs one small chunk, not the full read-ahead; steady state is ``depth`` chunks of ``chunk_records`` records (or
     ``CHUNK_BYTES``). A read error met while reading ahead is raised once the records before
     it have been taken, so they are delivered first.
     """
@@ -231,7 +236,7 @@ class SourceStream:
         self._top_up()
 
     def _top_up(self) -> None:
-        budget = min(self._depth, 1 + self._taken)
+        budget = min(self._depth, START_CHUNKS + self._taken)
         while self._error is None and self._reorder.in_flight() < budget:
             try:
                 if not self._submit_one():
