@@ -22,8 +22,9 @@ from zephon_flow.runners.segment import Chunk, Failure, RecordResult, Skipped
 CHUNK_BYTES = 256 * 1024
 #: Chunks a stream puts in flight before any is taken (of 1, 2 and 4 records): every lane's
 #: first window then keeps the workers busy from the start, not one doubling at a time while
-#: the lane thread is still on an earlier lane. Measured: text's first batch 0.8-1.0 s -> 0.5-0.7 s
-#: after ``Loader()``, with less work before it; VLM's 0.48-0.52 -> 0.38-0.44 s.
+#: the lane thread is still on an earlier lane. Measured against one chunk, both with 8 per
+#: lane: after ``Loader()``, text's first batch 0.8-1.0 s -> 0.5-0.7 s; VLM's 0.48-0.52 ->
+#: 0.38-0.44 s.
 START_CHUNKS = 3
 
 
@@ -155,8 +156,9 @@ class SourceStream:
 
     Slow start: the k-th chunk holds at most 2**k records and the in-flight budget starts at
     ``START_CHUNKS`` and grows by one per chunk taken, so the first record after a (re)start
-    needs one small chunk, not the full read-ahead; steady state is ``depth`` chunks of ``chunk_records`` records (or
-    ``CHUNK_BYTES``). A read error met while reading ahead is raised once the records before
+    needs one small chunk, not the full read-ahead; steady state is ``depth`` chunks of
+    ``chunk_records`` records (or ``CHUNK_BYTES``). A lane waiting for a chunk that no worker
+    has started asks the backend to run it next (``Backend.hurry``). A read error met while reading ahead is raised once the records before
     it have been taken, so they are delivered first.
     """
 
