@@ -106,7 +106,8 @@ class ResizeImage(beam.DoFn):  # type: ignore[misc]
 
     def fuse_after(self, previous: Any) -> beam.DoFn | None:
         """The one DoFn doing ``previous`` then this, when ``previous`` is a ``DecodeImage``
-        whose output this resizes in place (``output`` is ``field``); else None (the runner's front then calls them one by one)."""
+        whose output this resizes in place (``output`` is ``field``); else None, and the
+        runner's front calls them one by one."""
         if type(previous) is DecodeImage and previous.output == self.field == self.output:
             return DecodeThenResize(previous, self)
         return None

@@ -200,25 +200,25 @@ def _verdict(path: str, sha256: str, raw: bytes, hf: Any) -> _Verdict:
     with _CACHE:
         if sha256 in _VERDICTS:
             return _VERDICTS[sha256]
-        doc = _parse(path, raw)
-        verdict = _cached_verdict(sha256, doc)
+        verdict = _cached_verdict(path, sha256, raw)
         if verdict is None:
-            verdict = _decide(sha256, doc, raw, hf)
+            verdict = _decide(sha256, _parse(path, raw), raw, hf)
             _verdict_cache.store(sha256, verdict.plan, verdict.reason, verdict.disagreed, verdict.digest)
         _VERDICTS[sha256] = verdict
         return verdict
 
 
-def _cached_verdict(sha256: str, doc: dict[str, Any]) -> _Verdict | None:
+def _cached_verdict(path: str, sha256: str, raw: bytes) -> _Verdict | None:
     """The verdict cached on disk, once this process's tiktoken reproduces its digest; None to
-    decide afresh (no entry, or one this process cannot confirm)."""
+    decide afresh (no entry, or one this process cannot confirm). The JSON is parsed only to
+    confirm a plan: a cached "HF only" needs nothing more."""
     cached = _verdict_cache.load(sha256)
     if cached is None:
         return None
     plan, reason, disagreed, digest = cached
     if plan is None:
         return _Verdict(plan=None, reason=reason, disagreed=disagreed, digest="")
-    fast = _check(sha256, doc, plan, digest)
+    fast = _check(sha256, _parse(path, raw), plan, digest)
     if isinstance(fast, str):
         return None
     _TIKTOKEN[sha256] = fast

@@ -182,13 +182,12 @@ def fuse(chain: Sequence[StatelessInvoker]) -> list[StatelessInvoker]:
     for step in chain:
         join = getattr(step.dofn, "fuse_after", None)
         previous = out[-1] if out else None
-        fused = None
         if previous is not None and not isinstance(previous, FusedInvoker) and callable(join):
             fused = join(previous.dofn)
-        if fused is None:
-            out.append(step)
-        else:
-            out[-1] = FusedInvoker(previous, step, fused)  # type: ignore[arg-type]
+            if fused is not None:
+                out[-1] = FusedInvoker(previous, step, fused)
+                continue
+        out.append(step)
     return out
 
 

@@ -158,8 +158,9 @@ class SourceStream:
     ``START_CHUNKS`` and grows by one per chunk taken, so the first record after a (re)start
     needs one small chunk, not the full read-ahead; steady state is ``depth`` chunks of
     ``chunk_records`` records (or ``CHUNK_BYTES``). A lane waiting for a chunk that no worker
-    has started asks the backend to run it next (``Backend.hurry``). A read error met while reading ahead is raised once the records before
-    it have been taken, so they are delivered first.
+    has started asks the backend to run it next (``Backend.hurry``). A read error met while
+    reading ahead is raised once the records before it have been taken, so they are delivered
+    first.
     """
 
     def __init__(

@@ -353,54 +353,54 @@ def test_a_submit_that_raises_is_raised_after_the_records_before_it_not_waited_f
     assert outcome == [([[0], [1], [2]], "the backend is gone")]  # chunks of 1 and 2 records first
 
 
-class Pid(beam.DoFn):  # type: ignore[misc]
-    """Which process ran the record (after a pause, so both chunks are in flight together)."""
+class Ran(beam.DoFn):  # type: ignore[misc]
+    """Which process ran the record and when its work started, after a pause long enough to
+    keep the chunks submitted together in flight together."""
 
-    def process(self, value: str) -> Iterator[int]:
-        time.sleep(0.2)
-        yield os.getpid()
+    def __init__(self, pause: float) -> None:
+        self.pause = pause
+
+    def process(self, value: str) -> Iterator[tuple[int, int, float]]:
+        started = time.monotonic()
+        time.sleep(self.pause)
+        yield int(value), os.getpid(), started
+
+
+def _on_processes(
+    tmp_path: Path, n: int, pause: float, *, hurry: int | None = None
+) -> dict[int, tuple[int, float]]:
+    """Submits ``n`` one-record chunks together to a processes backend of 2 workers (then
+    hurries chunk ``hurry``); per record, the pid that ran it and when it started."""
+    source = _source(tmp_path, range(n), per_split=n, epochs=1)
+    backend = make_backend(
+        "processes", workers=2, segment=_segment(source, [StatelessInvoker("ran", Ran(pause))])
+    )
+    try:
+        records = [(0, Record(str(k), source.paths()[0], f"line {k}", k)) for k in range(n)]
+        futures = [backend.submit([record]) for record in records]
+        if hurry is not None:
+            backend.hurry(futures[hurry])
+        ran = {}
+        for future in futures:
+            result = future.result(timeout=60)
+            assert isinstance(result, list)
+            ((value, pid, started),) = result[0]  # type: ignore[misc]
+            ran[value] = (pid, started)
+    finally:
+        backend.close()
+    return ran
 
 
 def test_two_chunks_submitted_together_run_on_two_workers_not_one_after_the_other(tmp_path: Path) -> None:
     """The processes backend gives every idle worker a chunk before queueing a second chunk
     behind a busy one (it used to fill the first worker's queue first)."""
-    source = _source(tmp_path, range(2), per_split=2, epochs=1)
-    backend = make_backend("processes", workers=2, segment=_segment(source, [StatelessInvoker("pid", Pid())]))
-    try:
-        records = [(0, Record(str(n), source.paths()[0], f"line {n}", n)) for n in range(2)]
-        futures = [backend.submit([record]) for record in records]
-        pids = [future.result(timeout=60) for future in futures]
-    finally:
-        backend.close()
+    pids = [pid for pid, _ in _on_processes(tmp_path, 2, 0.2).values()]
     assert pids[0] != pids[1], pids
-
-
-class Stamp(beam.DoFn):  # type: ignore[misc]
-    """The value and when its work started, after a pause long enough to keep workers busy."""
-
-    def process(self, value: str) -> Iterator[tuple[str, float]]:
-        started = time.monotonic()
-        time.sleep(0.4)
-        yield value, started
 
 
 def test_a_hurried_chunk_runs_before_chunks_submitted_earlier(tmp_path: Path) -> None:
     """``hurry`` moves a waiting chunk to the front of the processes backend's queue: what a
     lane does when it is blocked on it while other lanes' read-ahead is queued."""
-    source = _source(tmp_path, range(7), per_split=7, epochs=1)
-    backend = make_backend(
-        "processes", workers=2, segment=_segment(source, [StatelessInvoker("stamp", Stamp())])
-    )
-    try:
-        records = [(0, Record(str(n), source.paths()[0], f"line {n}", n)) for n in range(7)]
-        futures = [backend.submit([record]) for record in records]  # 4 fill both workers
-        backend.hurry(futures[6])
-        started = {}
-        for future in futures:
-            result = future.result(timeout=60)
-            assert isinstance(result, list)
-            ((value, when),) = result[0]  # type: ignore[misc]
-            started[int(value)] = when
-    finally:
-        backend.close()
+    ran = _on_processes(tmp_path, 7, 0.4, hurry=6)  # the first 4 fill both workers
+    started = {value: when for value, (_, when) in ran.items()}
     assert started[6] < started[4] and started[6] < started[5], started

@@ -123,8 +123,7 @@ def stdlib_texts() -> list[str]:
 def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Empty per-process caches and an empty verdict cache on disk, so a test's verdicts and
     logs are its own."""
-    for name, value in (("_HF", {}), ("_VERDICTS", {}), ("_TIKTOKEN", {}), ("_SAID", set())):
-        monkeypatch.setattr(tokenize, name, value)
+    _new_process(monkeypatch)
     monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "verdict-cache"))
 
 
