@@ -349,6 +349,10 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         self._tokenizer: HfEngine | TiktokenEngine | None = None
         self._unchecked = 0
         self._lock = threading.Lock()
+        # What ``_finish`` adds around a document's ids, for ``_finish_array``.
+        head = self.prefix_ids if self.add_special_tokens else []
+        tail = [*(self.suffix_ids if self.add_special_tokens else []), *([self.eos_id] * self.append_eos)]
+        self._head, self._tail = np.asarray(head, dtype=np.int32), np.asarray(tail, dtype=np.int32)
 
     @property
     def selected_engine(self) -> str:
@@ -387,6 +391,23 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         if self.eos_id is not None:
             ids.append(self.eos_id)
         return ids
+
+    def _finish_array(self, ids: np.ndarray) -> np.ndarray:
+        """``_finish`` for an int32 array of ids (the array itself if nothing is added)."""
+        head, tail = self._head, self._tail
+        if not head.size and not tail.size:
+            return ids
+        out = np.empty(head.size + ids.size + tail.size, dtype=np.int32)
+        out[: head.size] = head
+        out[head.size : head.size + ids.size] = ids
+        out[head.size + ids.size :] = tail
+        return out
+
+    def _encode(self, tokenizer: HfEngine | TiktokenEngine, text: str) -> np.ndarray:
+        """One checked document's ids, finished, as an int32 array."""
+        if isinstance(tokenizer, TiktokenEngine):
+            return self._finish_array(tokenizer.encode_array(text))
+        return np.asarray(self._finish(tokenizer.encode(text)), dtype=np.int32)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -451,8 +472,10 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         if self._tokenizer is None:
             self.setup()
         assert self._tokenizer is not None
-        ids = self._encode_checked(text) if self._unchecked else self._tokenizer.encode(text)
-        yield np.asarray(self._finish(ids), dtype=np.int32)
+        if self._unchecked:
+            yield np.asarray(self._finish(self._encode_checked(text)), dtype=np.int32)
+        else:
+            yield self._encode(self._tokenizer, text)
 
     def get_input_batch_type(self, input_element_type: Any) -> Any:
         # Only so that Beam's runners accept ``process_batch``; they call ``process``.
@@ -474,12 +497,11 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         tokenizer = self._tokenizer
         if self._unchecked or tokenizer is None:
             return [list(self.process(text)) for text in texts]
+        if isinstance(tokenizer, TiktokenEngine):
+            return [[self._encode(tokenizer, text)] for text in texts]
         rows: list[list[int]]
-        if isinstance(tokenizer, HfEngine):
-            try:
-                rows = [e.ids for e in tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)]
-            except TypeError:  # a lone surrogate: encode one by one, which names the document
-                rows = [tokenizer.encode(text) for text in texts]
-        else:
+        try:
+            rows = [e.ids for e in tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        except TypeError:  # a lone surrogate: encode one by one, which names the document
             rows = [tokenizer.encode(text) for text in texts]
         return [[np.asarray(self._finish(ids), dtype=np.int32)] for ids in rows]

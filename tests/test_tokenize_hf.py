@@ -72,6 +72,26 @@ def test_add_special_tokens_has_hf_meaning(tmp_path: Path, engine: str) -> None:
     assert with_specials.params()["prefix_ids"] == [tok.token_to_id(BOS)]
 
 
+def test_tiktokens_array_path_adds_the_same_tokens_as_the_checked_path(tmp_path: Path) -> None:
+    """Past the first documents, tiktoken hands out its ids as an array (no Python list): the
+    prefix, suffix and EOS go around it exactly as around HF's ids, in a fresh writable array."""
+    tok, path = bos_tokenizer(tmp_path / "saved")
+    eos = tok.token_to_id(EOS)
+    for specials, eos_too in ((False, True), (True, True), (True, False), (False, False)):
+        op = ops.Tokenize(path, engine="tiktoken", add_special_tokens=specials, append_eos=eos_too)
+        op.setup()
+        op._unchecked = 0  # as after the first documents' cross-check
+        for text in [*TEXTS, ""]:
+            want = [*tok.encode(text, add_special_tokens=specials).ids, *([eos] * eos_too)]
+            (out,) = op.process(text)
+            assert out.dtype == np.int32 and out.flags.writeable and out.flags.owndata
+            assert out.tolist() == want, (specials, eos_too, text)
+        rows = op.process_batch(TEXTS)
+        assert [row[0].tolist() for row in rows] == [
+            [*tok.encode(t, add_special_tokens=specials).ids, *([eos] * eos_too)] for t in TEXTS
+        ]
+
+
 def test_a_save_pretrained_folder_and_a_hub_cache_are_the_same_tokenizer(tmp_path: Path) -> None:
     tok, path = bos_tokenizer(tmp_path / "saved")
     repo = hub_cache(tmp_path / "hub", path)
