@@ -28,8 +28,9 @@ _CHECK_ROWS = 64
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100
-#: The fields of ``concat``'s open sequence (the ``carry`` state).
-_CARRY_KEYS = {"ids", "pos", "seg", "docs"}
+#: The fields of ``concat``'s open sequence (the ``carry`` state), and of its earlier form.
+_CARRY_KEYS = {"pieces", "docs"}
+_OLD_CARRY_KEYS = {"ids", "pos", "seg", "docs"}
 
 
 class PackedSegments:
@@ -142,6 +143,23 @@ def _follows_starts(pos: np.ndarray, seg: np.ndarray, valid: np.ndarray, starts:
 PACKED_SEGMENTS = derived.register(PackedSegments())
 
 
+def _open(held: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``concat``'s open sequence as its pieces and their documents' ids (one ``[3]`` row each).
+
+    The carry holds ``{"pieces", "docs"}``. Checkpoints of earlier versions hold the sequence's
+    arrays ``{"ids", "pos", "seg", "docs"}`` (``_CARRY_KEYS``); those are cut where the segment
+    changes, so they resume with the same outputs.
+    """
+    if held is None:
+        return [], []
+    if "pieces" in held:
+        return held["pieces"], held["docs"]
+    ids, seg = held["ids"], held["seg"]
+    if not ids.size:
+        return [], []
+    return np.split(ids, np.flatnonzero(np.diff(seg)) + 1), list(held["docs"])
+
+
 class Pack(beam.DoFn):  # type: ignore[misc]
     """Packs documents (int arrays of ids) into sequences of exactly ``seq_len`` tokens.
 
@@ -251,8 +269,17 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         if kind == "bin" and keys == {"ids", "lens", "docs"}:
             ids, lens = value["ids"], value["lens"]
             return recipe.Pieces(value["docs"], lens, ids) if int(np.sum(lens)) == ids.size else None
+        if kind == "carry" and keys == _CARRY_KEYS:
+            pieces, docs = value["pieces"], value["docs"]
+            if not all(isinstance(a, np.ndarray) and a.ndim == 1 and a.size for a in pieces):
+                return None
+            if len(docs) != len(pieces) or not all(np.shape(d) == (3,) for d in docs):
+                return None
+            lengths = np.asarray([p.size for p in pieces], dtype=np.int32)
+            table = np.stack(docs).astype(np.int64) if docs else _NO_DOCS
+            return recipe.Pieces(table, lengths, np.concatenate(pieces) if pieces else _EMPTY)
         names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
-        expected = self._output_keys() if kind == "sample" else _CARRY_KEYS
+        expected = self._output_keys() if kind == "sample" else _OLD_CARRY_KEYS
         if kind not in ("sample", "carry") or keys != expected:
             return None
         ids, seg, docs = (value[k] for k in names)
@@ -278,12 +305,13 @@ class Pack(beam.DoFn):  # type: ignore[misc]
             return {"ids": ids, "doc": docs[0].copy()}
         if kind == "bin":
             return {"ids": ids, "lens": lengths.astype(np.int32, copy=True), "docs": docs}
+        if kind == "carry":
+            ends = np.cumsum(lengths)[:-1]
+            return {"pieces": np.split(ids, ends) if ids.size else [], "docs": list(docs)}
         starts = np.cumsum(lengths, dtype=np.int32) - lengths
         pos = np.arange(ids.size, dtype=np.int32) - np.repeat(starts, lengths)
         seg = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
-        if kind == "sample":
-            return self._output(ids, pos, seg, docs)
-        return {"ids": ids, "pos": pos, "seg": seg, "docs": docs}
+        return self._output(ids, pos, seg, docs)
 
     def padding_sample(self) -> dict[str, np.ndarray]:
         """The sample that fills a lane's rows after its finite input ended: a sequence of
@@ -326,29 +354,21 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         yield from self._concat(ids, doc_id, held, carry)
 
     def _concat(self, ids: np.ndarray, doc_id: np.ndarray, held: Any, carry: Any) -> Any:
-        if held is None:
-            c_ids, c_pos, c_seg, c_docs = _EMPTY, _EMPTY, _EMPTY, _NO_DOCS
-            next_seg = 0
-        else:
-            c_ids, c_pos, c_seg, c_docs = held["ids"], held["pos"], held["seg"], held["docs"]
-            next_seg = int(c_seg[-1]) + 1 if c_seg.size else 0
+        # The open sequence is kept as its pieces (``_open``): a document adds one piece, and
+        # the sequence's arrays are built once, when it is full.
+        pieces, docs = _open(held)
         # The part of the document that fits continues the open sequence (its next segment);
         # every later piece starts a sequence of its own, at position 0 and segment 0, and
-        # holds only this document. Each array is built once, at its final size.
+        # holds only this document.
         n, width = ids.size, self.seq_len
-        room = width - c_ids.size
-        table = np.concatenate([c_docs, doc_id.reshape(1, 3)])
+        room = width - sum(p.size for p in pieces)
         head = min(n, room)
-        first = (
-            np.concatenate([c_ids, ids[:head]]),
-            np.concatenate([c_pos, np.arange(head, dtype=np.int32)]),
-            np.concatenate([c_seg, np.full(head, next_seg, dtype=np.int32)]),
-        )
+        pieces, docs = [*pieces, ids[:head].copy()], [*docs, doc_id]
         if n < room:  # the open sequence is still not full
-            carry.write({"ids": first[0], "pos": first[1], "seg": first[2], "docs": table})
+            carry.write({"pieces": pieces, "docs": docs})
             return
-        yield self._output(*first, table)
-        alone = table[-1:]
+        yield self._pieces_output(pieces, docs)
+        alone = doc_id.reshape(1, 3)
         start = room
         while n - start >= width:
             yield self._output(
@@ -358,15 +378,19 @@ class Pack(beam.DoFn):  # type: ignore[misc]
                 alone,
             )
             start += width
-        rest = n - start
-        carry.write(
-            {
-                "ids": ids[start:].copy(),
-                "pos": np.arange(rest, dtype=np.int32),
-                "seg": np.zeros(rest, dtype=np.int32),
-                "docs": alone if rest else _NO_DOCS,
-            }
-        )
+        rest = ids[start:].copy()
+        carry.write({"pieces": [rest] if rest.size else [], "docs": [doc_id] if rest.size else []})
+
+    def _pieces_output(self, pieces: list[np.ndarray], docs: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """The output of an open sequence given as pieces (one per segment, in order)."""
+        table = np.stack(docs) if docs else _NO_DOCS
+        if len(pieces) == 1:
+            ids = pieces[0].copy()  # never hand out the state's own array
+            return self._output(
+                ids, np.arange(ids.size, dtype=np.int32), np.zeros(ids.size, dtype=np.int32), table
+            )
+        lens = np.fromiter((p.size for p in pieces), dtype=np.int32, count=len(pieces))
+        return self._segments_output(np.concatenate(pieces), lens, table)
 
     @on_timer(FLUSH)
     def flush_tail(self, carry: Any = beam.DoFn.StateParam(CARRY)) -> Any:
@@ -378,12 +402,16 @@ class Pack(beam.DoFn):  # type: ignore[misc]
             for packed in _best_fit.drain(held, seq_len=self.seq_len):
                 yield self._bin_output(packed)
             return
-        if held["ids"].size:
-            yield self._output(held["ids"], held["pos"], held["seg"], held["docs"])
+        pieces, docs = _open(held)
+        if pieces:
+            yield self._pieces_output(pieces, docs)
 
     def _bin_output(self, packed: _best_fit.Packed) -> dict[str, np.ndarray]:
         ids, lens, docs = packed
-        ids = ids.copy()  # never hand out a view of the input or of the state
+        return self._segments_output(ids.copy(), lens, docs)  # never hand out the input or state
+
+    def _segments_output(self, ids: np.ndarray, lens: np.ndarray, docs: np.ndarray) -> dict[str, np.ndarray]:
+        """The output of a sequence of ``ids`` (its own array) made of pieces of ``lens`` tokens."""
         pos = np.arange(ids.size, dtype=np.int32)
         if lens.size == 1:  # a piece of a long document, or a lone document
             seg = np.zeros(ids.size, dtype=np.int32)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from checkpointing import assert_equal_output_after_checkpoint
+from checkpointing import assert_equal_output_after_checkpoint, reference_run
 from helpers import Corpus, ParseIds, chain_spec, run_batches, source_epochs, write_jsonl
+from test_pack_best_fit import _Cell, pack_direct
 from tokenizers import Tokenizer
 
 import zephon_flow as zf
@@ -166,3 +169,69 @@ def test_resume_at_every_step_with_two_ranks_and_threads(tmp_path: Path) -> None
         spec, 10, world_size=2, backend="threads", workers=2, chunk_records=1
     )
     assert min(source_epochs(spec, ref.final_state)["src"]) >= 1
+
+
+# -- the carry's earlier form ----------------------------------------------------------------
+def _as_earlier_carry(carry: dict[str, Any]) -> dict[str, Any]:
+    """``concat``'s carry as versions before the pieces form stored it: the open sequence's
+    arrays (ids, positions restarting per piece, segments) and its ``[k, 3]`` document table."""
+    pieces, docs = carry["pieces"], carry["docs"]
+    ids = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    pos = np.concatenate([np.arange(p.size, dtype=np.int32) for p in pieces]) if pieces else ids.copy()
+    seg = (
+        np.concatenate([np.full(p.size, k, dtype=np.int32) for k, p in enumerate(pieces)])
+        if pieces
+        else ids.copy()
+    )
+    table = np.stack(docs).astype(np.int64) if docs else np.zeros((0, 3), dtype=np.int64)
+    return {"ids": ids, "pos": pos, "seg": seg, "docs": table}
+
+
+def _equal_outputs(got: list[dict[str, np.ndarray]], want: list[dict[str, np.ndarray]]) -> bool:
+    return len(got) == len(want) and all(
+        a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+        for a, b in zip(got, want, strict=True)
+    )
+
+
+def test_a_carry_in_the_earlier_form_continues_with_the_same_outputs() -> None:
+    rng = np.random.default_rng(7)
+    docs = [rng.integers(0, 500, int(n), dtype=np.int32) for n in rng.integers(1, 30, 60)]
+    pack = ops.Pack(seq_len=16, labels=True)
+    want = pack_direct(pack, [d.tolist() for d in docs])
+    for cut in range(1, len(docs)):
+        cell = _Cell()
+        got: list[dict[str, np.ndarray]] = []
+        for i, doc in enumerate(docs):
+            if i == cut:
+                cell.value = _as_earlier_carry(cell.value)
+            got += pack.process((0, doc), carry=cell, flush=cell, doc=(0, 1, 10 * i))
+        got += pack.flush_tail(carry=cell)
+        assert _equal_outputs(got, want), f"cut before document {cut}"
+    # An earlier carry that is still open at the end is flushed as it was.
+    cell = _Cell()
+    for i, doc in enumerate(docs[:3]):
+        list(pack.process((0, doc), carry=cell, flush=cell, doc=(0, 1, 10 * i)))
+    earlier = _Cell()
+    earlier.value = _as_earlier_carry(cell.value)
+    tail = list(pack.flush_tail(carry=earlier))
+    assert len(tail) == 1 and _equal_outputs(tail, list(pack.flush_tail(carry=cell)))
+
+
+def test_a_checkpoint_with_earlier_carries_resumes_with_the_same_digests(tmp_path: Path) -> None:
+    records = ["1 2 3 | 4 5 6 7 8 9 | 10", "11 | 12 13", "14 15 16 17 18 19 20 21 22 23 | 24 25"] * 3
+    path = write_jsonl(tmp_path / "multi.jsonl", records)
+    spec = pack_spec(path, 5, lanes=2, global_batch_size=2, split_bytes=40)
+    ref = reference_run(spec, 16)
+    rewritten = 0
+    for s in range(1, 16, 3):
+        state = zf.decode_state(ref.states[s])
+        for lane in state["lane_states"]:
+            values = lane["stages"]["pack"]["values"]
+            if values.get("carry") is not None:
+                values["carry"] = _as_earlier_carry(values["carry"])
+                rewritten += 1
+        with zf.Loader(spec, state=zf.encode_state(state)) as loader:
+            resumed = [(step, zf.batch_digest(batch)) for step, batch in itertools.islice(loader, 16 - s)]
+        assert resumed == ref.digests[s:], f"resuming after {s} batches from earlier carries"
+    assert rewritten >= 4
