@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import sys
@@ -23,6 +24,9 @@ from zephon_flow.operators.seek_index import SeekIndex
 COMPRESSED_SUFFIXES = (".gz", ".zst")
 #: The smallest byte range an automatic plan cuts (decompressed bytes for compressed files).
 MIN_SPLIT_BYTES = 256 * 1024
+#: The read buffer of an uncompressed file (at most its split's size): lines of a few KB then
+#: cost one read per many lines, not several per line (Python's default buffer is 8 KiB).
+LINE_BUFFER = 256 * 1024
 
 # What a damaged compressed stream raises besides OSError (gzip.BadGzipFile is an OSError).
 _DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError, indexed_gzip.ZranError)
@@ -168,12 +172,12 @@ class ReadJsonl(Source):
             lo, hi = (split.start + 1 if split.start else 0), stop + 1
         pos, n = (lo if position == START else position), 0
         try:
-            with self._open_at(path, pos - 1 if position == START and lo > 0 else pos) as fh:
+            with self._open_at(path, pos - 1 if position == START and lo > 0 else pos, hi - pos) as fh:
                 if position == START and lo > 0:
                     pos = _after_newline(fh, lo - 1, hi)  # the line through byte lo-1 is not ours
                 for line in fh if pos < hi else ():
                     offset, pos, n = pos, pos + len(line), n + 1
-                    if line.strip():
+                    if not line.isspace():  # what strip() would leave empty, without its copy
                         yield pos, Record(line.removesuffix(b"\n"), path, f"{unit} {offset}", offset)
                     if pos >= hi:
                         return
@@ -187,9 +191,12 @@ class ReadJsonl(Source):
                 f"{split.start}); the file is truncated or damaged there"
             ) from exc
 
-    def _open_at(self, path: str, offset: int) -> IO[bytes]:
+    def _open_at(self, path: str, offset: int, span: int) -> IO[bytes]:
+        """A reader at ``offset`` for about ``span`` bytes (its buffer reads no more than that
+        ahead, so the splits inside one huge line do not each read far past their own)."""
         if not _is_compressed(path):
-            fh = files.open_binary(path, operator=self.operator_name)
+            buffering = min(LINE_BUFFER, max(io.DEFAULT_BUFFER_SIZE, span))
+            fh = files.open_binary(path, operator=self.operator_name, buffering=buffering)
             fh.seek(offset)
             return fh
         return seek_index.open_at(path, self._index(path), offset, operator=self.operator_name)

@@ -349,7 +349,10 @@ def test_a_huge_line_is_read_once_not_by_every_split_inside_it(
             read_bytes[0] += n
             return n
 
-    monkeypatch.setattr(files, "open_binary", lambda p, operator: io.BufferedReader(Counting(p)))
+    def counting(p: str, operator: str, buffering: int = -1) -> io.BufferedReader:
+        return io.BufferedReader(Counting(p), buffering if buffering > 0 else io.DEFAULT_BUFFER_SIZE)
+
+    monkeypatch.setattr(files, "open_binary", counting)
     source = ReadJsonl(path, split_bytes=64 * 1024)
     assert len(source.splits()) > 30
     assert [t for _, r in read_all(source) for t in source.decode(r, OP)] == ["a", huge, "b"]

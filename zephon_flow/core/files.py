@@ -114,11 +114,12 @@ def size(path: str, *, operator: str) -> int:
     return stat(path, operator=operator).size
 
 
-def open_binary(path: str, *, operator: str) -> IO[bytes]:
-    """A seekable binary reader of the file's raw bytes (never decompressed)."""
+def open_binary(path: str, *, operator: str, buffering: int = -1) -> IO[bytes]:
+    """A seekable binary reader of the file's raw bytes (never decompressed); ``buffering`` is
+    the read buffer of a local file in bytes (-1: Python's default, 8 KiB)."""
     if is_local(path):
         try:
-            return open(local_path(path), "rb")
+            return open(local_path(path), "rb", buffering=buffering)
         except OSError as exc:
             raise DataError(f"{operator}: cannot read {path}: {exc.strerror or exc}") from exc
     try:
