@@ -82,27 +82,49 @@ def check_specs(label: str, state_specs: Iterable[Any], timer_specs: Iterable[An
 
 def check_plain(value: Any, where: str) -> None:
     """Raises ``StateError`` naming ``where`` unless ``value`` is plain data the codec stores."""
-    if value is None or isinstance(value, bool | int | float | str | bytes):
+    found = _not_plain(value)
+    if found is None:
         return
+    inside, bad = found
+    where += inside
+    if isinstance(bad, np.ndarray | np.generic):
+        raise StateError(
+            f"{where} is a {bad.dtype} array; state holds plain numeric, bool, string and "
+            f"bytes arrays only (no object or structured dtypes)"
+        )
+    kind = f"{type(bad).__module__}.{type(bad).__qualname__}".removeprefix("builtins.")
+    hint = " (store a sorted list)" if isinstance(bad, set | frozenset) else ""
+    raise StateError(f"{where} is of type {kind}; state holds plain data only ({_PLAIN_WORDS}){hint}")
+
+
+_SCALARS = (bool, int, float, str, bytes)
+
+
+def _not_plain(value: Any) -> tuple[str, Any] | None:
+    """The first part of ``value`` that is not plain data, and where it is inside ``value``
+    (e.g. ``"['ids'][2]"``); None if all of it is plain. The place is spelled out only for
+    a part found, so a state written per element costs no string formatting."""
+    if value is None or isinstance(value, _SCALARS):
+        return None
     if isinstance(value, np.ndarray | np.generic):
-        if value.dtype.hasobject or value.dtype.fields is not None or value.dtype.kind == "V":
-            raise StateError(
-                f"{where} is a {value.dtype} array; state holds plain numeric, bool, string and "
-                f"bytes arrays only (no object or structured dtypes)"
-            )
-        return
+        dtype = value.dtype
+        return ("", value) if dtype.hasobject or dtype.fields is not None or dtype.kind == "V" else None
     if isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
-        return
+            found = _not_plain(item)
+            if found is not None:
+                return f"[{i}]{found[0]}", found[1]
+        return None
     if isinstance(value, dict):
         for key, item in value.items():
-            check_plain(key, f"{where} key {key!r}")
-            check_plain(item, f"{where}[{key!r}]")
-        return
-    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-    hint = " (store a sorted list)" if isinstance(value, set | frozenset) else ""
-    raise StateError(f"{where} is of type {kind}; state holds plain data only ({_PLAIN_WORDS}){hint}")
+            found = _not_plain(key)
+            if found is not None:
+                return f" key {key!r}{found[0]}", found[1]
+            found = _not_plain(item)
+            if found is not None:
+                return f"[{key!r}]{found[0]}", found[1]
+        return None
+    return "", value
 
 
 class _Checked:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
 import pytest
 from apache_beam.coders import Coder, PickleCoder, VarIntCoder
 from apache_beam.transforms.timeutil import TimeDomain
@@ -125,3 +126,25 @@ def test_an_appended_object_is_refused_when_written(jsonl: str) -> None:
     assert "stateful DoFn 'buf': the value written to state 'held', at [5], is of type object;" in str(
         err.value
     )
+
+
+def test_a_value_deep_inside_state_is_named_by_its_place() -> None:
+    from runners.userstate import check_plain
+
+    plain = {"pieces": [np.arange(3), np.zeros(2)], "docs": [(1, 2, 3)], "n": 4, "s": "x", "b": b"y"}
+    check_plain(plain, "state 'carry'")  # nothing raised
+    cases = [
+        (
+            {"pieces": [np.arange(3), np.array([object()])]},
+            r"state 'carry'\['pieces'\]\[1\] is a object array",
+        ),
+        (
+            {"a": [{"b": ({1, 2},)}]},
+            r"state 'carry'\['a'\]\[0\]\['b'\]\[0\] is of type set; .*\(store a sorted list\)$",
+        ),
+        ({(1, object()): 2}, r"state 'carry' key \(1, <object object at .*>\)\[1\] is of type object;"),
+        (np.zeros(2, dtype=[("x", "i4")]), r"^state 'carry' is a \[\('x', '<i4'\)\] array;"),
+    ]
+    for value, message in cases:
+        with pytest.raises(StateError, match=message):
+            check_plain(value, "state 'carry'")
