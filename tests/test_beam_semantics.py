@@ -129,7 +129,7 @@ def test_an_appended_object_is_refused_when_written(jsonl: str) -> None:
 
 
 def test_a_value_deep_inside_state_is_named_by_its_place() -> None:
-    from runners.userstate import check_plain
+    from zephon_flow.runners.userstate import check_plain
 
     plain = {"pieces": [np.arange(3), np.zeros(2)], "docs": [(1, 2, 3)], "n": 4, "s": "x", "b": b"y"}
     check_plain(plain, "state 'carry'")  # nothing raised
