@@ -363,7 +363,9 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         n, width = ids.size, self.seq_len
         room = width - sum(p.size for p in pieces)
         head = min(n, room)
-        pieces, docs = [*pieces, ids[:head].copy()], [*docs, doc_id]
+        # The carry may hold views of the input: Beam elements are never changed once emitted,
+        # and every output below is an array of its own.
+        pieces, docs = [*pieces, ids[:head]], [*docs, doc_id]
         if n < room:  # the open sequence is still not full
             carry.write({"pieces": pieces, "docs": docs})
             return
@@ -378,7 +380,7 @@ class Pack(beam.DoFn):  # type: ignore[misc]
                 alone,
             )
             start += width
-        rest = ids[start:].copy()
+        rest = ids[start:]
         carry.write({"pieces": [rest] if rest.size else [], "docs": [doc_id] if rest.size else []})
 
     def _pieces_output(self, pieces: list[np.ndarray], docs: list[np.ndarray]) -> dict[str, np.ndarray]:

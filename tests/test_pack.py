@@ -235,3 +235,19 @@ def test_a_checkpoint_with_earlier_carries_resumes_with_the_same_digests(tmp_pat
             resumed = [(step, zf.batch_digest(batch)) for step, batch in itertools.islice(loader, 16 - s)]
         assert resumed == ref.digests[s:], f"resuming after {s} batches from earlier carries"
     assert rewritten >= 4
+
+
+@pytest.mark.parametrize("strategy", ["concat", "best_fit"])
+def test_outputs_never_share_memory_with_the_input_or_each_other(strategy: str) -> None:
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 500, int(n), dtype=np.int32) for n in rng.integers(1, 40, 50)]
+    pack = ops.Pack(seq_len=16, strategy=strategy, labels=True)
+    cell, out = _Cell(), []
+    for i, doc in enumerate(docs):
+        out += pack.process((0, doc), carry=cell, flush=cell, doc=(0, 1, i))
+    out += pack.flush_tail(carry=cell)
+    arrays = [a for o in out for a in o.values()]
+    assert all(a.flags.writeable for a in arrays)
+    for k, a in enumerate(arrays):
+        assert not any(np.shares_memory(a, d) for d in docs), "an output is a view of an input"
+        assert not any(np.shares_memory(a, b) for b in arrays[k + 1 :]), "two outputs share memory"
