@@ -146,9 +146,9 @@ PACKED_SEGMENTS = derived.register(PackedSegments())
 def _open(held: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """``concat``'s open sequence as its pieces and their documents' ids (one ``[3]`` row each).
 
-    The carry holds ``{"pieces", "docs"}``. Checkpoints of earlier versions hold the sequence's
-    arrays ``{"ids", "pos", "seg", "docs"}`` (``_CARRY_KEYS``); those are cut where the segment
-    changes, so they resume with the same outputs.
+    The carry holds ``{"pieces", "docs"}`` (``_CARRY_KEYS``). Checkpoints of earlier versions
+    hold the sequence's arrays ``{"ids", "pos", "seg", "docs"}`` (``_OLD_CARRY_KEYS``); those are
+    cut where the segment changes, so they resume with the same outputs.
     """
     if held is None:
         return [], []
@@ -276,7 +276,7 @@ class Pack(beam.DoFn):  # type: ignore[misc]
             if len(docs) != len(pieces) or not all(np.shape(d) == (3,) for d in docs):
                 return None
             lengths = np.asarray([p.size for p in pieces], dtype=np.int32)
-            table = np.stack(docs).astype(np.int64) if docs else _NO_DOCS
+            table = np.array(docs, dtype=np.int64) if docs else _NO_DOCS
             return recipe.Pieces(table, lengths, np.concatenate(pieces) if pieces else _EMPTY)
         names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
         expected = self._output_keys() if kind == "sample" else _OLD_CARRY_KEYS
