@@ -21,6 +21,7 @@ from helpers import chain_spec, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow.core.errors import SpecError, StateError
+from zephon_flow.runners.userstate import check_plain
 
 
 class WallClock(beam.DoFn):  # type: ignore[misc]
@@ -129,8 +130,6 @@ def test_an_appended_object_is_refused_when_written(jsonl: str) -> None:
 
 
 def test_a_value_deep_inside_state_is_named_by_its_place() -> None:
-    from zephon_flow.runners.userstate import check_plain
-
     plain = {"pieces": [np.arange(3), np.zeros(2)], "docs": [(1, 2, 3)], "n": 4, "s": "x", "b": b"y"}
     check_plain(plain, "state 'carry'")  # nothing raised
     cases = [
