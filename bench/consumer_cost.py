@@ -37,6 +37,7 @@ import apache_beam as beam
 import numpy as np
 import psutil
 
+from bench.contenders.zephon_embedded import make_spec
 from bench.stats import median
 from bench.workload import TextWorkload, load_workload
 
@@ -50,24 +51,6 @@ class StandInTokenize(beam.DoFn):  # type: ignore[misc]
     def process(self, text: str) -> Any:
         n = len(text) // 3 + 1
         yield (np.arange(n, dtype=np.int32) * 7919) % 50000
-
-
-def make_spec(w: TextWorkload, *, shuffle: bool) -> Any:
-    import zephon_flow as zf
-    from zephon_flow import operators as ops
-
-    names = sorted(w.sources)
-
-    def text(p: beam.Pipeline) -> beam.PCollection:
-        reads = tuple(p | f"read_{n}" >> ops.ReadJsonl(w.sources[n], field="text") for n in names)
-        mixed = reads | "mix" >> ops.Mix(weights=[w.weights[n] for n in names])
-        toks = mixed | "tok" >> beam.ParDo(StandInTokenize())
-        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=w.seq_len))
-        if not shuffle:
-            return seqs
-        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=w.shuffle_per_lane))
-
-    return zf.LoaderSpec(text, lanes=w.lanes, seed=w.seed, global_batch_size=w.global_batch)
 
 
 def _threads() -> dict[str, float]:
@@ -89,7 +72,7 @@ def measure(w: TextWorkload, variant: str, *, steps: int, warmup: int, workers: 
     import zephon_flow as zf
 
     shape, backend = variant.split("/")
-    spec = make_spec(w, shuffle=shape == "full")
+    spec = make_spec(w, "hf", tokenize=StandInTokenize(), shuffle=shape == "full")
     tokens = 0
     before: tuple[dict[str, float], float, float] | None = None
     with zf.Loader(spec, backend=backend, workers=workers if backend != "inline" else 1) as loader:

@@ -308,10 +308,7 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         if kind == "carry":
             ends = np.cumsum(lengths)[:-1]
             return {"pieces": np.split(ids, ends) if ids.size else [], "docs": list(docs)}
-        starts = np.cumsum(lengths, dtype=np.int32) - lengths
-        pos = np.arange(ids.size, dtype=np.int32) - np.repeat(starts, lengths)
-        seg = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
-        return self._output(ids, pos, seg, docs)
+        return self._segments_output(ids, lengths.astype(np.int32), docs)
 
     def padding_sample(self) -> dict[str, np.ndarray]:
         """The sample that fills a lane's rows after its finite input ended: a sequence of
@@ -372,13 +369,9 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         yield self._pieces_output(pieces, docs)
         alone = doc_id.reshape(1, 3)
         start = room
+        whole = np.array([width], dtype=np.int32)
         while n - start >= width:
-            yield self._output(
-                ids[start : start + width].copy(),
-                np.arange(width, dtype=np.int32),
-                np.zeros(width, dtype=np.int32),
-                alone,
-            )
+            yield self._segments_output(ids[start : start + width].copy(), whole, alone)
             start += width
         rest = ids[start:]
         carry.write({"pieces": [rest] if rest.size else [], "docs": [doc_id] if rest.size else []})
@@ -386,12 +379,8 @@ class Pack(beam.DoFn):  # type: ignore[misc]
     def _pieces_output(self, pieces: list[np.ndarray], docs: list[np.ndarray]) -> dict[str, np.ndarray]:
         """The output of an open sequence given as pieces (one per segment, in order)."""
         table = np.array(docs, dtype=np.int64) if docs else _NO_DOCS  # [k, 3]; np.stack is slower
-        if len(pieces) == 1:
-            ids = pieces[0].copy()  # never hand out the state's own array
-            return self._output(
-                ids, np.arange(ids.size, dtype=np.int32), np.zeros(ids.size, dtype=np.int32), table
-            )
-        lens = np.fromiter((p.size for p in pieces), dtype=np.int32, count=len(pieces))
+        lens = np.array([p.size for p in pieces], dtype=np.int32)
+        # concatenate makes a new array even of one piece: never the state's own.
         return self._segments_output(np.concatenate(pieces), lens, table)
 
     @on_timer(FLUSH)

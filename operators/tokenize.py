@@ -349,10 +349,16 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
         self._tokenizer: HfEngine | TiktokenEngine | None = None
         self._unchecked = 0
         self._lock = threading.Lock()
-        # What ``_finish`` adds around a document's ids, for ``_finish_array``.
-        head = self.prefix_ids if self.add_special_tokens else []
-        tail = [*(self.suffix_ids if self.add_special_tokens else []), *([self.eos_id] * self.append_eos)]
-        self._head, self._tail = np.asarray(head, dtype=np.int32), np.asarray(tail, dtype=np.int32)
+        # What goes around a document's ids (``_finish``, ``_finish_array``): the
+        # post-processor's tokens if asked, then the EOS if asked.
+        specials = self.add_special_tokens
+        self._head_ids: list[int] = list(self.prefix_ids) if specials else []
+        eos = [] if self.eos_id is None else [self.eos_id]  # set exactly when append_eos
+        self._tail_ids: list[int] = [*(self.suffix_ids if specials else []), *eos]
+        self._head, self._tail = (
+            np.asarray(self._head_ids, dtype=np.int32),
+            np.asarray(self._tail_ids, dtype=np.int32),
+        )
 
     @property
     def selected_engine(self) -> str:
@@ -386,10 +392,9 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
 
     def _finish(self, ids: list[int]) -> list[int]:
         """The text's ids with the post-processor's tokens (if asked) and the EOS (if asked)."""
-        if self.add_special_tokens:
-            ids = [*self.prefix_ids, *ids, *self.suffix_ids]
-        if self.eos_id is not None:
-            ids.append(self.eos_id)
+        if self._head_ids:
+            ids = [*self._head_ids, *ids]
+        ids.extend(self._tail_ids)  # the engines hand out a new list per text
         return ids
 
     def _finish_array(self, ids: np.ndarray) -> np.ndarray:

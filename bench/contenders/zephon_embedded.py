@@ -16,8 +16,11 @@ from bench.contenders.harness import Batch, main
 from bench.workload import TextWorkload
 
 
-def make_spec(w: TextWorkload, engine: str) -> Any:
-    """The text workload as a zephon-flow pipeline: ReadJsonl x3, Mix, Tokenize, Pack, Shuffle."""
+def make_spec(w: TextWorkload, engine: str, *, tokenize: Any = None, shuffle: bool = True) -> Any:
+    """The text workload as a zephon-flow pipeline: ReadJsonl x3, Mix, Tokenize, Pack, Shuffle.
+
+    ``tokenize`` replaces ``Tokenize`` with another DoFn (``bench.consumer_cost``'s stand-in);
+    ``shuffle=False`` leaves ``Shuffle`` out."""
     import apache_beam as beam
 
     import zephon_flow as zf
@@ -28,8 +31,11 @@ def make_spec(w: TextWorkload, engine: str) -> Any:
     def text(p: beam.Pipeline) -> beam.PCollection:
         reads = tuple(p | f"read_{n}" >> ops.ReadJsonl(w.sources[n], field="text") for n in names)
         mixed = reads | "mix" >> ops.Mix(weights=[w.weights[n] for n in names])
-        toks = mixed | "tok" >> beam.ParDo(ops.Tokenize(w.tokenizer, append_eos=True, engine=engine))
+        tok = tokenize if tokenize is not None else ops.Tokenize(w.tokenizer, append_eos=True, engine=engine)
+        toks = mixed | "tok" >> beam.ParDo(tok)
         seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=w.seq_len))
+        if not shuffle:
+            return seqs
         return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=w.shuffle_per_lane))
 
     return zf.LoaderSpec(text, lanes=w.lanes, seed=w.seed, global_batch_size=w.global_batch)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from zephon_flow.core.errors import WorkerLostError
 from zephon_flow.runners.segment import Chunk, Failure, RecordResult
@@ -90,3 +91,18 @@ def to_front(pending: deque[Any], future: Future[ChunkResult]) -> None:
                 del pending[i]
                 pending.appendleft(task)
             return
+
+
+H = TypeVar("H")
+
+
+def breadth_first(holders: Sequence[H], held: Callable[[H], int], most: int) -> Iterator[H]:
+    """The holder (a worker, an actor) to give the next piece of work, while any has room:
+    every holder gets a first one to run before any gets a second to queue, else two pieces
+    handed out together would both go to the first holder while the next idles (and a short
+    one would wait behind a long one there). ``held(h)`` is re-read after each piece handed
+    out; one the caller could not hand out (cancelled, unsendable) is simply asked for again."""
+    for depth in range(1, most + 1):
+        for holder in holders:
+            while held(holder) < depth:
+                yield holder

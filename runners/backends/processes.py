@@ -23,7 +23,14 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners.backends import oob
-from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle, to_front
+from zephon_flow.runners.backends.base import (
+    ChunkResult,
+    Task,
+    breadth_first,
+    record_death,
+    settle,
+    to_front,
+)
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: A chunk whose worker dies this many times (each time while running it) fails the loader.
@@ -347,25 +354,20 @@ class ProcessBackend:
             for task in self._drain():
                 settle(task.future, self._broken)
             return
-        # Breadth first: every worker gets a chunk to run before any gets one to queue, else
-        # two chunks submitted together would both go to the first worker while the second idles
-        # (and a short chunk would wait behind a long one there).
-        for depth in range(1, PER_WORKER + 1):
-            for worker in self._workers:
-                while len(worker.tasks) < depth:
-                    with self._lock:
-                        if not self._pending:
-                            return
-                        task = self._pending.popleft()
-                    if task.future.cancelled():
-                        continue
-                    try:
-                        data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
-                    except Exception as exc:
-                        settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
-                        continue
-                    worker.outbox.put(data)
-                    worker.tasks[task.id] = task
+        for worker in breadth_first(self._workers, lambda w: len(w.tasks), PER_WORKER):
+            with self._lock:
+                if not self._pending:
+                    return
+                task = self._pending.popleft()
+            if task.future.cancelled():
+                continue
+            try:
+                data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
+            except Exception as exc:
+                settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
+                continue
+            worker.outbox.put(data)
+            worker.tasks[task.id] = task
 
     def _receive(self, worker: _Worker) -> None:
         try:

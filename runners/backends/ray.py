@@ -19,7 +19,14 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners import ray_env
-from zephon_flow.runners.backends.base import ChunkResult, Task, record_death, settle, to_front
+from zephon_flow.runners.backends.base import (
+    ChunkResult,
+    Task,
+    breadth_first,
+    record_death,
+    settle,
+    to_front,
+)
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 #: What the errors call this backend when Ray is missing or unreachable.
@@ -254,30 +261,23 @@ class RayBackend:
             for task in self._drain():
                 settle(task.future, self._broken)
             return
-        # Breadth first, as in the processes backend: a call for every actor before a second one
-        # for any, so an idle actor never waits while another has a call queued.
-        for depth in range(1, PER_WORKER + 1):
-            for actor in self._actors:
-                while len(actor.calls) < depth:
-                    bundle = self._bundle()
-                    if not bundle:
-                        return
-                    try:
-                        payload = pickle.dumps([(t.id, t.chunk) for t in bundle], _PROTOCOL)
-                        ref = actor.handle.run.remote(payload)
-                    except Exception as exc:  # a chunk does not serialise: say so
-                        for task in bundle:
-                            settle(
-                                task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}")
-                            )
-                        continue
-                    call = _Call(bundle)
-                    if not actor.calls:
-                        actor.head_since = time.monotonic()
-                    actor.calls.append(call)
-                    ref.future().add_done_callback(
-                        lambda done, actor=actor, call=call: self._events.put(("done", actor, call, done))
-                    )
+        for actor in breadth_first(self._actors, lambda a: len(a.calls), PER_WORKER):
+            bundle = self._bundle()
+            if not bundle:
+                return
+            try:
+                ref = actor.handle.run.remote(pickle.dumps([(t.id, t.chunk) for t in bundle], _PROTOCOL))
+            except Exception as exc:  # a chunk does not serialise: say so
+                for task in bundle:
+                    settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
+                continue
+            call = _Call(bundle)
+            if not actor.calls:
+                actor.head_since = time.monotonic()
+            actor.calls.append(call)
+            ref.future().add_done_callback(
+                lambda done, actor=actor, call=call: self._events.put(("done", actor, call, done))
+            )
 
     def _bundle(self) -> list[_Task]:
         """The next call's chunks: the waiting ones shared out among the calls the actors have

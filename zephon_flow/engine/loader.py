@@ -48,9 +48,10 @@ class Loader:
     (``"inline"``, ``"threads"``, ``"processes"`` or ``"ray"`` with ``workers``; ``ray_address``
     joins a Ray cluster, ``None`` a local Ray started for the loader); ``prefetch`` batches are
     produced ahead on a background thread. Each lane keeps up to ``prefetch_chunks`` chunks of
-    ``chunk_records`` records in flight on the backend (fewer at a start: the read-ahead grows
-    with each chunk taken, so the first batch waits for small chunks only). ``state`` (from ``state_dict``, ``merge_states``
-    or checkpoint bytes) resumes the global sequence under any topology.
+    ``chunk_records`` records in flight on the backend (fewer and smaller at a start: the
+    read-ahead grows with each chunk taken, so the first batch waits for small chunks only).
+    ``state`` (from ``state_dict``, ``merge_states`` or checkpoint bytes) resumes the global
+    sequence under any topology.
 
     ``allow_mix_change=True`` accepts a ``state`` written for a pipeline that differs only in
     its ``Mix``'s weights, schedule or interpolation: the new mixture applies from the state's
