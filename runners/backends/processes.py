@@ -7,6 +7,7 @@ import ctypes
 import multiprocessing
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -15,7 +16,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from multiprocessing import forkserver
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -181,6 +182,31 @@ class _Worker:
     outbox: queue.SimpleQueue[memoryview | None] = field(default_factory=queue.SimpleQueue)
 
 
+def _poller(wake: int, workers: list[_Worker]) -> tuple[Any, dict[int, tuple[str, _Worker | None]]]:
+    """A poll object watching the wake-up pipe ``wake`` and each worker's pipe and sentinel,
+    and what each descriptor is."""
+    poller = select.poll()
+    handlers: dict[int, tuple[str, _Worker | None]] = {wake: ("wake", None)}
+    for worker in workers:
+        handlers[worker.conn.fileno()] = ("conn", worker)
+        handlers[worker.process.sentinel] = ("sentinel", worker)
+    for fd in handlers:
+        poller.register(fd, select.POLLIN)
+    return poller, handlers
+
+
+def _has_input(conn: Connection) -> bool:
+    """Whether reading ``conn`` would not block (data, or its end closed): one ``poll`` call,
+    where ``Connection.poll`` builds a selector each time."""
+    try:
+        fd = conn.fileno()
+    except OSError:  # closed: a read says so
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def _start_sender(worker: _Worker) -> None:
     threading.Thread(target=_send_all, args=(worker,), name="zephon-worker-send", daemon=True).start()
 
@@ -326,26 +352,39 @@ class ProcessBackend:
                 settle(task.future, self._broken)
 
     def _serve(self) -> None:
+        # One poll object for the wake-up pipe and every worker's pipe and sentinel, rebuilt
+        # only when a worker is replaced: ``multiprocessing.connection.wait`` would register
+        # every handle anew on each call, which was most of this thread's time per chunk.
+        watched: tuple[int, ...] = ()  # the ids of the workers the poll object watches
+        poller, handlers = select.poll(), dict[int, tuple[str, _Worker | None]]()
+        wake = self._wake_r.fileno()
         while True:
             with self._lock:
                 if self._closing:
                     return
             self._assign()
-            by_conn = {w.conn: w for w in self._workers}
-            by_sentinel = {w.process.sentinel: w for w in self._workers}
-            ready = wait([self._wake_r, *by_conn, *by_sentinel], timeout=self._next_deadline())
-            for obj in ready:
-                if obj is self._wake_r:
+            if watched != (now := tuple(map(id, self._workers))):
+                watched = now
+                poller, handlers = _poller(wake, self._workers)
+            timeout = self._next_deadline()
+            events = poller.poll(None if timeout is None else max(1, int(timeout * 1000)))
+            died: list[_Worker] = []
+            for fd, _ in events:
+                kind, worker = handlers[fd]
+                if kind == "wake":
                     with contextlib.suppress(EOFError, OSError):
-                        while self._wake_r.poll():
+                        while _has_input(self._wake_r):
                             self._wake_r.recv_bytes()
                     with self._lock:  # chunks submitted from now on wake it again
                         self._woken = False
-                elif obj in by_conn:
-                    self._receive(by_conn[obj])
-            for obj in ready:
-                worker = by_sentinel.get(obj)  # type: ignore[call-overload]
-                if worker is not None and worker in self._workers:
+                elif kind == "conn":
+                    assert worker is not None
+                    self._receive(worker)
+                else:
+                    assert worker is not None
+                    died.append(worker)
+            for worker in died:  # after every result that came in with the death
+                if worker in self._workers:
                     self._replace(worker, self._death_note(worker))
             self._check_deadlines()
 
@@ -371,7 +410,7 @@ class ProcessBackend:
 
     def _receive(self, worker: _Worker) -> None:
         try:
-            while worker.conn.poll():
+            while _has_input(worker.conn):
                 task_id, result = oob.recv(worker.conn)
                 if task_id == -1:  # the worker could not install the DoFns: no worker can
                     self._broken = result
