@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import IO, Any
 
 import indexed_gzip
+import orjson
 import zstandard
 
 from zephon_flow.core import files
@@ -207,21 +208,11 @@ class ReadJsonl(Source):
 
     # -- decoding (runs in workers on a pickled copy of this transform) ------------------
     def decode(self, record: Record, operator: str) -> list[Any]:
+        try:
+            obj = orjson.loads(record.payload)  # about twice as fast as json on documents
+        except orjson.JSONDecodeError:
+            obj = _loads_leniently(record, operator)
         where = f"{record.path} at {record.where}"
-        payload: bytes = record.payload
-        try:
-            text = payload.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(
-                f"{operator}: {where} is not valid UTF-8: {exc.reason} "
-                f"(0x{payload[exc.start]:02x}, {exc.start} bytes into the line)"
-            ) from exc
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{operator}: malformed JSON in {where}: {exc.msg} (column {exc.colno})") from exc
-        except RecursionError as exc:
-            raise DataError(f"{operator}: malformed JSON in {where}: nested too deeply") from exc
         if not isinstance(obj, dict):
             raise DataError(
                 f"{operator}: {where} holds a JSON {_json_type(obj)}, "
@@ -238,6 +229,27 @@ class ReadJsonl(Source):
                 f"{operator}: the field {self.field!r} in {where} is a JSON {_json_type(value)}, not a string"
             )
         return [value] if value else []
+
+
+def _loads_leniently(record: Record, operator: str) -> Any:
+    """A line ``orjson`` refused, through the standard library's ``json``: it also accepts what
+    ``orjson`` does not (``NaN``, ``Infinity``, a lone surrogate escape), as ``ReadJsonl`` always
+    has, and its errors name the column. A bad line is a ``DataError`` naming file and offset."""
+    where = f"{record.path} at {record.where}"
+    payload: bytes = record.payload
+    try:
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{operator}: {where} is not valid UTF-8: {exc.reason} "
+            f"(0x{payload[exc.start]:02x}, {exc.start} bytes into the line)"
+        ) from exc
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{operator}: malformed JSON in {where}: {exc.msg} (column {exc.colno})") from exc
+    except RecursionError as exc:
+        raise DataError(f"{operator}: malformed JSON in {where}: nested too deeply") from exc
 
 
 def _after_newline(fh: IO[bytes], pos: int, hi: int) -> int:

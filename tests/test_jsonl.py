@@ -276,6 +276,40 @@ def test_decode_errors_name_the_file_the_place_and_the_operator(payload: bytes, 
         ReadJsonl("unused").decode(record(payload), OP)
 
 
+@pytest.mark.parametrize(
+    ("payload", "text"),
+    [
+        (b'{"text": "a", "score": NaN}', "a"),  # orjson refuses NaN and Infinity; json takes them
+        (b'{"text": "a", "big": 1e400}', "a"),
+        (b'{"text": "x\\ud800y"}', "x\ud800y"),  # a lone surrogate escape
+        (b'{"text": "first", "text": "last"}', "last"),  # the last of repeated keys, as json
+    ],
+)
+def test_decode_takes_what_the_standard_json_takes(payload: bytes, text: str) -> None:
+    assert ReadJsonl("unused").decode(record(payload), OP) == [text]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.text(max_size=8),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+            lambda inner: (
+                st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+            ),
+            max_leaves=8,
+        ),
+        max_size=4,
+    ),
+    st.text(),
+    st.booleans(),
+)
+def test_decode_gives_the_text_json_gives(extra: dict[str, Any], text: str, ascii_only: bool) -> None:
+    line = json.dumps({**extra, "text": text}, ensure_ascii=ascii_only).encode()
+    assert ReadJsonl("unused").decode(record(line), OP) == ([json.loads(line)["text"]] if text else [])
+
+
 def test_decode_works_on_a_pickled_copy(tmp_path: Path) -> None:
     path = write(tmp_path / "a.jsonl", jsonl("a", "b"))
     source = ReadJsonl(path)
