@@ -98,32 +98,55 @@ def check_plain(value: Any, where: str) -> None:
 
 
 _SCALARS = (bool, int, float, str, bytes)
+#: Exact types that are plain as they are (their subclasses take the ``isinstance`` path).
+_PLAIN_TYPES = frozenset({type(None), bool, int, float, str, bytes})
+#: Array dtypes already found plain: most states hold a few dtypes, looked up by identity.
+_PLAIN_DTYPES: set[np.dtype[Any]] = set()
+
+
+def _bad_dtype(dtype: np.dtype[Any]) -> bool:
+    if dtype in _PLAIN_DTYPES:
+        return False
+    if dtype.hasobject or dtype.fields is not None or dtype.kind == "V":
+        return True
+    if len(_PLAIN_DTYPES) >= 256:  # e.g. strings of ever new lengths: each is a dtype
+        _PLAIN_DTYPES.clear()
+    _PLAIN_DTYPES.add(dtype)
+    return False
 
 
 def _not_plain(value: Any) -> tuple[str, Any] | None:
     """The first part of ``value`` that is not plain data, and where it is inside ``value``
     (e.g. ``"['ids'][2]"``); None if all of it is plain. The place is spelled out only for
-    a part found, so a state written per element costs no string formatting."""
-    if value is None or isinstance(value, _SCALARS):
+    a part found, so a state written per element costs no string formatting. The exact
+    types states are made of are told by ``type()``, before any ``isinstance``."""
+    kind = type(value)
+    if kind in _PLAIN_TYPES:
         return None
-    if isinstance(value, np.ndarray | np.generic):
-        dtype = value.dtype
-        return ("", value) if dtype.hasobject or dtype.fields is not None or dtype.kind == "V" else None
-    if isinstance(value, list | tuple):
+    if kind is np.ndarray:
+        return ("", value) if _bad_dtype(value.dtype) else None
+    if kind is list or kind is tuple or (kind is not dict and isinstance(value, list | tuple)):
         for i, item in enumerate(value):
+            if type(item) in _PLAIN_TYPES:
+                continue
             found = _not_plain(item)
             if found is not None:
                 return f"[{i}]{found[0]}", found[1]
         return None
-    if isinstance(value, dict):
+    if kind is dict or isinstance(value, dict):
         for key, item in value.items():
-            found = _not_plain(key)
-            if found is not None:
-                return f" key {key!r}{found[0]}", found[1]
+            if type(key) is not str:
+                found = _not_plain(key)
+                if found is not None:
+                    return f" key {key!r}{found[0]}", found[1]
             found = _not_plain(item)
             if found is not None:
                 return f"[{key!r}]{found[0]}", found[1]
         return None
+    if isinstance(value, _SCALARS):
+        return None
+    if isinstance(value, np.ndarray | np.generic):
+        return ("", value) if _bad_dtype(value.dtype) else None
     return "", value
 
 

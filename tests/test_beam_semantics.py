@@ -3,6 +3,8 @@ are checked when written, not when a checkpoint is saved."""
 
 from __future__ import annotations
 
+import collections
+import enum
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +149,38 @@ def test_a_value_deep_inside_state_is_named_by_its_place() -> None:
     for value, message in cases:
         with pytest.raises(StateError, match=message):
             check_plain(value, "state 'carry'")
+
+
+class Colour(enum.IntEnum):
+    RED = 1
+
+
+class Name(str):
+    pass
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_subclasses_and_numpy_scalars_are_judged_as_their_base_types() -> None:
+    plain = [
+        Colour.RED,
+        Name("x"),
+        collections.OrderedDict(a=np.arange(2)),
+        Pair(1, [np.float32(2.0), np.int64(3)]),
+        np.arange(4).view(np.matrix),
+        {Name("key"): 1, 2: "two", (3, "t"): None},
+    ]
+    for value in plain:
+        check_plain(value, "state 'x'")  # nothing raised
+    # The dtypes found plain above are remembered; arrays of other dtypes are still judged.
+    bad = [
+        (Pair(1, {2}), r"state 'x'\[1\] is of type set"),
+        (collections.OrderedDict(a=np.array([None])), r"state 'x'\['a'\] is a object array"),
+        (np.zeros(1, dtype=[("x", "i4")])[0], r"state 'x' is a \[\('x', '<i4'\)\] array"),
+        (np.array([None]).view(np.matrix), r"state 'x' is a object array"),
+        ({Colour.RED: object()}, r"state 'x'\[<Colour.RED: 1>\] is of type object"),
+    ]
+    for value, message in bad:
+        with pytest.raises(StateError, match=message):
+            check_plain(value, "state 'x'")
