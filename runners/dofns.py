@@ -246,12 +246,11 @@ class _Binding:
             if self.key:
                 kw[self.key] = lane
             st.bound[id(self)] = kw
-        if self.timestamp or self.doc:
-            kw = dict(kw)
-            if self.timestamp:
-                kw[self.timestamp] = Timestamp(micros=micros)
-            if self.doc:
-                kw[self.doc] = doc
+        # Set in place: the call unpacks ``kw`` at once, and the next call sets them again.
+        if self.timestamp:
+            kw[self.timestamp] = Timestamp(micros=micros)
+        if self.doc:
+            kw[self.doc] = doc
         return kw
 
 
@@ -282,7 +281,7 @@ class StatefulInvoker:
         results = [] if out is None else list(out)
         st.position += 1
         # The watermark is now ``st.position``: timers strictly below it fire, in deadline order.
-        if st.timers:
+        if st.timers and min(st.timers.values()) < st.position * _MICROS:
             results.extend(self.fire_timers(lane, st, st.position * _MICROS))
         return results
 
