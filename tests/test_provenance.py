@@ -125,6 +125,21 @@ def test_stack_concatenates_documents_and_counts_them() -> None:
     assert batch_digest(whole) == batch_digest(batch)
 
 
+@pytest.mark.parametrize("shape", [(), (5,), (0,), (2, 3), (4, 0), (2, 3, 4)])
+@pytest.mark.parametrize("order", ["C", "F"])
+def test_stack_gives_numpy_stack_of_every_field(shape: tuple[int, ...], order: str) -> None:
+    rng = np.random.default_rng(len(shape))
+    values = [np.asarray(rng.integers(-9, 9, shape), dtype=np.int16, order=order) for _ in range(7)]
+    values[3] = values[3][...]  # a view among them
+    got = stack([{"x": v} for v in values], where="test")["x"]
+    want = np.stack(values)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert stack([[1, 2], [3, 4]], where="test")["data"].tolist() == [[1, 2], [3, 4]]  # not arrays
+    with pytest.raises(StageError, match=r"test, field 'x': sample 1 is >i2\[2\], expected int16\[2\]"):
+        stack([{"x": np.zeros(2, "<i2")}, {"x": np.zeros(2, ">i2")}], where="test")
+
+
 def test_stack_refuses_documents_of_another_width() -> None:
     bad = sample(1, 0)
     bad["documents"] = np.zeros((1, 2), dtype=np.int64)
