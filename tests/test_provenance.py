@@ -129,7 +129,8 @@ def test_stack_concatenates_documents_and_counts_them() -> None:
 @pytest.mark.parametrize("order", ["C", "F"])
 def test_stack_gives_numpy_stack_of_every_field(shape: tuple[int, ...], order: str) -> None:
     rng = np.random.default_rng(len(shape))
-    values = [np.asarray(rng.integers(-9, 9, shape), dtype=np.int16, order=order) for _ in range(7)]
+    layout: Any = order  # "C" or "F"
+    values = [np.asarray(rng.integers(-9, 9, shape), dtype=np.int16, order=layout) for _ in range(7)]
     values[3] = values[3][...]  # a view among them
     got = stack([{"x": v} for v in values], where="test")["x"]
     want = np.stack(values)

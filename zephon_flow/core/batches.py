@@ -26,9 +26,9 @@ def stack(samples: Sequence[Any], *, where: str) -> Batch:
         raise StageError(f"{where}: no samples to stack")
     first = samples[0]
     if isinstance(first, Mapping):
-        keys = sorted(first)
+        keys, names = sorted(first), first.keys()
         for i, s in enumerate(samples):
-            if not isinstance(s, Mapping) or sorted(s) != keys:
+            if not isinstance(s, Mapping) or s.keys() != names:
                 raise StageError(
                     f"{where}: sample {i} has keys {sorted(s) if isinstance(s, Mapping) else type(s).__name__}, expected {keys}"
                 )
