@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from zephon_flow.core.batches import SampleLayout
 from zephon_flow.core.errors import CorruptStateError
@@ -22,9 +21,9 @@ from zephon_flow.runners.streams import SourceStream
 SkipHook = Callable[[int, str], None]
 
 
-@dataclass(frozen=True)
-class FedRecord:
-    """One consumed record with outputs: ``outputs[start:]`` are still to be pushed."""
+class FedRecord(NamedTuple):
+    """One consumed record with outputs: ``outputs[start:]`` are still to be pushed. (A named
+    tuple: one is made per record, three times faster than a frozen dataclass.)"""
 
     outputs: list[Any]
     start: int

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from zephon_flow.core.errors import CorruptStateError, DataError
 from zephon_flow.core.markers import DocId
@@ -141,9 +142,9 @@ def _note_shared(source: Source, label: str, split: Split, k: int) -> None:
     )
 
 
-@dataclass(frozen=True)
-class Taken:
-    """One record of a source, in order: its outputs (or skip note), the cursor after it, its id."""
+class Taken(NamedTuple):
+    """One record of a source, in order: its outputs (or skip note), the cursor after it, its id.
+    (A named tuple: one is made per record, three times faster than a frozen dataclass.)"""
 
     result: RecordResult
     after: list[int]
