@@ -212,44 +212,54 @@ class ReadJsonl(Source):
             obj = orjson.loads(record.payload)  # about twice as fast as json on documents
         except orjson.JSONDecodeError:
             obj = _loads_leniently(record, operator)
-        where = f"{record.path} at {record.where}"
+        if isinstance(obj, dict) and isinstance(value := obj.get(self.field), str):
+            return [value] if value else []
+        raise self._no_text(obj, record, operator)
+
+    def _no_text(self, obj: Any, record: Record, operator: str) -> DataError:
+        """Why a decoded line gives no text: not an object, no such field, or not a string."""
+        where = _where(record)
         if not isinstance(obj, dict):
-            raise DataError(
+            return DataError(
                 f"{operator}: {where} holds a JSON {_json_type(obj)}, "
                 f"not an object with the field {self.field!r}"
             )
         if self.field not in obj:
-            raise DataError(
+            return DataError(
                 f"{operator}: {where} has no field {self.field!r} (it has {_field_list(obj)}); "
                 f"set field= to the field that holds the text"
             )
-        value = obj[self.field]
-        if not isinstance(value, str):
-            raise DataError(
-                f"{operator}: the field {self.field!r} in {where} is a JSON {_json_type(value)}, not a string"
-            )
-        return [value] if value else []
+        return DataError(
+            f"{operator}: the field {self.field!r} in {where} is a JSON {_json_type(obj[self.field])}, "
+            f"not a string"
+        )
+
+
+def _where(record: Record) -> str:
+    """A record's place for an error: its file and offset."""
+    return f"{record.path} at {record.where}"
 
 
 def _loads_leniently(record: Record, operator: str) -> Any:
     """A line ``orjson`` refused, through the standard library's ``json``: it also accepts what
     ``orjson`` does not (``NaN``, ``Infinity``, a lone surrogate escape), as ``ReadJsonl`` always
     has, and its errors name the column. A bad line is a ``DataError`` naming file and offset."""
-    where = f"{record.path} at {record.where}"
     payload: bytes = record.payload
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(
-            f"{operator}: {where} is not valid UTF-8: {exc.reason} "
+            f"{operator}: {_where(record)} is not valid UTF-8: {exc.reason} "
             f"(0x{payload[exc.start]:02x}, {exc.start} bytes into the line)"
         ) from exc
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{operator}: malformed JSON in {where}: {exc.msg} (column {exc.colno})") from exc
+        raise DataError(
+            f"{operator}: malformed JSON in {_where(record)}: {exc.msg} (column {exc.colno})"
+        ) from exc
     except RecursionError as exc:
-        raise DataError(f"{operator}: malformed JSON in {where}: nested too deeply") from exc
+        raise DataError(f"{operator}: malformed JSON in {_where(record)}: nested too deeply") from exc
 
 
 def _after_newline(fh: IO[bytes], pos: int, hi: int) -> int:

@@ -160,6 +160,15 @@ def _open(held: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return np.split(ids, np.flatnonzero(np.diff(seg)) + 1), list(held["docs"])
 
 
+def _joined(pieces: list[np.ndarray], docs: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An open sequence's pieces as one sequence: its documents' ids ``[k, 3]``, the pieces'
+    lengths (int32) and their ids in one new array (a copy even of one piece: never the
+    state's own)."""
+    table = np.array(docs, dtype=np.int64) if docs else _NO_DOCS  # np.stack is slower
+    lens = np.array([p.size for p in pieces], dtype=np.int32)
+    return table, lens, np.concatenate(pieces) if pieces else _EMPTY
+
+
 class Pack(beam.DoFn):  # type: ignore[misc]
     """Packs documents (int arrays of ids) into sequences of exactly ``seq_len`` tokens.
 
@@ -275,9 +284,7 @@ class Pack(beam.DoFn):  # type: ignore[misc]
                 return None
             if len(docs) != len(pieces) or not all(np.shape(d) == (3,) for d in docs):
                 return None
-            lengths = np.asarray([p.size for p in pieces], dtype=np.int32)
-            table = np.array(docs, dtype=np.int64) if docs else _NO_DOCS
-            return recipe.Pieces(table, lengths, np.concatenate(pieces) if pieces else _EMPTY)
+            return recipe.Pieces(*_joined(pieces, docs))
         names = ("input_ids", "segment_ids", "documents") if kind == "sample" else ("ids", "seg", "docs")
         expected = self._output_keys() if kind == "sample" else _OLD_CARRY_KEYS
         if kind not in ("sample", "carry") or keys != expected:
@@ -358,7 +365,7 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         # every later piece starts a sequence of its own, at position 0 and segment 0, and
         # holds only this document.
         n, width = ids.size, self.seq_len
-        room = width - sum(p.size for p in pieces)
+        room = width - sum(map(len, pieces))  # 1-d pieces
         head = min(n, room)
         # The carry may hold views of the input: Beam elements are never changed once emitted,
         # and every output below is an array of its own.
@@ -378,10 +385,8 @@ class Pack(beam.DoFn):  # type: ignore[misc]
 
     def _pieces_output(self, pieces: list[np.ndarray], docs: list[np.ndarray]) -> dict[str, np.ndarray]:
         """The output of an open sequence given as pieces (one per segment, in order)."""
-        table = np.array(docs, dtype=np.int64) if docs else _NO_DOCS  # [k, 3]; np.stack is slower
-        lens = np.array([p.size for p in pieces], dtype=np.int32)
-        # concatenate makes a new array even of one piece: never the state's own.
-        return self._segments_output(np.concatenate(pieces), lens, table)
+        table, lens, ids = _joined(pieces, docs)
+        return self._segments_output(ids, lens, table)
 
     @on_timer(FLUSH)
     def flush_tail(self, carry: Any = beam.DoFn.StateParam(CARRY)) -> Any:

@@ -399,14 +399,9 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
 
     def _finish_array(self, ids: np.ndarray) -> np.ndarray:
         """``_finish`` for an int32 array of ids (the array itself if nothing is added)."""
-        head, tail = self._head, self._tail
-        if not head.size and not tail.size:
+        if not self._head.size and not self._tail.size:
             return ids
-        out = np.empty(head.size + ids.size + tail.size, dtype=np.int32)
-        out[: head.size] = head
-        out[head.size : head.size + ids.size] = ids
-        out[head.size + ids.size :] = tail
-        return out
+        return np.concatenate((self._head, ids, self._tail))
 
     def _encode(self, tokenizer: HfEngine | TiktokenEngine, text: str) -> np.ndarray:
         """One checked document's ids, finished, as an int32 array."""

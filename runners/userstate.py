@@ -125,7 +125,7 @@ def _not_plain(value: Any) -> tuple[str, Any] | None:
         return None
     if kind is np.ndarray:
         return ("", value) if _bad_dtype(value.dtype) else None
-    if kind is list or kind is tuple or (kind is not dict and isinstance(value, list | tuple)):
+    if kind is list or kind is tuple or isinstance(value, list | tuple):
         for i, item in enumerate(value):
             if type(item) in _PLAIN_TYPES:
                 continue

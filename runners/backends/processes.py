@@ -355,9 +355,9 @@ class ProcessBackend:
         # One poll object for the wake-up pipe and every worker's pipe and sentinel, rebuilt
         # only when a worker is replaced: ``multiprocessing.connection.wait`` would register
         # every handle anew on each call, which was most of this thread's time per chunk.
-        watched: tuple[int, ...] = ()  # the ids of the workers the poll object watches
-        poller, handlers = select.poll(), dict[int, tuple[str, _Worker | None]]()
         wake = self._wake_r.fileno()
+        watched = tuple(map(id, self._workers))  # the workers the poll object watches
+        poller, handlers = _poller(wake, self._workers)
         while True:
             with self._lock:
                 if self._closing:
