@@ -50,8 +50,8 @@ def connect(feature: str, address: str | None = None, *, num_cpus: int | None = 
     else:
         options["address"] = address
     try:
-        ray.init(**options)
-    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as exc:
+        _init(ray, options, local=address is None)
+    except (ConnectionError, TimeoutError, RuntimeError, ValueError, _StartupTimeout) as exc:
         where = f"the Ray cluster at {address!r}" if address is not None else "a local Ray instance"
         raise RayUnavailableError(
             f"{feature} could not reach {where}: {type(exc).__name__}: {exc}. "
@@ -63,6 +63,30 @@ def connect(feature: str, address: str | None = None, *, num_cpus: int | None = 
             )
         ) from exc
     return True
+
+
+#: Part of the message of the bare ``Exception`` Ray raises when its raylet does not register
+#: within 30 s (fixed in Ray's ``node.py``): on a loaded machine, a local start may just be slow.
+_STARTUP_TIMEOUT = "timed out during startup"
+
+
+class _StartupTimeout(Exception):
+    """Ray's raylet did not register in time, twice."""
+
+
+def _init(ray: ModuleType, options: dict[str, Any], *, local: bool) -> None:
+    """``ray.init``; a local start that hits Ray's startup timeout is shut down and tried once
+    more before it fails."""
+    for attempt in (1, 2):
+        try:
+            ray.init(**options)
+            return
+        except Exception as exc:
+            if not local or _STARTUP_TIMEOUT not in str(exc) or type(exc) is not Exception:
+                raise
+            ray.shutdown()
+            if attempt == 2:
+                raise _StartupTimeout(f"{exc} (tried twice)") from exc
 
 
 def disconnect_if_started(started: bool) -> None:
