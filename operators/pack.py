@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any
 
 import apache_beam as beam
@@ -31,6 +32,17 @@ IGNORE = -100
 #: The fields of ``concat``'s open sequence (the ``carry`` state), and of its earlier form.
 _CARRY_KEYS = {"pieces", "docs"}
 _OLD_CARRY_KEYS = {"ids", "pos", "seg", "docs"}
+
+
+@lru_cache(maxsize=8)
+def _counting(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """``0..width-1`` and ``width`` zeros (int32), made once per width and read-only: a
+    sequence that is one piece takes its ``position_ids`` and ``segment_ids`` as views of them
+    (two thirds of the sequences on text whose documents are mostly longer than ``seq_len``),
+    and the positions of a sequence of several pieces are joined from slices of the first."""
+    pos, seg = np.arange(width, dtype=np.int32), np.zeros(width, dtype=np.int32)
+    pos.flags.writeable = seg.flags.writeable = False
+    return pos, seg
 
 
 class PackedSegments:
@@ -176,7 +188,10 @@ class Pack(beam.DoFn):  # type: ignore[misc]
     ``position_ids`` restart at 0 at each document and at the start of each piece of a document
     that was cut; ``segment_ids`` number the pieces inside a sequence from 0, so trainers can
     mask attention across documents. Padding is ``pad_id`` with position 0 and segment id -1, so
-    the padding of any batch is ``(batch["segment_ids"] == -1).sum()``.
+    the padding of any batch is ``(batch["segment_ids"] == -1).sum()``. Like every Beam
+    element, an output must not be changed in place: the ``position_ids`` and ``segment_ids``
+    of a sequence that is a single piece are read-only views of arrays all such sequences share
+    (copy one to change it; batches are always new arrays).
 
     ``strategy="concat"`` (the default) cuts the stream of documents every ``seq_len`` tokens:
     no padding except the last sequence of a finite input, but documents are cut at sequence
@@ -408,11 +423,11 @@ class Pack(beam.DoFn):  # type: ignore[misc]
 
     def _segments_output(self, ids: np.ndarray, lens: np.ndarray, docs: np.ndarray) -> dict[str, np.ndarray]:
         """The output of a sequence of ``ids`` (its own array) made of pieces of ``lens`` tokens."""
-        pos = np.arange(ids.size, dtype=np.int32)
+        counting, zeros = _counting(self.seq_len)
         if lens.size == 1:  # a piece of a long document, or a lone document
-            seg = np.zeros(ids.size, dtype=np.int32)
-        else:
-            pos -= np.repeat(np.cumsum(lens, dtype=np.int32) - lens, lens)
+            pos, seg = counting[: ids.size], zeros[: ids.size]
+        else:  # each piece counts from 0
+            pos = np.concatenate([counting[:n] for n in lens.tolist()])
             seg = np.repeat(np.arange(lens.size, dtype=np.int32), lens)
         return self._output(ids, pos, seg, docs)
 
