@@ -17,8 +17,12 @@ workload, its limit (Pillow + tokenizer alone), zephon-flow now and at the basel
 ``DataLoader``. The data is ``bench.run``'s (``bench/data.py``). Reported per contender: medians
 over rounds of the rate after warm-up, the first batch and the consumer's and its children's CPU
 cores; ratios to the limit and to torch of the medians and, per round, paired (the median of the
-per-round ratios, robust to a machine whose load changes between rounds). Results:
-``<out>/speed.json`` and ``<out>/speed.md``.
+per-round ratios, robust to a machine whose load changes between rounds); and the work done
+per CPU-second (everything the loader's process and its workers spent) over the limit's, paired
+per round: the share of the CPU that goes to the work itself, which a machine that lends cores to
+other tenants moves less than it moves rates (on 2 idle cores a loader's rate over the limit's is
+this share times how busy it keeps the cores). Results: ``<out>/speed.json`` and
+``<out>/speed.md``.
 """
 
 from __future__ import annotations
@@ -108,12 +112,15 @@ def summarise(kind: str, raw: list[dict[str, Any]]) -> dict[str, Any]:
     for r in raw:
         if r["ok"]:
             rounds.setdefault(r["round"], {})[r["name"]] = r
+    for by in rounds.values():
+        for r in by.values():
+            r["per_cpu_s"] = per_cpu_second(r, rate)
     table: dict[str, Any] = {}
     for name in names:
         runs = [by[name] for by in rounds.values() if name in by]
         failed = [r.get("error", "")[:300] for r in raw if r["name"] == name and not r["ok"]]
         row: dict[str, Any] = {"runs": len(runs), "failed": failed}
-        for key in (rate, "ttfb_s", "main_cpu_cores", "children_cpu_cores", "half_rate_ratio"):
+        for key in (rate, "ttfb_s", "main_cpu_cores", "children_cpu_cores", "half_rate_ratio", "per_cpu_s"):
             values = [r[key] for r in runs if r.get(key) is not None]
             row[key] = median(values) if values else None
             row[f"{key}_samples"] = values
@@ -121,6 +128,13 @@ def summarise(kind: str, raw: list[dict[str, Any]]) -> dict[str, Any]:
             pairs = [by[name][rate] / by[other][rate] for by in rounds.values() if name in by and other in by]
             row[f"over_{label}_paired"] = median(pairs) if pairs else None
             row[f"over_{label}_samples"] = pairs
+        cpu_pairs = [
+            by[name]["per_cpu_s"] / by[limit]["per_cpu_s"]
+            for by in rounds.values()
+            if name in by and limit in by and by[name]["per_cpu_s"] and by[limit]["per_cpu_s"]
+        ]
+        row["cpu_over_limit_paired"] = median(cpu_pairs) if cpu_pairs else None
+        row["cpu_over_limit_samples"] = cpu_pairs
         table[name] = row
     torch = table.get("torch_dataloader", {})
     for row in table.values():
@@ -128,6 +142,21 @@ def summarise(kind: str, raw: list[dict[str, Any]]) -> dict[str, Any]:
         row["over_torch"] = _ratio(row[rate], torch.get(rate))
         row["ttfb_over_torch"] = _ratio(row["ttfb_s"], torch.get("ttfb_s"))
     return {"rate": rate, "limit": limit, "table": table}
+
+
+def per_cpu_second(run: dict[str, Any], rate: str) -> float | None:
+    """A run's work per CPU-second: the limit's from the CPU time its processes spent encoding
+    (``cpu_seconds``), a loader's from its rate over the cores its process and its children
+    were busy in the timed window. Per CPU-second, not per second, so a machine that lends
+    other tenants a core moves it less; the paired ratio to the limit's is the share of all
+    the CPU spent that goes to the work itself."""
+    if run.get("cpu_seconds"):
+        units = run.get("tokens", run.get("images"))
+        return units / run["cpu_seconds"] if units else None
+    cores = [run.get("main_cpu_cores"), run.get("children_cpu_cores")]
+    if run.get(rate) is None or None in cores or not sum(cores):
+        return None
+    return float(run[rate]) / sum(cores)
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -142,14 +171,15 @@ def markdown(results: dict[str, Any]) -> str:
             f"### {kind}: {rate} (medians of {results['rounds']} rounds)",
             "",
             f"| contender | {rate} | / {summary['limit']} | paired | / torch | paired | first batch s | / torch "
-            "| consumer cores | children cores |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| consumer cores | children cores | per CPU-s / limit's, paired |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for name, row in sorted(summary["table"].items(), key=lambda kv: -(kv[1][rate] or 0)):
             lines.append(
                 f"| {name} | {_f(row[rate], ',.1f')} | {_f(row['over_limit'])} | {_f(row['over_limit_paired'])} "
                 f"| {_f(row['over_torch'])} | {_f(row['over_torch_paired'])} | {_f(row['ttfb_s'])} "
-                f"| {_f(row['ttfb_over_torch'])} | {_f(row['main_cpu_cores'])} | {_f(row['children_cpu_cores'])} |"
+                f"| {_f(row['ttfb_over_torch'])} | {_f(row['main_cpu_cores'])} | {_f(row['children_cpu_cores'])} "
+                f"| {_f(row['cpu_over_limit_paired'])} |"
             )
         for name, row in summary["table"].items():
             if row["failed"]:

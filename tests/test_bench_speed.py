@@ -49,3 +49,27 @@ def test_report_holds_the_tiktoken_contender_to_its_own_engine_limit() -> None:
     assert auto["over_own_limit_paired_median"] == 0.9  # rounds: 0.8, 0.95, 0.9
     assert auto["flags"] == []  # 8x the HF limit is not flagged: its own limit is tiktoken's
     assert table["limit_tiktoken"]["flags"] == []
+
+
+def test_speed_summary_gives_the_work_per_cpu_second_over_the_limits() -> None:
+    # The limit: 100 tokens/s on 2 processes that spent 4 CPU-s for 400 tokens (100 per CPU-s).
+    # zephon: 90 tokens/s with 0.25 + 1.75 cores busy: 45 per CPU-s, 0.45 of the limit's.
+    limit = {**_run("limit_tiktoken", 0, 100.0, None), "tokens": 400, "cpu_seconds": 4.0}
+    zephon = {**_run("zephon_auto", 0, 90.0), "main_cpu_cores": 0.25, "children_cpu_cores": 1.75}
+    limit1 = {**_run("limit_tiktoken", 1, 100.0, None), "tokens": 400, "cpu_seconds": 5.0}
+    zephon1 = {**_run("zephon_auto", 1, 90.0), "main_cpu_cores": 0.5, "children_cpu_cores": 1.5}
+    unmeasured = _run("torch_dataloader", 1, 30.0, 4.0)  # no CPU figures: no ratio, no error
+    table = speed.summarise("text", [limit, zephon, limit1, zephon1, unmeasured])["table"]
+    z = table["zephon_auto"]
+    assert z["cpu_over_limit_samples"] == [0.45, 45.0 / 80.0]
+    assert table["torch_dataloader"]["cpu_over_limit_paired"] is None
+    assert table["limit_tiktoken"]["cpu_over_limit_paired"] == 1.0
+    assert (
+        speed.per_cpu_second(
+            {"tokens_per_s": 9.0, "main_cpu_cores": 0.0, "children_cpu_cores": 0.0}, "tokens_per_s"
+        )
+        is None
+    )
+    text = speed.markdown({"baseline": "b", "now": "n", "rounds": 2, "loadavg_start": [1], "loadavg_end": [2],
+                           "workloads": {"text": speed.summarise("text", [limit, zephon, limit1, zephon1])}})  # fmt: skip
+    assert f"| {(0.45 + 45.0 / 80.0) / 2:.2f} |" in text  # the median of the two rounds

@@ -64,11 +64,12 @@ def _worker(path: str, engine: str, part: int, parts: int, target: int, barrier:
         encode_one(text)
     work = texts[WARM_DOCS:]
     barrier.wait()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     tokens = 0
     for text in work:
         tokens += len(encode_one(text))
-    out.put({"part": part, "tokens": tokens, "docs": len(work), "seconds": time.perf_counter() - start})
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    out.put({"part": part, "tokens": tokens, "docs": len(work), "seconds": seconds, "cpu_seconds": cpu})
 
 
 def run_parts(worker: Callable[..., None], head: tuple[Any, ...], workers: int, target: int) -> list[Any]:
@@ -99,6 +100,9 @@ def measure(workload_path: str, steps: int, workers: int, engine: str = "hf") ->
         "tokens_per_s": tokens / seconds,
         "padding_fraction": 0.0,
         "worker_seconds": [r["seconds"] for r in results],
+        # CPU time of the encoding alone, every process: the cost per token that a loader's
+        # total CPU per token (its process and its workers) is compared with
+        "cpu_seconds": sum(r["cpu_seconds"] for r in results),
     }
 
 
