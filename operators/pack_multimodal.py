@@ -186,15 +186,19 @@ class PackMultimodal(beam.DoFn):  # type: ignore[misc]
     def _close(self, held: dict[str, Any]) -> dict[str, np.ndarray]:
         """The padded output of an open sequence."""
         pad = self.seq_len - held["ids"].size
-        first = held["images"][0]
-        images = np.zeros((self.max_images, *first.shape), dtype=first.dtype)
-        images[: len(held["images"])] = held["images"]
+        first, count = held["images"][0], len(held["images"])
+        # Each image copied once into place (assigning the list would stack it into a temporary
+        # first), and only the unused slots zeroed.
+        images = np.empty((self.max_images, *first.shape), dtype=first.dtype)
+        for slot, image in enumerate(held["images"]):
+            images[slot] = image
+        images[count:] = 0
         return {
             "input_ids": np.concatenate([held["ids"], np.full(pad, self.pad_id, dtype=np.int32)]),
             "position_ids": np.concatenate([held["pos"], np.zeros(pad, dtype=np.int32)]),
             "segment_ids": np.concatenate([held["seg"], np.full(pad, -1, dtype=np.int32)]),
             "images": images,
-            "image_count": np.asarray(len(held["images"]), dtype=np.int32),
+            "image_count": np.asarray(count, dtype=np.int32),
             "truncated_tokens": np.asarray(held["truncated"], dtype=np.int32),
             "documents": held["docs"],
         }
