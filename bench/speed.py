@@ -152,11 +152,11 @@ def per_cpu_second(run: dict[str, Any], rate: str) -> float | None:
     the CPU spent that goes to the work itself."""
     if run.get("cpu_seconds"):
         units = run.get("tokens", run.get("images"))
-        return units / run["cpu_seconds"] if units else None
-    cores = [run.get("main_cpu_cores"), run.get("children_cpu_cores")]
-    if run.get(rate) is None or None in cores or not sum(cores):
+        return float(units) / float(run["cpu_seconds"]) if units else None
+    main, children = run.get("main_cpu_cores"), run.get("children_cpu_cores")
+    if run.get(rate) is None or main is None or children is None or not main + children:
         return None
-    return float(run[rate]) / sum(cores)
+    return float(run[rate]) / float(main + children)
 
 
 def markdown(results: dict[str, Any]) -> str:
