@@ -216,7 +216,7 @@ class Mixture:
         return [(step, mix.params()) for step, mix in self.entries]
 
     def at(self, step: int) -> Mix:
-        return self.entries[int(np.searchsorted(self._starts, step, side="right")) - 1][1]
+        return self.entries[bisect.bisect_right(self._starts, step) - 1][1]
 
     def choose(
         self, seed: int, lane: int, position: int, *, step: int, exhausted: Sequence[int] = ()
