@@ -151,7 +151,7 @@ def per_cpu_second(run: dict[str, Any], rate: str) -> float | None:
     other tenants a core moves it less; the paired ratio to the limit's is the share of all
     the CPU spent that goes to the work itself."""
     if run.get("cpu_seconds"):
-        units = run.get("tokens", run.get("images"))
+        units = run.get(rate.removesuffix("_per_s"))  # tokens or images, as the rate counts
         return float(units) / float(run["cpu_seconds"]) if units else None
     main, children = run.get("main_cpu_cores"), run.get("children_cpu_cores")
     if run.get(rate) is None or main is None or children is None or not main + children:

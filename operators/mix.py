@@ -127,7 +127,7 @@ class Mix(beam.PTransform):  # type: ignore[misc]
 
     def weights_at(self, step: int) -> np.ndarray:
         """The normalised weights at global step ``step`` (a new array)."""
-        i = int(np.searchsorted(self.steps, step, side="right")) - 1
+        i = _in_force(self.steps, step)
         if self.interpolation == "linear" and i + 1 < len(self.steps):
             s0, s1 = self.steps[i], self.steps[i + 1]
             t = (step - s0) / (s1 - s0)
@@ -138,8 +138,7 @@ class Mix(beam.PTransform):  # type: ignore[misc]
         """Cumulative normalised weights at ``step`` without the ``exhausted`` sources, or None
         when none of the others has weight there."""
         if not exhausted and self.interpolation == "constant":
-            i = int(np.searchsorted(self.steps, step, side="right")) - 1
-            return self._cumulatives[i]
+            return self._cumulatives[_in_force(self.steps, step)]
         w = self.weights_at(step)
         w[list(exhausted)] = 0.0
         total = float(w.sum())
@@ -216,7 +215,7 @@ class Mixture:
         return [(step, mix.params()) for step, mix in self.entries]
 
     def at(self, step: int) -> Mix:
-        return self.entries[bisect.bisect_right(self._starts, step) - 1][1]
+        return self.entries[_in_force(self._starts, step)][1]
 
     def choose(
         self, seed: int, lane: int, position: int, *, step: int, exhausted: Sequence[int] = ()
@@ -232,6 +231,12 @@ class Mixture:
         if cumulative is None:
             return None
         return pick(draw_unit(seed, MIX_DRAW, lane, position), cumulative)
+
+
+def _in_force(starts: Sequence[int], step: int) -> int:
+    """The index of the last of ``starts`` (ascending steps, the first 0) at or before ``step``:
+    the schedule point, or the mix, in force there."""
+    return bisect.bisect_right(starts, step) - 1
 
 
 def pick(u: float, cumulative: Sequence[float]) -> int:
