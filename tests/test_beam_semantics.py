@@ -23,7 +23,7 @@ from helpers import chain_spec, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow.core.errors import SpecError, StateError
-from zephon_flow.runners.userstate import check_plain
+from zephon_flow.runners.userstate import _Checked, check_plain
 
 
 class WallClock(beam.DoFn):  # type: ignore[misc]
@@ -184,3 +184,27 @@ def test_subclasses_and_numpy_scalars_are_judged_as_their_base_types() -> None:
     for value, message in bad:
         with pytest.raises(StateError, match=message):
             check_plain(value, "state 'x'")
+
+
+def test_a_dict_of_growing_lists_is_checked_in_what_it_adds() -> None:
+    # Pack writes a new {"pieces": [...], "docs": [...]} per document: each write checks only
+    # the items past the prefix it shares with the last one checked, and still finds a bad one
+    # wherever it is, also in a list changed in place after its check.
+    checked = _Checked("pack", "carry")
+    a, b = np.arange(3), np.arange(4)
+    checked.check({"pieces": [a], "n": 1})
+    checked.check({"pieces": [a, b], "n": 2})
+    held = [a, b]
+    checked.check({"pieces": held})
+    held[0] = object()
+    with pytest.raises(
+        StateError,
+        match=r"^stateful DoFn 'pack': the value written to state 'carry'\['pieces'\]\[0\] is of type object;",
+    ):
+        checked.check({"pieces": held})
+    with pytest.raises(StateError, match=r"'carry'\['pieces'\]\[2\] is of type set;"):
+        checked.check({"pieces": [a, b, {1}]})
+    with pytest.raises(StateError, match=r"'carry'\['n'\] is of type object;"):
+        checked.check({"pieces": [a], "n": object()})
+    with pytest.raises(StateError, match=r"'carry'\[1\] is of type object;"):
+        checked.check({"pieces": [a], 1: object()})

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 import threading
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,9 @@ import pytest
 from helpers import chain_spec, run_batches, write_jsonl
 
 from zephon_flow.core.errors import StageError
+from zephon_flow.core.source import Record
 from zephon_flow.runners.backends import oob
+from zephon_flow.runners.segment import Skipped
 
 
 def _pair() -> tuple[Any, Any]:
@@ -118,3 +122,62 @@ def test_outputs_that_do_not_pickle_fail_the_loader_by_name(tmp_path: Path) -> N
     spec = chain_spec(str(path), ("unsendable", _Unsendable()), epochs=1)
     with pytest.raises(StageError, match=r"the outputs of a chunk cannot be sent back: cannot pickle"):
         run_batches(spec, backend="processes", workers=1)
+
+
+def _round_trip(obj: Any) -> Any:
+    """``obj`` through pickle, as the backend sends a chunk or its result."""
+    return pickle.loads(ForkingPickler.dumps(obj))
+
+
+def test_a_chunk_of_records_travels_as_columns_and_comes_back_the_same() -> None:
+    records = [
+        (i % 2, Record(payload, "/data/a.jsonl", f"byte {i * 10}", i * 10))
+        for i, payload in enumerate([b"{}", "text", {"jpg": b"\xff\xd8"}, b""])
+    ]
+    packed = oob.pack_chunk(records)
+    assert type(packed) is not list  # columns, not a list of named tuples
+    back = oob.unpack_chunk(_round_trip(packed))
+    assert back == records
+    assert all(type(r) is Record for _, r in back)
+    # Anything else (one record, another record type) goes as it is.
+    one = records[:1]
+    assert oob.pack_chunk(one) is one
+    other = [(0, ("not", "a", "record", 1)), *records]
+    assert oob.unpack_chunk(_round_trip(oob.pack_chunk(other))) == other
+
+
+def test_small_token_arrays_travel_as_one_array_and_come_back_as_own_writable_copies() -> None:
+    rng = np.random.default_rng(1)
+    result = [[rng.integers(0, 50_000, n, dtype=np.int32)] for n in (5, 0, 300, 1)] + [
+        [],
+        [np.arange(3, dtype=np.int32), np.arange(2, dtype=np.int32)],
+    ]
+    result[0][0].flags.writeable = False
+    packed = oob.pack_result(result)
+    assert type(packed) is not list
+    back = oob.unpack_result(_round_trip(packed))
+    assert [len(r) for r in back] == [len(r) for r in result]
+    for got, want in zip((a for r in back for a in r), (a for r in result for a in r), strict=True):
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert got.flags.writeable and got.base is None  # a copy, not a view of the message
+    first = back[0][0]
+    first[0] += 1  # its own memory: the next array is untouched
+    assert np.array_equal(back[2][0], result[2][0])
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        [[np.arange(3, dtype=np.int32)], [np.arange(3, dtype=np.int64)]],  # two dtypes
+        [[np.arange(3, dtype=np.int32)], [np.zeros((2, 2), dtype=np.int32)]],  # not 1-d
+        [[np.arange(3, dtype=np.int32)], [np.zeros(oob.OUT_OF_BAND, dtype=np.int32)]],  # large
+        [[np.arange(3, dtype=np.int32)], [{"ids": np.arange(3)}]],  # not an array
+        [[np.arange(3, dtype=np.int32)], Skipped("bad line")],  # a skipped record
+        [[np.array(["a"])], [np.array(["b"])]],  # not numeric
+        [[np.arange(3, dtype=np.int32)]],  # one record: nothing to gain
+    ],
+)
+def test_other_results_travel_as_they_are(result: Any) -> None:
+    assert oob.pack_result(result) is result
+    back = oob.unpack_result(_round_trip(result))
+    assert len(back) == len(result)

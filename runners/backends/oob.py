@@ -11,6 +11,13 @@ them, so the arrays it returns are views of that memory, not copies of a pickle.
 Before, an image of 336 x 336 x 3 was copied into the pickle on the worker, read in pieces
 into a ``BytesIO``, copied out of it, and copied again by ``pickle.loads``. Small buffers stay in
 the stream: a syscall per token array would cost more than the copy it saves.
+
+Many small records cost per record, not per byte: pickling a numpy array costs about 2.5 us on
+the worker and 1.5 us to rebuild, and a ``Record`` named tuple about 0.7 us, whatever their
+size. So a chunk of ``Record``s travels as columns (``pack_chunk``), and a chunk's outputs that
+are all small 1-d arrays of one dtype (token ids) as one array and their lengths
+(``pack_result``); the other side rebuilds the same values, each array its own writable copy as
+before. On documents of ~150 tokens that is 3-4 us less per record.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ import struct
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+
+from zephon_flow.core.source import Record
 
 #: Buffers at least this large travel out of band; smaller ones inside the pickle stream.
 OUT_OF_BAND = 64 * 1024
@@ -104,3 +113,83 @@ def _advance(views: list[memoryview], first: int, done: int) -> int:
     if done:
         views[first] = views[first][done:]
     return first
+
+
+class _Records(NamedTuple):
+    """A chunk of ``(source index, Record)`` pairs as columns (see ``pack_chunk``)."""
+
+    indices: list[int]
+    payloads: list[Any]
+    paths: list[str]
+    wheres: list[str]
+    offsets: list[int]
+
+
+class _SmallArrays(NamedTuple):
+    """A chunk's outputs that are all small 1-d arrays of one dtype (see ``pack_result``):
+    per record its number of outputs, each output's length, and all of them end to end."""
+
+    counts: list[int]
+    lengths: np.ndarray
+    data: np.ndarray
+
+
+def pack_chunk(chunk: list[tuple[int, Any]]) -> Any:
+    """``chunk`` as columns when every record is a plain ``Record``, else as it is."""
+    if len(chunk) < 2 or not all(type(record) is Record for _, record in chunk):
+        return chunk
+    indices, records = zip(*chunk, strict=True)
+    payloads, paths, wheres, offsets = zip(*records, strict=True)
+    return _Records(list(indices), list(payloads), list(paths), list(wheres), list(offsets))
+
+
+def unpack_chunk(packed: Any) -> list[tuple[int, Any]]:
+    """The chunk ``pack_chunk`` was given."""
+    if type(packed) is not _Records:
+        return packed  # type: ignore[no-any-return]
+    new = tuple.__new__
+    return [(index, new(Record, fields)) for index, *fields in zip(*packed, strict=True)]
+
+
+def pack_result(result: Any) -> Any:
+    """``result`` (a chunk's outputs: per record, a list of outputs) as one array and lengths
+    when every output is a 1-d numeric array of one dtype under ``OUT_OF_BAND`` bytes, else as
+    it is (other outputs, a skipped record, a failure)."""
+    if type(result) is not list or len(result) < 2:
+        return result
+    arrays: list[np.ndarray] = []
+    counts: list[int] = []
+    dtype = None
+    for outputs in result:
+        if type(outputs) is not list:
+            return result
+        for a in outputs:
+            if type(a) is not np.ndarray or a.ndim != 1 or a.nbytes >= OUT_OF_BAND:
+                return result
+            if a.dtype is not dtype:
+                if dtype is not None and a.dtype != dtype:
+                    return result
+                dtype = a.dtype
+            arrays.append(a)
+        counts.append(len(outputs))
+    if dtype is None or dtype.kind not in "biuf":
+        return result
+    lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    return _SmallArrays(counts, lengths, np.concatenate(arrays))
+
+
+def unpack_result(packed: Any) -> Any:
+    """The outputs ``pack_result`` was given (each array a writable copy of its own)."""
+    if type(packed) is not _SmallArrays:
+        return packed
+    data, ends = packed.data, np.cumsum(packed.lengths).tolist()
+    result: list[list[np.ndarray]] = []
+    k = start = 0
+    for count in packed.counts:
+        outputs = []
+        for end in ends[k : k + count]:
+            outputs.append(data[start:end].copy())
+            start = end
+        k += count
+        result.append(outputs)
+    return result

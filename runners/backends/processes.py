@@ -112,13 +112,13 @@ def _worker_main(
             return
         if message is None:
             return
-        task_id, chunk = message
+        task_id, chunk = message[0], oob.unpack_chunk(message[1])
         progress[_STARTED] = time.monotonic()
         progress[_TASK] = task_id
         result: ChunkResult = segment.run_chunk(chunk, report)
         progress[_TASK] = _IDLE
         try:
-            oob.send(conn, (task_id, result))  # pickled whole before a byte is written
+            oob.send(conn, (task_id, oob.pack_result(result)))  # pickled whole before a byte is written
         except (EOFError, OSError):
             return
         except Exception as exc:  # outputs that do not pickle: say which DoFn made them
@@ -401,7 +401,7 @@ class ProcessBackend:
             if task.future.cancelled():
                 continue
             try:
-                data = ForkingPickler.dumps((task.id, task.chunk))  # a view: no copy
+                data = ForkingPickler.dumps((task.id, oob.pack_chunk(task.chunk)))  # a view: no copy
             except Exception as exc:
                 settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
                 continue
@@ -419,7 +419,7 @@ class ProcessBackend:
                     worker.tasks.clear()
                     return
                 if task_id in worker.tasks:
-                    settle(worker.tasks.pop(task_id).future, result)
+                    settle(worker.tasks.pop(task_id).future, oob.unpack_result(result))
         except (EOFError, OSError):
             pass  # it died: the sentinel is (or will be) ready too
 
