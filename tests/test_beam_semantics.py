@@ -194,7 +194,7 @@ def test_a_dict_of_growing_lists_is_checked_in_what_it_adds() -> None:
     a, b = np.arange(3), np.arange(4)
     checked.check({"pieces": [a], "n": 1})
     checked.check({"pieces": [a, b], "n": 2})
-    held = [a, b]
+    held: list[Any] = [a, b]
     checked.check({"pieces": held})
     held[0] = object()
     with pytest.raises(

@@ -23,6 +23,7 @@ from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.loader import assemble_rows, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
+from zephon_flow.runners.streams import CHUNK_RECORDS
 
 
 class OwnerError(ZephonError, RuntimeError):
@@ -36,7 +37,7 @@ class OwnerOptions:
 
     backend: str = "inline"
     workers: int = 1
-    chunk_records: int = 16
+    chunk_records: int = CHUNK_RECORDS
     prefetch_chunks: int = 8
     chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
     ahead: int = 4

@@ -32,6 +32,7 @@ from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.backends.processes import can_fork, start_worker_server
 from zephon_flow.runners.lane import LaneRunner, SkipHook
 from zephon_flow.runners.plan import Plan
+from zephon_flow.runners.streams import CHUNK_RECORDS
 
 _END = object()
 #: What ``Loader.state_dict`` stores: buffered sequences' tokens, or where they came from.
@@ -47,9 +48,10 @@ class Loader:
     Only the lanes under this rank's rows are run. Stateless work goes to ``backend``
     (``"inline"``, ``"threads"``, ``"processes"`` or ``"ray"`` with ``workers``; ``ray_address``
     joins a Ray cluster, ``None`` a local Ray started for the loader); ``prefetch`` batches are
-    produced ahead on a background thread. Each lane keeps up to ``prefetch_chunks`` chunks of
-    ``chunk_records`` records in flight on the backend (fewer and smaller at a start: the
-    read-ahead grows with each chunk taken, so the first batch waits for small chunks only).
+    produced ahead on a background thread. Each lane keeps up to ``prefetch_chunks`` chunks in flight on
+    the backend, each of at most ``chunk_records`` records and about 128 KB of input (fewer and
+    smaller at a start: the read-ahead grows with each chunk taken, so the first batch waits
+    for small chunks only).
     ``state`` (from ``state_dict``, ``merge_states`` or checkpoint bytes) resumes the global
     sequence under any topology.
 
@@ -82,7 +84,7 @@ class Loader:
         workers: int = 1,
         state: LoaderState | bytes | Mapping[str, Any] | None = None,
         prefetch: int = 2,
-        chunk_records: int = 16,
+        chunk_records: int = CHUNK_RECORDS,
         prefetch_chunks: int = 8,
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
