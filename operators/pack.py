@@ -219,6 +219,9 @@ class Pack(beam.DoFn):  # type: ignore[misc]
     """
 
     CARRY = ReadModifyWriteStateSpec("carry", PickleCoder())
+    #: Its state is int arrays it makes itself, in lists and dicts: the runner need not check
+    #: each write (``runners/userstate.py``: ``plain_by_construction``).
+    zephon_state_is_plain = True
     FLUSH = TimerSpec("flush", TimeDomain.WATERMARK)
 
     def __init__(

@@ -21,6 +21,7 @@ from zephon_flow.runners.userstate import (
     TimerDeadlines,
     check_specs,
     copy_plain,
+    plain_by_construction,
     runtime_state,
     runtime_timer,
     snapshot_value,
@@ -220,6 +221,7 @@ class _Binding:
     def __init__(self, label: str, dofn: beam.DoFn, method: str) -> None:
         marked = _marked(dofn, method)
         self.method = getattr(dofn, method)
+        self.check = not plain_by_construction(dofn)  # check what it writes to state
         self.states = {n: d.state_spec for n, d in marked if isinstance(d, beam.DoFn.StateParam)}
         self.timers = {n: d.timer_spec for n, d in marked if isinstance(d, beam.DoFn.TimerParam)}
         self.timestamp = next((n for n, d in marked if d == beam.DoFn.TimestampParam), None)
@@ -240,7 +242,10 @@ class _Binding:
     ) -> dict[str, Any]:
         kw = st.bound.get(id(self))
         if kw is None:
-            kw = {n: runtime_state(s, st.values, dofn_label=label) for n, s in self.states.items()}
+            kw = {
+                n: runtime_state(s, st.values, dofn_label=label, check=self.check)
+                for n, s in self.states.items()
+            }
             kw.update({n: runtime_timer(t, st.timers) for n, t in self.timers.items()})
             kw.update({n: seed for n in self.seed})
             if self.key:

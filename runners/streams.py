@@ -284,11 +284,14 @@ class SourceStream:
             future.cancel()
 
 
+_TEXT = (str, bytes)  # a tuple: ``str | bytes`` would build a union on every call
+
+
 def _payload_size(record: Record) -> int:
     """Bytes a record brings, for closing chunks: text and bytes by length, samples that know
     their size (``nbytes``, e.g. a WebDataset sample) by that, anything else as 1 KiB."""
     payload = record.payload
-    if isinstance(payload, str | bytes):
+    if isinstance(payload, _TEXT):
         return len(payload)
     nbytes = getattr(payload, "nbytes", None)
     return nbytes if isinstance(nbytes, int) else 1024

@@ -22,8 +22,9 @@ from apache_beam.transforms.userstate import (
 from helpers import chain_spec, write_jsonl
 
 import zephon_flow as zf
+from zephon_flow import operators as ops
 from zephon_flow.core.errors import SpecError, StateError
-from zephon_flow.runners.userstate import _Checked, check_plain
+from zephon_flow.runners.userstate import _Checked, check_plain, plain_by_construction
 
 
 class WallClock(beam.DoFn):  # type: ignore[misc]
@@ -208,3 +209,12 @@ def test_a_dict_of_growing_lists_is_checked_in_what_it_adds() -> None:
         checked.check({"pieces": [a], "n": object()})
     with pytest.raises(StateError, match=r"'carry'\[1\] is of type object;"):
         checked.check({"pieces": [a], 1: object()})
+
+
+def test_only_a_class_that_declares_its_state_plain_skips_the_write_check() -> None:
+    class MyPack(ops.Pack):  # a user's subclass may write anything: checked again
+        pass
+
+    assert plain_by_construction(ops.Pack(seq_len=8))
+    assert not plain_by_construction(MyPack(seq_len=8))
+    assert not plain_by_construction(ops.Shuffle(buffer=4))  # holds whatever flows into it
