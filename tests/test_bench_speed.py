@@ -73,3 +73,14 @@ def test_speed_summary_gives_the_work_per_cpu_second_over_the_limits() -> None:
     text = speed.markdown({"baseline": "b", "now": "n", "rounds": 2, "loadavg_start": [1], "loadavg_end": [2],
                            "workloads": {"text": speed.summarise("text", [limit, zephon, limit1, zephon1])}})  # fmt: skip
     assert f"| {(0.45 + 45.0 / 80.0) / 2:.2f} |" in text  # the median of the two rounds
+
+
+def test_short_documents_are_the_real_ones_cut_at_spaces() -> None:
+    from bench.short_docs import pieces
+
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa" * 3
+    cut = list(pieces(text, 10))
+    assert "".join(cut) == text
+    assert all(len(p) >= 10 for p in cut[:-1]) and len(cut) > 5
+    assert all(p.startswith(" ") for p in cut[1:])  # each cut is at a space
+    assert list(pieces("short", 10)) == ["short"] and list(pieces("", 10)) == []
