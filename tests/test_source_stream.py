@@ -24,7 +24,7 @@ from zephon_flow.runners.dealing import Dealing, Share
 from zephon_flow.runners.dofns import StatelessInvoker
 from zephon_flow.runners.plan import SourcePlan
 from zephon_flow.runners.segment import Chunk, FrontSegment, Skipped
-from zephon_flow.runners.streams import ReadSkip, SourceReader, SourceStream, Taken
+from zephon_flow.runners.streams import RAMP_RECORDS, RAMP_TAKEN, ReadSkip, SourceReader, SourceStream, Taken
 
 FRESH = [0, 0, START, 0]
 
@@ -239,6 +239,20 @@ def test_a_stream_hands_out_each_record_in_order_with_its_cursor_and_id(tmp_path
     assert sorted(v for t in got for v in t.result) == list(range(23))  # type: ignore[union-attr]
     # slow start: chunks of 1, 2, 4 records, then chunk_records (4) each
     assert backend.sizes == [1, 2, 4, 4, 4, 4, 4]
+
+
+def test_chunks_grow_past_ramp_records_only_as_the_stream_hands_them_out(tmp_path: Path) -> None:
+    # Chunks double per submission up to RAMP_RECORDS; past it, once per RAMP_TAKEN chunks
+    # taken, so a lane that has not been read yet does not read far ahead at the start.
+    source = _source(tmp_path, range(2000), per_split=2000, epochs=1)
+    backend = Recording(_segment(source))
+    got = _take_all(_stream(source, backend, chunk_records=256, depth=3))
+    assert [t.result for t in got] == [[n] for n in range(2000)]
+    # Inline, each chunk is done at once and taken before the next one past the first three
+    # is submitted: 1, 2, 4, 8, then 16 until 8 were taken, 32 until 16, 64 until 24, ...
+    assert (RAMP_RECORDS, RAMP_TAKEN) == (16, 8)
+    assert backend.sizes[:34] == [1, 2, 4, 8] + [16] * 6 + [32] * 8 + [64] * 8 + [128] * 8
+    assert sum(backend.sizes) == 2000
 
 
 def test_results_completing_out_of_order_are_taken_in_order(tmp_path: Path) -> None:
