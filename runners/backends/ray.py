@@ -19,6 +19,7 @@ from apache_beam.internal import pickler
 
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners import ray_env
+from zephon_flow.runners.backends import oob
 from zephon_flow.runners.backends.base import (
     ChunkResult,
     Task,
@@ -70,16 +71,18 @@ class _FrontActor:
         """(the segment loaded, this actor's pid, each chunk's result in order, pickled).
 
         Chunks and results travel as one pickle each way: Ray's serialiser costs more per
-        object than the standard pickler does on lists of small values."""
+        object than the standard pickler does on lists of small values. Each chunk goes as
+        columns and each result's small token arrays as one array (``oob``), as to the
+        processes backend's workers."""
         if self._segment is None:
             assert self._load_error is not None
             return False, os.getpid(), pickle.dumps([self._load_error], _PROTOCOL)
-        bundle: list[tuple[int, Chunk]] = pickle.loads(sent)
+        bundle: list[tuple[int, Chunk]] = [(i, oob.unpack_chunk(c)) for i, c in pickle.loads(sent)]
         results: list[ChunkResult] = []
         try:
             for task_id, chunk in bundle:
                 self._where, self._started, self._task = (0, 0, 0), time.monotonic(), task_id
-                results.append(self._segment.run_chunk(chunk, self._report))
+                results.append(oob.pack_result(self._segment.run_chunk(chunk, self._report)))
         finally:
             self._task = -1
         return True, os.getpid(), pickle.dumps(results, _PROTOCOL)
@@ -266,7 +269,8 @@ class RayBackend:
             if not bundle:
                 return
             try:
-                ref = actor.handle.run.remote(pickle.dumps([(t.id, t.chunk) for t in bundle], _PROTOCOL))
+                sent = pickle.dumps([(t.id, oob.pack_chunk(t.chunk)) for t in bundle], _PROTOCOL)
+                ref = actor.handle.run.remote(sent)
             except Exception as exc:  # a chunk does not serialise: say so
                 for task in bundle:
                     settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a Ray actor: {exc}"))
@@ -307,7 +311,7 @@ class RayBackend:
             return  # the actor was replaced meanwhile and its chunks settled or queued again
         try:
             loaded, pid, blob = done.result()
-            results = pickle.loads(blob)
+            results = [oob.unpack_result(r) for r in pickle.loads(blob)]
         except self._ray.exceptions.RayActorError as exc:
             self._replace(actor, self._death_note(actor, exc))
             return
