@@ -33,8 +33,8 @@ CHUNK_RECORDS = 256
 #: chunks, then twice as many until ``2 * RAMP_TAKEN``, and so on up to ``chunk_records``. A
 #: lane's first window of short documents takes about 30 chunks: growing by chunks submitted
 #: alone, every lane read 2,300 records ahead before the first batch (11,900 in all, against
-#: the 3,600 chunks of 16 read), and the first batch came 0.55-0.61 s after ``Loader()``
-#: instead of 0.24-0.29 s; with this ramp 0.36 s, and the same rate once past it.
+#: 3,600 with chunks of 16), and the first batch came 0.55-0.61 s after ``Loader()`` instead
+#: of 0.24-0.29 s; with this ramp 0.32-0.36 s, and the same rate once past it.
 RAMP_RECORDS = 16
 RAMP_TAKEN = 8
 #: Chunks a stream puts in flight before any is taken (of 1, 2 and 4 records): every lane's
