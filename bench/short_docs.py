@@ -9,9 +9,10 @@ tokenizer while the long documents hide it.
     .venv/bin/python -m bench.short_docs              # builds once, prints the workload JSON's path
     .venv/bin/python -m bench.speed --workloads text --text-workload "$(.venv/bin/python -m bench.short_docs)"
 
-The shards go to ``<root>/text-short-<chars>/<source>/`` beside ``bench.run``'s data (built first
-if missing), from the first ``--shards`` shards of each source; a file exists only once it is
-complete, so an interrupted build is redone.
+The shards go to ``<root>/text-short-<chars>-<shards>/<source>/`` beside ``bench.run``'s data
+(built first if missing), from the first ``--shards`` shards of each source, written by
+``bench.data.write_shards``; the workload JSON is written last, so a build that did not reach it
+is redone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import argparse
 import dataclasses
 import glob
 import json
-import os
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,28 +41,32 @@ def pieces(text: str, chars: int) -> Iterator[str]:
         start = end
 
 
+def _short_docs(pattern: str, chars: int, shards: int) -> Iterator[data.Doc]:
+    """Every document of the first ``shards`` shards of a source, in pieces (named
+    ``<path>#<piece>``)."""
+    for path in sorted(glob.glob(pattern))[:shards]:
+        with open(path, encoding="utf-8") as src:
+            for line in src:
+                doc = json.loads(line)
+                for k, piece in enumerate(pieces(doc["text"], chars)):
+                    yield f"{doc.get('path', path)}#{k}", piece
+
+
 def build(chars: int = 600, shards: int = 4) -> Path:
     """Writes the short-document shards and their workload JSON (if missing); returns its path."""
     if chars < 1 or shards < 1:
         raise ValueError(f"chars and shards must be positive, got {chars} and {shards}")
     w, _ = real_workload(parse_args([]))
-    root = data.default_root() / f"text-short-{chars}"
+    root = data.default_root() / f"text-short-{chars}-{shards}"
+    workload = root / "workload.json"
+    if workload.exists():  # written last: the shards before it are complete
+        return workload
     sources = {}
     for name, pattern in sorted(w.sources.items()):
         out_dir = root / name
-        out_dir.mkdir(parents=True, exist_ok=True)
-        for k, path in enumerate(sorted(glob.glob(pattern))[:shards]):
-            target = out_dir / f"shard-{k:05d}.jsonl"
-            if target.exists():
-                continue
-            partial = target.with_suffix(".partial")
-            with open(path, encoding="utf-8") as src, open(partial, "w", encoding="utf-8") as dst:
-                for line in src:
-                    for piece in pieces(json.loads(line)["text"], chars):
-                        dst.write(json.dumps({"text": piece}) + "\n")
-            os.replace(partial, target)
+        shutil.rmtree(out_dir, ignore_errors=True)  # what an interrupted build left
+        data.write_shards(_short_docs(pattern, chars, shards), out_dir)
         sources[name] = str(out_dir / "shard-*.jsonl")
-    workload = root / "workload.json"
     workload.write_text(dataclasses.replace(w, sources=sources).to_json())
     return workload
 

@@ -37,6 +37,7 @@ CHUNK_RECORDS = 256
 #: of 0.24-0.29 s; with this ramp 0.32-0.36 s, and the same rate once past it.
 RAMP_RECORDS = 16
 RAMP_TAKEN = 8
+_RAMP_DOUBLINGS = RAMP_RECORDS.bit_length() - 1  # 2**4 = 16
 #: Chunks a stream puts in flight before any is taken (of 1, 2 and 4 records): every lane's
 #: first window then keeps the workers busy from the start, not one doubling at a time while
 #: the lane thread is still on an earlier lane. Measured against one chunk, both with 8 per
@@ -213,7 +214,7 @@ class SourceStream:
     def _records_cap(self) -> int:
         """Records in the next chunk at most: ``2**k`` for the k-th, and ``RAMP_RECORDS``
         doubled once per ``RAMP_TAKEN`` chunks taken (read-ahead grows as the lane consumes)."""
-        doublings = min(self._submitted, RAMP_RECORDS.bit_length() - 1 + self._taken // RAMP_TAKEN, 30)
+        doublings = min(self._submitted, _RAMP_DOUBLINGS + self._taken // RAMP_TAKEN, 30)
         return min(self._chunk_records, 1 << doublings)
 
     def _submit_one(self) -> bool:

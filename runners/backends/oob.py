@@ -117,13 +117,11 @@ def _advance(views: list[memoryview], first: int, done: int) -> int:
 
 
 class _Records(NamedTuple):
-    """A chunk of ``(source index, Record)`` pairs as columns (see ``pack_chunk``)."""
+    """A chunk of ``(source index, Record)`` pairs as columns (see ``pack_chunk``): the
+    indices, and each of ``Record``'s fields in its order."""
 
-    indices: list[int]
-    payloads: list[Any]
-    paths: list[str]
-    wheres: list[str]
-    offsets: list[int]
+    indices: tuple[int, ...]
+    fields: list[tuple[Any, ...]]
 
 
 class _SmallArrays(NamedTuple):
@@ -140,8 +138,7 @@ def pack_chunk(chunk: list[tuple[int, Any]]) -> Any:
     if len(chunk) < 2 or not all(type(record) is Record for _, record in chunk):
         return chunk
     indices, records = zip(*chunk, strict=True)
-    payloads, paths, wheres, offsets = zip(*records, strict=True)
-    return _Records(list(indices), list(payloads), list(paths), list(wheres), list(offsets))
+    return _Records(indices, list(zip(*records, strict=True)))
 
 
 def unpack_chunk(packed: Any) -> list[tuple[int, Any]]:
@@ -149,7 +146,8 @@ def unpack_chunk(packed: Any) -> list[tuple[int, Any]]:
     if type(packed) is not _Records:
         return packed  # type: ignore[no-any-return]
     new = tuple.__new__
-    return [(index, new(Record, fields)) for index, *fields in zip(*packed, strict=True)]
+    rows = zip(*packed.fields, strict=True)
+    return [(index, new(Record, fields)) for index, fields in zip(packed.indices, rows, strict=True)]
 
 
 def pack_result(result: Any) -> Any:
