@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chars", type=int, default=600)
     p.add_argument("--shards", type=int, default=4, help="shards of each source to cut")
     args = p.parse_args(argv)
+    if args.chars < 1 or args.shards < 1:
+        p.error(f"--chars and --shards must be positive, got {args.chars} and {args.shards}")
     print(build(args.chars, args.shards))
     return 0
 
