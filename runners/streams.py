@@ -168,6 +168,38 @@ class Taken(NamedTuple):
     doc: DocId
 
 
+class _Sent:
+    """What a stream remembers of a chunk in flight, per record, as columns: the cursor after
+    each record (``CURSOR_LENGTH`` ints each, end to end), each record's split and offset (its
+    id with the stream's source index), and the messages of read skips by their place.
+
+    Columns, not a tuple, a list and an id per record (and ``take`` makes each ``Taken`` when
+    it hands it out, not a whole chunk's at once): records in flight live long enough for
+    Python's cycle collector to count, promote and scan them. On documents of ~150 tokens
+    (stand-in tokenizer, 200 steps of 64 x 2048) that was 360 young and 3 full collections
+    per run, 0.13 + 0.29 s of the consumer's CPU; with columns 81 and 1."""
+
+    __slots__ = ("cursors", "notes", "offsets", "splits")
+
+    def __init__(self) -> None:
+        self.cursors: list[int] = []
+        self.splits: list[int] = []
+        self.offsets: list[int] = []
+        self.notes: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.splits)
+
+    def add(self, cursor: list[int], split: int, offset: int) -> None:
+        self.cursors.extend(cursor)
+        self.splits.append(split)
+        self.offsets.append(offset)
+
+    def add_skip(self, cursor: list[int], message: str) -> None:
+        self.notes[len(self.splits)] = message
+        self.add(cursor, -1, -1)
+
+
 class SourceStream:
     """Reads one source ahead for one lane: chunks of its records go to the backend, results
     come back through a reorder buffer, and ``take`` hands them out one record at a time.
@@ -201,10 +233,13 @@ class SourceStream:
         self._reorder: ReorderBuffer[ChunkResult] = ReorderBuffer(
             f"lane {lane} source {plan.label!r} stateless results"
         )
-        # Per chunk in flight, in order: per record (cursor after it, its id, read-skip note),
-        # and the backend's future (cancelled on close).
-        self._inflight: deque[tuple[list[tuple[list[int], DocId, str | None]], Future[ChunkResult]]] = deque()
-        self._ready: deque[Taken] = deque()
+        # Per chunk in flight, in order: its records' cursors and ids, and the backend's future
+        # (cancelled on close).
+        self._inflight: deque[tuple[_Sent, Future[ChunkResult]]] = deque()
+        # The chunk being handed out: its columns, its outputs, and the next record's place.
+        self._head: _Sent | None = None
+        self._outputs: Iterator[RecordResult] = iter(())
+        self._next = 0
         self._ended = False
         self._submitted = 0
         self._taken = 0
@@ -221,13 +256,14 @@ class SourceStream:
         if self._ended:
             return False
         chunk: Chunk = []
-        entries: list[tuple[list[int], DocId, str | None]] = []
+        sent = _Sent()
+        reader = self._reader
         size = 0
         for _ in range(self._records_cap()):
             try:
-                got = self._reader.next()
+                got = reader.next()
             except Exception as exc:
-                if not entries:
+                if not len(sent):
                     raise
                 self._error = exc  # the records read before it still go out, in order
                 break
@@ -235,14 +271,14 @@ class SourceStream:
                 self._ended = True
                 break
             if isinstance(got, ReadSkip):
-                entries.append((self._reader.cursor, (self._index, -1, -1), got.message))
+                sent.add_skip(reader.cursor, got.message)
                 continue
             chunk.append((self._index, got))
-            entries.append((self._reader.cursor, (self._index, self._reader.split_index, got.offset), None))
+            sent.add(reader.cursor, reader.split_index, got.offset)
             size += _payload_size(got)
             if size >= CHUNK_BYTES:
                 break
-        if not entries:
+        if not len(sent):
             return False
         if chunk:
             future = self._backend.submit(chunk, lane=self._lane)
@@ -252,7 +288,7 @@ class SourceStream:
         # Reserved once submitted: a submit that raises leaves no number the buffer would wait for.
         self._submitted += 1
         seq = self._reorder.expect()
-        self._inflight.append((entries, future))
+        self._inflight.append((sent, future))
         future.add_done_callback(functools.partial(self._deliver, seq))
         return True
 
@@ -274,7 +310,8 @@ class SourceStream:
 
     def take(self) -> Taken | None:
         """The source's next record in order, or None when the source has no more."""
-        while not self._ready:
+        sent = self._head
+        while sent is None or self._next >= len(sent):
             self._top_up()
             if self._reorder.in_flight() == 0:
                 if self._error is not None:
@@ -285,14 +322,20 @@ class SourceStream:
                 self._backend.hurry(head)
             result = self._reorder.take()
             self._taken += 1
-            entries, _ = self._inflight.popleft()
+            sent, _ = self._inflight.popleft()
             if isinstance(result, Failure):
+                self._head = None
                 result.reraise()
-            assert isinstance(result, list)
-            outputs = iter(result)
-            for after, doc, note in entries:
-                self._ready.append(Taken(Skipped(note) if note is not None else next(outputs), after, doc))
-        return self._ready.popleft()
+                raise AssertionError("unreachable: reraise raises")
+            self._head, self._outputs, self._next = sent, iter(result), 0
+        i = self._next
+        self._next = i + 1
+        at = i * CURSOR_LENGTH
+        after = sent.cursors[at : at + CURSOR_LENGTH]
+        note = sent.notes.get(i) if sent.notes else None
+        if note is not None:
+            return Taken(Skipped(note), after, (self._index, -1, -1))
+        return Taken(next(self._outputs), after, (self._index, sent.splits[i], sent.offsets[i]))
 
     def close(self) -> None:
         # Called from another thread than the lane's: copy the deque in one step (atomic).
