@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -38,18 +39,32 @@ def generator(*words: int) -> np.random.Generator:
     )
 
 
-_WORDS = struct.Struct("<4Q")
+_KEY = struct.Struct("<3Q")
+_POSITION = struct.Struct("<Q")
 _MASK = 0xFFFF_FFFF_FFFF_FFFF
+#: BLAKE2b states that have taken in (seed, stream, lane): a draw copies one and adds only its
+#: position (the hash of the same 32 bytes, in two parts). Bounded: emptied when full.
+_KEYED: dict[tuple[int, int, int], Any] = {}
+_KEYED_MAX = 4096
 
 
 def draw_u64(seed: int, stream: int, lane: int, position: int) -> int:
     """One uniformly distributed integer in [0, 2**63) for (seed, stream, lane, position).
 
-    A keyed hash (BLAKE2b) of the four words: about 2 µs, against about 45 µs for building
-    a Philox generator per draw. Used on per-element paths (Mix, Shuffle).
+    A keyed hash (BLAKE2b) of the four words, little-endian: about 0.5 µs (a copy of the hash
+    state that has taken in the first three words, plus the position), against about 45 µs
+    for building a Philox generator per draw. Used on per-element paths (Mix, Shuffle).
     """
-    words = _WORDS.pack(seed & _MASK, stream & _MASK, lane & _MASK, position & _MASK)
-    return int.from_bytes(hashlib.blake2b(words, digest_size=8).digest(), "little") >> 1
+    key = (seed, stream, lane)
+    state = _KEYED.get(key)
+    if state is None:
+        if len(_KEYED) >= _KEYED_MAX:
+            _KEYED.clear()
+        state = hashlib.blake2b(_KEY.pack(seed & _MASK, stream & _MASK, lane & _MASK), digest_size=8)
+        _KEYED[key] = state
+    h = state.copy()
+    h.update(_POSITION.pack(position & _MASK))
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def draw_unit(seed: int, stream: int, lane: int, position: int) -> float:
