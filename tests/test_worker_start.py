@@ -14,7 +14,7 @@ from helpers import run_batches
 from test_backend_faults import _spec
 
 from zephon_flow.core.batches import batch_digest
-from zephon_flow.runners.backends.processes import can_fork
+from zephon_flow.runners.backends.processes import START_ATTEMPTS, can_fork
 
 TESTS = Path(__file__).parent
 
@@ -38,7 +38,7 @@ TRAINER = textwrap.dedent(
     import psutil
     import zephon_flow as zf
     from zephon_flow.core.batches import batch_digest
-    from zephon_flow.runners.backends.processes import can_fork
+    from zephon_flow.runners.backends.processes import START_ATTEMPTS, can_fork
     from test_backend_faults import _spec
     if {thread}:  # a Python thread: the workers come from the forkserver
         threading.Thread(target=threading.Event().wait, daemon=True).start()
@@ -79,3 +79,37 @@ def test_forked_and_forkserver_workers_give_the_inline_batches(tmp_path: Path) -
     served = _run(tmp_path, thread=True)
     assert served["forkable"] is False and served["forked"] == [False]
     assert served["digests"] == want
+
+
+# A script without the ``__main__`` guard: a worker from the forkserver imports it again,
+# reaches the Loader, and dies (Python refuses to start processes while one is starting).
+UNGUARDED = textwrap.dedent(
+    """
+    import sys, threading
+    sys.path.insert(0, {tests!r})
+    from pathlib import Path
+    import zephon_flow as zf
+    from test_backend_faults import _spec
+    threading.Thread(target=threading.Event().wait, daemon=True).start()  # no fork: the forkserver
+    loader = zf.Loader(_spec(Path({tmp!r}), "none"), backend="processes", workers=2)
+    for step, batch in loader:
+        pass
+    print("ran to the end")
+    """
+)
+
+
+def test_workers_that_die_as_they_start_fail_the_loader_instead_of_respawning_forever(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(UNGUARDED.format(tests=str(TESTS), tmp=str(tmp_path)), encoding="utf-8")
+    # Before, the backend replaced each dead worker forever: the run hung, printing tracebacks.
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0 and "ran to the end" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"zephon_flow.core.errors.WorkerLostError: worker processes die as they start: {START_ATTEMPTS} in a row"
+    )
+    assert 'if __name__ == "__main__":' in last
+    # Each dead worker printed its own error: the 2 first ones and the replacements started
+    # before the third death, not a flood.
+    assert 3 <= done.stderr.count("An attempt has been made to start a new process") <= START_ATTEMPTS + 2

@@ -22,7 +22,7 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
-from zephon_flow.core.errors import ChunkTimeoutError
+from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners.backends import oob
 from zephon_flow.runners.backends.base import (
     ChunkResult,
@@ -34,14 +34,19 @@ from zephon_flow.runners.backends.base import (
 )
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
-#: A chunk whose worker dies this many times (each time while running it) fails the loader.
 #: Chunks queued on one worker (one runs, the next waits in its pipe: no idle round trip).
 PER_WORKER = 2
 #: How long ``close`` lets workers exit on their own before killing them.
 CLOSE_GRACE = 1.0
+#: Workers in a row that die before they are ready (the pipeline's DoFns installed) fail the
+#: loader: a replacement would die the same way, forever. The usual cause is a script that
+#: builds and runs a loader at top level: a worker started from the forkserver imports it
+#: again, and Python refuses to start processes from a process still starting.
+START_ATTEMPTS = 3
 
-# Progress slots a worker writes into shared memory for the parent to read.
-_TASK, _STAGE, _FIRST, _LAST, _STARTED = range(5)
+# Progress slots a worker writes into shared memory for the parent to read; ``_READY`` is
+# set once the worker has installed the pipeline's DoFns.
+_TASK, _STAGE, _FIRST, _LAST, _STARTED, _READY = range(6)
 _IDLE = -1.0
 
 _PR_SET_PDEATHSIG = 1
@@ -101,6 +106,8 @@ def _worker_main(
     except Exception as exc:
         oob.send(conn, (-1, Failure.of(exc, f"a worker could not load the pipeline's DoFns: {exc}")))
         return
+
+    progress[_READY] = 1.0
 
     def report(stage: int, first: int, last: int) -> None:
         progress[_STAGE], progress[_FIRST], progress[_LAST] = stage, first, last
@@ -221,6 +228,18 @@ def _send_all(worker: _Worker) -> None:
             return
 
 
+def _start_failure_message(note: str, count: int) -> str:
+    return (
+        f"worker processes die as they start: {count} in a row, none of them ready to run the "
+        f"pipeline (the last: {note}). The most common cause: the script that makes this "
+        f'Loader(backend="processes") runs it at top level. A worker started from the '
+        f"forkserver (as when your process runs other threads, and for every replacement) "
+        f"imports your main script again, and Python refuses to start processes while one is "
+        f'starting. Keep the script\'s work under `if __name__ == "__main__":`. Otherwise the '
+        f"workers' own error is printed above this one (stderr)."
+    )
+
+
 class ProcessBackend:
     """``workers`` processes, each with its own copy of the DoFns (pickled once, with Beam's
     pickler), fed chunks by one dispatcher thread.
@@ -251,6 +270,7 @@ class ProcessBackend:
         self._numbers = 0
         self._closing = False
         self._broken: Failure | None = None
+        self._start_failures = 0  # workers in a row that died before they were ready
         # The first workers are forked from this process when it is single-threaded (see
         # ``can_fork``), all before any thread of ours starts; replacements come from the
         # forkserver (by then the dispatcher runs).
@@ -320,7 +340,7 @@ class ProcessBackend:
         else from the forkserver; its sender thread started unless ``sender`` is False."""
         ctx = fork or self._ctx
         parent, child = ctx.Pipe(duplex=True)
-        progress = ctx.RawArray(ctypes.c_double, 5)
+        progress = ctx.RawArray(ctypes.c_double, 6)
         progress[_TASK] = _IDLE
         inherited: tuple[Connection, ...] = ()
         if fork is not None:
@@ -456,8 +476,16 @@ class ProcessBackend:
     def _replace(
         self, worker: _Worker, note: str, *, failed: Task | None = None, error: Failure | None = None
     ) -> None:
-        """Swaps a dead (or killed) worker for a new one; its chunks run again, except ``failed``."""
+        """Swaps a dead (or killed) worker for a new one; its chunks run again, except ``failed``.
+        After ``START_ATTEMPTS`` workers in a row died before they were ready, fails the
+        loader instead."""
         self._receive(worker)  # results it sent before dying still count
+        if worker.progress[_READY]:
+            self._start_failures = 0
+        else:
+            self._start_failures += 1
+            if self._start_failures >= START_ATTEMPTS and self._broken is None:
+                self._broken = Failure.of(WorkerLostError(_start_failure_message(note, self._start_failures)))
         running, where = self._running(worker)
         again: list[Task] = []
         for task in sorted(worker.tasks.values(), key=lambda t: t.id):
