@@ -4,6 +4,7 @@ by re-reading them; the same batches as an uninterrupted run, at every step and 
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -282,8 +283,12 @@ def test_changed_data_is_refused_at_restore_never_used(tmp_path: Path) -> None:
     write_jsonl(path, [t.replace("1", "2") for t in texts])
     with pytest.raises(
         RecipeMismatchError, match=r"does not give the saved value: the data files, the tokenizer"
-    ):
+    ) as refused:
         zf.Loader(spec, state=ref.states[3])
+    # The documents are named by file and byte, not only by their ids.
+    assert re.search(
+        rf"re-reading the documents at {re.escape(str(path))} byte \d+ \(0, \d+, \d+\)", str(refused.value)
+    )
 
 
 def test_rebuild_finds_a_piece_in_the_middle_of_a_document() -> None:

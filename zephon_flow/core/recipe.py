@@ -157,10 +157,12 @@ def rebuild(
     documents: Mapping[DocKey, Outputs],
     where: str,
     hashes: WindowCache | None = None,
+    places: Mapping[DocKey, str] | None = None,
 ) -> Any:
     """The value a recipe describes, from its documents' front outputs; refuses (naming the
-    documents) if no placement of its pieces gives the saved digest. ``hashes`` keeps the
-    documents' window hashes between calls (many pieces of a long document are searched)."""
+    documents, by ``places`` where given: file and offset) if no placement of its pieces gives
+    the saved digest. ``hashes`` keeps the documents' window hashes between calls (many pieces
+    of a long document are searched)."""
     keys = doc_keys(recipe, where)
     lengths = _field(recipe, "lengths", where).astype(np.int64)
     head = _field(recipe, "head", where)
@@ -190,9 +192,10 @@ def rebuild(
         value = maker.recipe_value(tokens, lengths.astype(np.int32), docs, kind)
         if np.array_equal(digest(value), saved):
             return value
-    named = ", ".join(f"{k}" for k in dict.fromkeys(keys)) or "none"
+    places = places or {}
+    named = ", ".join(f"{places[k]} {k}" if k in places else f"{k}" for k in dict.fromkeys(keys)) or "none"
     raise RecipeMismatchError(
-        f"{where}: re-reading the documents {named} (source index, split, offset) and re-running the "
+        f"{where}: re-reading the documents {named} (ids: source index, split, offset) and re-running the "
         f"front does not give the saved value: the data files, the tokenizer or a stateless DoFn "
         f"changed since the checkpoint, or the front is not a pure function of the record. Resume "
         f"from a checkpoint written with state_mode='compact' (the default)"

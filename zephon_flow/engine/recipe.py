@@ -181,11 +181,12 @@ def from_recipes(
             f"the checkpoint is a recipe state, but this pipeline cannot rebuild it: {exc}"
         ) from exc
     wanted = [state.lane_states[lane] for lane in lane_ids]
-    documents = reread(plan, lanes, needs(found, wanted).keys, submit)
+    places: dict[DocKey, str] = {}
+    documents = reread(plan, lanes, needs(found, wanted).keys, submit, places)
     hashes: recipe.WindowCache = {}  # keyed by array ids: valid while ``documents`` lives
 
     def rebuild(value: Any, kind: str, where: str) -> Any:
-        return recipe.rebuild(found.maker, value, kind, documents, where, hashes)
+        return recipe.rebuild(found.maker, value, kind, documents, where, hashes, places)
 
     rebuilt = {ls.lane: _walk(found, ls, rebuild) for ls in wanted}
     return replace(state, lane_states={**state.lane_states, **rebuilt}, recipe=False)
@@ -254,10 +255,19 @@ def _walk(found: Layout, ls: LaneState, visit: _Visit) -> LaneState:
     return replace(ls, stages=stages, pending=pending)
 
 
-def reread(plan: Plan, lanes: int, keys: list[DocKey], submit: Submit | None = None) -> dict[DocKey, Outputs]:
+def reread(
+    plan: Plan,
+    lanes: int,
+    keys: list[DocKey],
+    submit: Submit | None = None,
+    places: dict[DocKey, str] | None = None,
+) -> dict[DocKey, Outputs]:
     """The front's outputs for each record id, read again and run through the front (on the
-    loader's backend when given: chunks in parallel)."""
+    loader's backend when given: chunks in parallel); ``places``, if given, gets each record's
+    file and position, for errors."""
     records = list(_read(plan, lanes, keys))
+    if places is not None:
+        places.update((key, f"at {record.path} {record.where}") for key, record in records)
     chunks = [records[start : start + CHUNK] for start in range(0, len(records), CHUNK)]
     front = plan.front_segment() if submit is None else None
     pending: list[Future[ChunkResult]] = []
