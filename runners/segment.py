@@ -52,7 +52,7 @@ class Failure:
             precise,
         )
 
-    def reraise(self) -> None:
+    def reraise(self) -> NoReturn:
         text = self.message
         if self.worker_traceback:
             text = f"{text}\n\n-- traceback on the worker --\n{self.worker_traceback}"

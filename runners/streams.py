@@ -237,10 +237,10 @@ class SourceStream:
         # Per chunk in flight, in order: its records' cursors and ids, and the backend's future
         # (cancelled on close).
         self._inflight: deque[tuple[_Sent, Future[ChunkResult]]] = deque()
-        # The chunk being handed out: its columns, its outputs, and the next record's place.
-        self._head: _Sent | None = None
+        # The chunk being handed out: its columns, its outputs, its next record and its end.
+        self._head = _Sent()
         self._outputs: Iterator[RecordResult] = iter(())
-        self._next = 0
+        self._next = self._end = 0
         self._ended = False
         self._submitted = 0
         self._taken = 0
@@ -312,7 +312,7 @@ class SourceStream:
     def take(self) -> Taken | None:
         """The source's next record in order, or None when the source has no more."""
         sent = self._head
-        while sent is None or self._next >= len(sent):
+        while self._next >= self._end:
             self._top_up()
             if self._reorder.in_flight() == 0:
                 if self._error is not None:
@@ -325,10 +325,8 @@ class SourceStream:
             self._taken += 1
             sent, _ = self._inflight.popleft()
             if isinstance(result, Failure):
-                self._head = None
                 result.reraise()
-                raise AssertionError("unreachable: reraise raises")
-            self._head, self._outputs, self._next = sent, iter(result), 0
+            self._head, self._outputs, self._next, self._end = sent, iter(result), 0, len(sent)
         i = self._next
         self._next = i + 1
         at = i * CURSOR_LENGTH

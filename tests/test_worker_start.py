@@ -38,7 +38,7 @@ TRAINER = textwrap.dedent(
     import psutil
     import zephon_flow as zf
     from zephon_flow.core.batches import batch_digest
-    from zephon_flow.runners.backends.processes import START_ATTEMPTS, can_fork
+    from zephon_flow.runners.backends.processes import can_fork
     from test_backend_faults import _spec
     if {thread}:  # a Python thread: the workers come from the forkserver
         threading.Thread(target=threading.Event().wait, daemon=True).start()

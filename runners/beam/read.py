@@ -107,7 +107,6 @@ class DecodeChunk(beam.DoFn):  # type: ignore[misc]
         results = self._segment.run_chunk(work) if work else []
         if isinstance(results, Failure):
             results.reraise()
-        assert isinstance(results, list)
         outputs = iter(results)
         entries: list[tuple[DocId | None, RecordResult]] = [
             (doc, next(outputs) if doc is not None else Skipped(str(payload)))

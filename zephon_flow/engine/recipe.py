@@ -283,7 +283,6 @@ def reread(
             for future in pending[i:]:
                 future.cancel()
             results.reraise()
-            raise AssertionError("unreachable")
         for (key, record), result in zip(part, results, strict=True):
             if isinstance(result, Skipped):
                 raise RecipeMismatchError(
