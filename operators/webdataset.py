@@ -227,15 +227,18 @@ class ReadWebDataset(Source):
         if first == split.stop:
             return
         with self._open(path) as (fh, size):
-            for group in _Grouper(self, fh, path, size).groups(start, split.start):
-                if group.number >= first:
-                    sample = TarSample(
-                        group.key, tuple(self._read_member(fh, path, m) for m in group.members)
-                    )
-                    n = group.number
-                    yield n + 1, Record(sample, path, f"sample {n} (key {group.key!r})", n)
-                if group.number + 1 == split.stop:
-                    return
+            try:
+                for group in _Grouper(self, fh, path, size).groups(start, split.start):
+                    if group.number >= first:
+                        sample = TarSample(
+                            group.key, tuple(self._read_member(fh, path, m) for m in group.members)
+                        )
+                        n = group.number
+                        yield n + 1, Record(sample, path, f"sample {n} (key {group.key!r})", n)
+                    if group.number + 1 == split.stop:
+                        return
+            except _Damage as damage:  # the user sees a plain DataError, not the private class
+                raise DataError(str(damage)) from None
         raise DataError(
             f"{self.operator_name}: {path} ends before sample {split.stop - 1}; "
             "did the shard change since the splits were listed?"
@@ -321,7 +324,8 @@ class _Group:
 
 
 class _Damage(DataError):
-    """A shard is damaged; ``resume_offset`` is where reading must start to meet the damage."""
+    """A shard is damaged; ``resume_offset`` is where reading must start to meet the damage.
+    Internal: listing catches it, reading raises it again as a plain ``DataError``."""
 
     def __init__(self, message: str, resume_offset: int = 0) -> None:
         super().__init__(message)

@@ -257,8 +257,9 @@ def test_data_cut_short_is_raised_when_reached_naming_the_member(tmp_path: Path)
         f"{OP}: {path} is truncated: member '000004.jpg' (sample 4) has 104 bytes from byte "
         f"{headers['000004.jpg'] + 512}, but the file ends at byte {headers['000004.jpg'] + 562}"
     )
-    with pytest.raises(DataError, match=re.escape(message)):
+    with pytest.raises(DataError, match=re.escape(message)) as raised:
         next(records)
+    assert type(raised.value) is DataError  # the public class, not an internal subclass
 
 
 def test_a_header_cut_short_names_the_member_before_it(tmp_path: Path) -> None:
@@ -288,8 +289,9 @@ def test_a_damaged_header_is_not_taken_for_the_end(tmp_path: Path) -> None:
     source = ReadWebDataset(path, samples_per_split=2, label="pics")
     assert source.splits() == [Split(path, 0, 2), Split(path, 2, 4)]
     message = f"{OP}: {path} is damaged after member '000003.jpg': bad tar header at byte {at}"
-    with pytest.raises(DataError, match=re.escape(message)):
+    with pytest.raises(DataError, match=re.escape(message)) as raised:
         read(source, source.splits()[1])
+    assert type(raised.value) is DataError
 
 
 def test_a_truncated_pax_header_is_named(tmp_path: Path) -> None:
