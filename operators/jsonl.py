@@ -54,6 +54,8 @@ class ReadJsonl(Source):
       there (from the nearest seek point for a compressed file). A record's ``offset`` is the
       byte offset of its line.
     - Lines holding only whitespace are skipped; an empty ``field`` gives no document.
+    - A UTF-8 byte order mark at the start of a file (as some Windows tools write) is ignored;
+      anywhere else it is malformed JSON.
     """
 
     #: A record's offset is a position ``read_split`` starts at (see ``Source``).
@@ -240,11 +242,16 @@ def _where(record: Record) -> str:
     return f"{record.path} at {record.where}"
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def _loads_leniently(record: Record, operator: str) -> Any:
     """A line ``orjson`` refused, through the standard library's ``json``: it also accepts what
     ``orjson`` does not (``NaN``, ``Infinity``, a lone surrogate escape), as ``ReadJsonl`` always
     has, and its errors name the column. A bad line is a ``DataError`` naming file and offset."""
     payload: bytes = record.payload
+    if record.offset == 0 and payload.startswith(_BOM):  # the file's first line: not JSON's
+        payload = payload[len(_BOM) :]
     try:
         text = payload.decode("utf-8")
     except UnicodeDecodeError as exc:

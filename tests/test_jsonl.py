@@ -276,6 +276,20 @@ def test_decode_errors_name_the_file_the_place_and_the_operator(payload: bytes, 
         ReadJsonl("unused").decode(record(payload), OP)
 
 
+def test_a_byte_order_mark_is_ignored_at_the_start_of_a_file_only(tmp_path: Path) -> None:
+    bom = b"\xef\xbb\xbf"
+    path = write(tmp_path / "a.jsonl", bom + b'{"text": "first"}\n{"text": "second"}\n')
+    source = ReadJsonl(path)
+    records = read_all(source)
+    assert [source.decode(r, OP) for _, r in records] == [["first"], ["second"]]
+    assert [r.offset for _, r in records] == [0, 21]
+    later = Record(bom + b'{"text": "x"}', "/d/a.jsonl", "byte 7", 7)  # inside a file: not JSON
+    with pytest.raises(
+        DataError, match=re.escape(f"{OP}: malformed JSON in /d/a.jsonl at byte 7: Unexpected UTF-8 BOM")
+    ):
+        source.decode(later, OP)
+
+
 @pytest.mark.parametrize(
     ("payload", "text"),
     [
