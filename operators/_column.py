@@ -179,9 +179,10 @@ class ColumnSource(Source):
         if value is None or value == "":
             return []
         if not isinstance(value, str):
+            hint = " (a binary column: store the text as a string column)" if isinstance(value, bytes) else ""
             raise DataError(
                 f"{operator}: the column {self.column!r} in {record.path} at {record.where} "
-                f"holds a {type(value).__name__}, not a string"
+                f"holds a value of type {type(value).__name__}, not a string{hint}"
             )
         return [value]
 

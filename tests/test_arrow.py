@@ -130,13 +130,15 @@ def test_non_string_values_name_the_file_batch_and_row(tmp_path: Path) -> None:
     path = write(tmp_path / "a.arrow", [{"text": [1, 2]}, {"text": [3, 4]}])
     source = ReadArrow(path, label="books")
     record = read(source, Split(path, 2, 4))[1][1]
-    message = f"{OP}: the column 'text' in {path} at record batch 1 row 1 holds a int, not a string"
+    message = (
+        f"{OP}: the column 'text' in {path} at record batch 1 row 1 holds a value of type int, not a string"
+    )
     with pytest.raises(DataError, match=re.escape(message)):
         source.decode(record, OP)
 
 
 def test_binary_values_are_refused_in_decode() -> None:
-    message = f"{OP}: the column 'text' in /d/a.arrow at record batch 0 row 2 holds a bytes, not a string"
+    message = f"{OP}: the column 'text' in /d/a.arrow at record batch 0 row 2 holds a value of type bytes, not a string (a binary column: store the text as a string column)"
     with pytest.raises(DataError, match=re.escape(message)):
         ReadArrow("unused").decode(Record(b"raw", "/d/a.arrow", "record batch 0 row 2", 2), OP)
 

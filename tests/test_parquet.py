@@ -127,7 +127,7 @@ def test_nulls_and_empty_strings_give_no_document(tmp_path: Path) -> None:
 
 def test_decode_refuses_a_value_that_is_not_a_string() -> None:
     source = ReadParquet("unused", column="body")
-    message = f"{OP}: the column 'body' in /d/a.parquet at row group 2 row 5 holds a bytes, not a string"
+    message = f"{OP}: the column 'body' in /d/a.parquet at row group 2 row 5 holds a value of type bytes, not a string (a binary column: store the text as a string column)"
     with pytest.raises(DataError, match=re.escape(message)):
         source.decode(Record(b"raw", "/d/a.parquet", "row group 2 row 5", 5), OP)
 
@@ -136,7 +136,9 @@ def test_non_string_column_fails_in_decode_with_the_row(tmp_path: Path) -> None:
     path = write(tmp_path / "a.parquet", 2, text=[1, 2, 3])
     source = ReadParquet(path)
     record = read(source, source.splits()[2])[0][1]
-    message = f"{OP}: the column 'text' in {path} at row group 1 row 0 holds a int, not a string"
+    message = (
+        f"{OP}: the column 'text' in {path} at row group 1 row 0 holds a value of type int, not a string"
+    )
     with pytest.raises(DataError, match=re.escape(message)):
         source.decode(record, OP)
 
