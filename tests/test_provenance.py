@@ -141,6 +141,20 @@ def test_stack_gives_numpy_stack_of_every_field(shape: tuple[int, ...], order: s
         stack([{"x": np.zeros(2, "<i2")}, {"x": np.zeros(2, ">i2")}], where="test")
 
 
+def test_stack_says_what_usually_makes_samples_differ() -> None:
+    ids = [np.arange(5, dtype=np.int32), np.arange(3, dtype=np.int32)]
+    with pytest.raises(
+        StageError, match=r"sample 1 is int32\[3\], expected int32\[5\]; .* end the pipeline with Pack"
+    ):
+        stack(ids, where="test")
+    with pytest.raises(StageError, match=r"sample 1 is <U2\[\], expected <U5\[\]; the pipeline ends in text"):
+        stack(["hello", "hi"], where="test")
+    with pytest.raises(
+        StageError, match=r"sample 1 is int32\[2, 2\], expected int32\[4\]$"
+    ):  # no plain cause
+        stack([np.zeros(4, np.int32), np.zeros((2, 2), np.int32)], where="test")
+
+
 def test_stack_refuses_documents_of_another_width() -> None:
     bad = sample(1, 0)
     bad["documents"] = np.zeros((1, 2), dtype=np.int64)

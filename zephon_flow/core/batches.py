@@ -70,6 +70,7 @@ def _stack_field(values: list[Any], *, where: str) -> np.ndarray:
         if a.shape != shape or (a.dtype is not dtype and a.dtype != dtype):
             raise StageError(
                 f"{where}: sample {i} is {a.dtype}{list(a.shape)}, expected {dtype}{list(shape)}"
+                f"{_mismatch_hint(arrays[0], a)}"
             )
     if not shape:
         return np.stack(arrays)
@@ -160,3 +161,19 @@ def with_valid(batch: Batch, valid: np.ndarray, *, where: str) -> Batch:
             f"batches of a finite pass to mark padding; rename that field"
         )
     return {**batch, VALID_FIELD: valid}
+
+
+def _mismatch_hint(first: np.ndarray, other: np.ndarray) -> str:
+    """What usually makes two samples of one batch differ, when it is plain: text, or token
+    arrays of their documents' lengths."""
+    if first.dtype.kind in "US" or other.dtype.kind in "US":
+        return (
+            "; the pipeline ends in text, which a batch cannot stack: tokenize it (and pack or "
+            "pad the ids to one length) before the end of the pipeline"
+        )
+    if first.dtype == other.dtype and first.ndim == other.ndim == 1:
+        return (
+            "; samples of a batch must have one shape: end the pipeline with Pack (or pad or "
+            "crop every sample to one length)"
+        )
+    return ""
