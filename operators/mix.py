@@ -147,7 +147,10 @@ class Mix(beam.PTransform):  # type: ignore[misc]
     def expand(self, pcolls: Any) -> Any:
         inputs = tuple(pcolls)
         if len(inputs) != self.n_inputs:
-            raise SpecError(f"Mix: {self.n_inputs} weights for {len(inputs)} inputs")
+            given = f"{self.n_inputs} weight{'s' if self.n_inputs != 1 else ''}"
+            raise SpecError(
+                f"Mix: {given} for {len(inputs)} inputs; give one weight per input, in their order"
+            )
         # On Beam's own runners: a plain union (Beam gives no order; zephon-flow's runner does).
         return inputs | "Union" >> beam.Flatten()
 
