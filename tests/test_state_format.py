@@ -238,6 +238,40 @@ def test_a_base_of_another_pipeline_is_refused(chain: dict[str, Any], corpus: Co
         zf.save_state(other, tmp_path / "x.zf", base=chain["root"] / "full.zf")
 
 
+@pytest.mark.parametrize(
+    ("target", "base", "chain_text"),
+    [
+        ("child.zf", "child.zf", "child.zf"),  # over its own base
+        ("full.zf", "grandchild.zf", "full.zf <- .*child.zf <- .*grandchild.zf"),  # over a base's base
+    ],
+)
+def test_a_save_over_a_file_of_its_own_chain_is_refused_and_changes_nothing(
+    chain: dict[str, Any], tmp_path: Path, target: str, base: str, chain_text: str
+) -> None:
+    root = copy_chain(chain, tmp_path)
+    before = {p.name: p.read_bytes() for p in root.iterdir()}
+    with pytest.raises(
+        StateError,
+        match=rf"cannot save to {root}/{target}: it is a file of the chain of bases .*{chain_text}",
+    ):
+        zf.save_state(chain["states"][5], root / target, base=root / base)
+    assert {p.name: p.read_bytes() for p in root.iterdir()} == before  # no temporary file either
+    assert lane_digests(zf.load_state(root / "grandchild.zf")) == lane_digests(chain["states"][5])
+    # through a symbolic link too
+    (root / "alias.zf").symlink_to(root / target)
+    with pytest.raises(StateError, match="cannot save to"):
+        zf.save_state(chain["states"][5], root / "alias.zf", base=root / base)
+
+
+def test_a_save_to_a_directory_is_refused_before_any_work(chain: dict[str, Any], tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(
+        IsADirectoryError, match=rf"is a directory; give the path of a file to write: '{tmp_path}/ckpt'"
+    ):
+        zf.save_state(chain["states"][2], tmp_path / "ckpt")
+    assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(tmp_path / "ckpt") == []
+
+
 def test_save_leaves_no_temporary_file_and_returns_its_size(chain: dict[str, Any], tmp_path: Path) -> None:
     stats = zf.save_state(chain["states"][2], tmp_path / "ck.zf")
     assert os.listdir(tmp_path) == ["ck.zf"]

@@ -14,6 +14,7 @@ Errors are ``DataError``s naming the operator and the file.
 
 from __future__ import annotations
 
+import errno
 import glob as globlib
 import logging
 import os
@@ -176,6 +177,8 @@ def atomic_write(path: str, write: Callable[[IO[bytes]], T], *, prefix: str = ".
     """Writes a local file all or nothing: ``write(f)`` into a temporary file in the same folder,
     fsync, rename over ``path``, fsync of the folder (so the rename survives a crash); returns
     what ``write`` returned. The temporary file is removed if anything fails."""
+    if os.path.isdir(path):  # before the work: os.replace would refuse only at the end
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give the path of a file to write", path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=prefix, dir=directory)

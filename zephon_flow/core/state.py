@@ -509,6 +509,12 @@ def save_state(
     directory. With ``base`` (an earlier checkpoint file of the same pipeline) only what changed
     since is written; loading needs the base, next to where it was. Returns what was written."""
     directory = os.path.dirname(os.path.abspath(path))
+    if base is not None and os.path.realpath(path) in (chain := state_file.chain_files(os.fspath(base))):
+        raise StateError(
+            f"cannot save to {os.fspath(path)}: it is a file of the chain of bases this checkpoint "
+            f"would stand on ({' <- '.join(reversed(chain))}), so writing there would destroy a base "
+            f"it needs; save to another path"
+        )
     return files.atomic_write(
         os.fspath(path),
         lambda f: write_state(state, f, base=base, relative_to=directory),

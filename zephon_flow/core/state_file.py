@@ -333,6 +333,29 @@ def row_index(
     return opened.header, index, digest
 
 
+def chain_files(path: str) -> list[str]:
+    """The real paths of a checkpoint file and of the bases it stands on, nearest first, from
+    their headers alone (no checksum; a file that cannot be read ends the list: loading it
+    says why). For refusing a save that would overwrite a file of its own chain."""
+    out: list[str] = []
+    current = os.path.realpath(path)
+    while current not in out and len(out) <= MAX_CHAIN:
+        try:
+            with open(current, "rb") as f:
+                version, _head = read_version(f, current)
+                if version <= codec.BLOB_VERSION:
+                    return [*out, current]
+                header = open_v3(f, current).header
+        except (OSError, StateError):
+            return out
+        out.append(current)
+        base = base_of(header, current)
+        if base is None:
+            break
+        current = os.path.realpath(base.path)
+    return out
+
+
 def check_chain(source: str, base: Base, chain: tuple[str, ...]) -> None:
     """Refuses a missing base, a loop of bases and an overlong chain, naming the files."""
     if base.path in chain or base.path == source or len(chain) >= MAX_CHAIN:
