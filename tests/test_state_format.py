@@ -6,6 +6,7 @@ import io
 import itertools
 import json
 import os
+import re
 import struct
 import tarfile
 import tracemalloc
@@ -270,6 +271,17 @@ def test_a_save_to_a_directory_is_refused_before_any_work(chain: dict[str, Any],
     ):
         zf.save_state(chain["states"][2], tmp_path / "ckpt")
     assert os.listdir(tmp_path) == ["ckpt"] and os.listdir(tmp_path / "ckpt") == []
+
+
+def test_a_path_given_as_a_state_says_to_load_it(chain: dict[str, Any]) -> None:
+    path = chain["root"] / "full.zf"
+    for as_given in (path, str(path)):
+        with pytest.raises(
+            StateError, match=re.escape(f"not a path: read the checkpoint file with zf.load_state('{path}')")
+        ):
+            zf.Loader(chain["spec"], state=as_given)  # type: ignore[arg-type]
+        with pytest.raises(StateError, match="not a path"):
+            zf.merge_states([as_given])
 
 
 def test_save_leaves_no_temporary_file_and_returns_its_size(chain: dict[str, Any], tmp_path: Path) -> None:

@@ -404,6 +404,11 @@ def to_loader_state(state: Any) -> LoaderState:
         return state
     if isinstance(state, bytes | bytearray | memoryview):
         state = decode_state(bytes(state))
+    elif isinstance(state, str | os.PathLike):
+        raise StateError(
+            f"a state is a state_dict() (or merge_states of several, or checkpoint bytes), not a "
+            f"path: read the checkpoint file with zf.load_state({os.fspath(state)!r})"
+        )
     return LoaderState.from_plain(state)
 
 
