@@ -134,6 +134,13 @@ def test_failures_exit_1_with_one_line(
     assert capsys.readouterr().err == f"zephon: error: no such pipeline file: {tmp_path / 'nowhere.py'}\n"
     assert main(["digest", "no_such_module_here:spec", "--steps", "1"]) == 1
     assert "no module named 'no_such_module_here'" in capsys.readouterr().err
+    # negative counts: refused, not an empty output (digest) or a run that never ends (inspect)
+    assert main(["digest", f"{pipeline_file}:spec", "--steps", "-5"]) == 1
+    assert capsys.readouterr().err == "zephon: error: steps must be an integer >= 0, got -5\n"
+    assert main(["inspect", f"{pipeline_file}:spec", "--step", "-1"]) == 1
+    assert capsys.readouterr().err == "zephon: error: step must be an integer >= 0, got -1\n"
+    assert main(["demo", "--steps", "1"]) == 1
+    assert "demo: steps must be an integer >= 2" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

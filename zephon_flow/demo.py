@@ -10,6 +10,7 @@ import apache_beam as beam
 
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest
+from zephon_flow.core.errors import SpecError
 from zephon_flow.core.state import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 from zephon_flow.demo_data import build_demo_data, corpus_bytes
 from zephon_flow.engine.simulate import global_batches
@@ -53,6 +54,10 @@ def _run(spec: LoaderSpec, desc: str, steps: int, **kwargs: object) -> tuple[lis
 
 
 def run_demo(*, steps: int = 300, workers: int = 2, backend: str = "processes") -> int:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise SpecError(
+            f"demo: steps must be an integer >= 2 (it resumes from a checkpoint at steps // 2), got {steps!r}"
+        )
     print("zephon-flow demo: building the corpus and tokenizer (cached after the first run)")
     data = build_demo_data(progress=True)
     spec = demo_spec(data.root)

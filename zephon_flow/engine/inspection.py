@@ -54,6 +54,8 @@ def batch_at(
 ) -> Batch:
     """Rank ``rank``'s slice of global batch ``step``, running from ``state`` when given;
     ``progress`` wraps the iteration over steps (the CLI's progress bar)."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:  # never reached: would run forever
+        raise SpecError(f"step must be an integer >= 0, got {step!r}")
     start = 0
     if state is not None:
         state = to_loader_state(state)

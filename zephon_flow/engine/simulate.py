@@ -7,6 +7,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from zephon_flow.core.batches import Batch, batch_digest, concat
+from zephon_flow.core.errors import SpecError
 from zephon_flow.core.state import merge_states
 from zephon_flow.engine.endsync import ThreadEndSync
 from zephon_flow.engine.loader import Loader
@@ -28,6 +29,8 @@ def global_batches(
 
     With ``final_state`` (a list), the merged state after the last batch is appended to it.
     """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise SpecError(f"steps must be an integer >= 0, got {steps!r}")
     if "end_sync" not in loader_options:
         loader_options["end_sync"] = ThreadEndSync(world_size)
     with ExitStack() as stack:
