@@ -418,15 +418,24 @@ def _header(state: LoaderState) -> dict[str, Any]:
 
 
 def write_state(
-    state: Any, out: IO[bytes], *, base: str | os.PathLike[str] | None = None, relative_to: str = "."
+    state: Any, out: IO[bytes], *, base: str | os.PathLike[str] | None = None, target: str | None = None
 ) -> state_file.WriteStats:
     """Writes ``state`` to ``out`` lane by lane; ``base``: an earlier checkpoint file to write
-    only the changes against (recorded by its path relative to ``relative_to``)."""
+    only the changes against, recorded by its path relative to the folder of ``target``, the
+    file ``out`` will become (refused if it is a file of the base's chain: writing there would
+    destroy a base the new checkpoint needs)."""
     st = to_loader_state(state)
     ref = None
     if base is not None:
         base_path = os.fspath(base)
-        header, index, digest = state_file.row_index(base_path)
+        chain: list[str] = []
+        header, index, digest = state_file.row_index(base_path, files=chain)
+        if target is not None and os.path.realpath(target) in chain:
+            raise StateError(
+                f"cannot save to {target}: it is a file of the chain of bases this checkpoint "
+                f"would stand on ({' <- '.join(reversed(chain))}), so writing there would destroy a base "
+                f"it needs; save to another path"
+            )
         base_state = LoaderState.from_plain({**header, "lane_states": []})
         if base_state.lanes != st.lanes or base_state.fingerprint != st.fingerprint:
             raise StateError(
@@ -438,7 +447,8 @@ def write_state(
                 f"base {base_path} is a {'recipe' if base_state.recipe else 'compact'} state and this "
                 f"one is not; an incremental checkpoint needs a base of the same state_mode"
             )
-        name = os.path.relpath(os.path.abspath(base_path), os.path.abspath(relative_to))
+        folder = os.path.dirname(os.path.abspath(target)) if target is not None else os.path.abspath(".")
+        name = os.path.relpath(os.path.abspath(base_path), folder)
         ref = (state_file.Base(name, digest), index)
     lanes = ((lane, st.lane_states[lane].to_plain()) for lane in sorted(st.lane_states))
     return state_file.write(_header(st), lanes, out, base=ref)
@@ -513,16 +523,10 @@ def save_state(
     """Writes a checkpoint atomically, lane by lane: temporary file, fsync, rename, fsync of the
     directory. With ``base`` (an earlier checkpoint file of the same pipeline) only what changed
     since is written; loading needs the base, next to where it was. Returns what was written."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if base is not None and os.path.realpath(path) in (chain := state_file.chain_files(os.fspath(base))):
-        raise StateError(
-            f"cannot save to {os.fspath(path)}: it is a file of the chain of bases this checkpoint "
-            f"would stand on ({' <- '.join(reversed(chain))}), so writing there would destroy a base "
-            f"it needs; save to another path"
-        )
+    target = os.fspath(path)
     return files.atomic_write(
-        os.fspath(path),
-        lambda f: write_state(state, f, base=base, relative_to=directory),
+        target,
+        lambda f: write_state(state, f, base=base, target=target),
         prefix=".zephon-state-",
     )
 

@@ -299,10 +299,13 @@ def refuse_incremental_bytes(header: dict[str, Any], source: str) -> None:
 
 
 def row_index(
-    path: str, chain: tuple[str, ...] = ()
+    path: str, chain: tuple[str, ...] = (), files: list[str] | None = None
 ) -> tuple[dict[str, Any], dict[int, compact.RowIndex], str]:
     """A checkpoint file's header, its row digests per lane and its sha256 (for a child); the
-    digests of rows it takes from its own base come from that base (checked by its sha256)."""
+    digests of rows it takes from its own base come from that base (checked by its sha256).
+    ``files``, if given, gets the real path of each file read: this one, its base, ..."""
+    if files is not None:
+        files.append(os.path.realpath(path))
     with open(path, "rb") as f:
         digest = verify(f, path)
         version, _head = read_version(f, path)
@@ -316,7 +319,7 @@ def row_index(
         base = base_of(opened.header, path)
         if base is not None:
             check_chain(path, base, chain)
-            _header, parent, found = row_index(base.path, (*chain, path))
+            _header, parent, found = row_index(base.path, (*chain, path), files)
             check_base(path, base, found)
         index: dict[int, compact.RowIndex] = {}
         for lane in opened.header["lane_ids"]:
@@ -331,29 +334,6 @@ def row_index(
                 ) from exc
         opened.finish()
     return opened.header, index, digest
-
-
-def chain_files(path: str) -> list[str]:
-    """The real paths of a checkpoint file and of the bases it stands on, nearest first, from
-    their headers alone (no checksum; a file that cannot be read ends the list: loading it
-    says why). For refusing a save that would overwrite a file of its own chain."""
-    out: list[str] = []
-    current = os.path.realpath(path)
-    while current not in out and len(out) <= MAX_CHAIN:
-        try:
-            with open(current, "rb") as f:
-                version, _head = read_version(f, current)
-                if version <= codec.BLOB_VERSION:
-                    return [*out, current]
-                header = open_v3(f, current).header
-        except (OSError, StateError):
-            return out
-        out.append(current)
-        base = base_of(header, current)
-        if base is None:
-            break
-        current = os.path.realpath(base.path)
-    return out
 
 
 def check_chain(source: str, base: Base, chain: tuple[str, ...]) -> None:
