@@ -18,7 +18,7 @@ from apache_beam.runners.runner import PipelineResult, PipelineRunner, PipelineS
 from apache_beam.transforms import core, window
 from apache_beam.transforms.util import Reshuffle
 
-from zephon_flow.core.code import class_code_digest
+from zephon_flow.core.code import class_code_digest, reached_code
 from zephon_flow.core.errors import SpecError, UnsupportedTransformError
 from zephon_flow.core.identity import beam_function_identity
 from zephon_flow.core.roles import role_of
@@ -105,7 +105,9 @@ def describe_params(obj: Any) -> Any:
 
     A ``"code"`` entry is the digest of the user's code in it (``zephon_flow.core.code``): the
     function of ``ops.Map``/``beam.Map`` and friends, the class of a user's own DoFn. The
-    fingerprint keeps it apart, as the part ``code <label>``.
+    fingerprint keeps it apart, as the part ``code <label>``. A user DoFn's ``"reaches"``
+    (``reached_code``: the helpers, classes and constants of the user's modules its code names)
+    become parts ``code <label> :: helper cut in module m``.
     """
     if isinstance(obj, core.CallableWrapperDoFn):  # beam.Map(fn) and friends: see ops.Map
         return beam_function_identity(obj)
@@ -124,6 +126,9 @@ def describe_params(obj: Any) -> Any:
     if own is not None and isinstance(described, dict):
         described = dict(described)
         described["code"] = f"{described['code']}+{own}" if "code" in described else own
+        reaches = reached_code(type(obj))
+        if reaches:  # the user's helpers, classes and constants it names: parts of their own
+            described["reaches"] = reaches
     return described
 
 

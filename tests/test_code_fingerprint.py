@@ -256,3 +256,114 @@ def test_a_checkpoint_from_before_code_was_fingerprinted(tmp_path: Path, jsonl: 
     )
     with zf.Loader(spec, state=state, allow_code_change=True) as loader:
         assert next(iter(loader))[0] == 1
+
+
+# -- what a DoFn's code reaches: the user's helpers, classes and constants ------------------
+HELPER_V1 = """
+import apache_beam as beam
+import numpy as np
+import cut_helpers
+
+LIMIT = 5
+
+def cut(text):
+    return text[:LIMIT]
+
+def again(n):  # recursive: the walk must end
+    return n if n <= 0 else again(n - 1) + 0
+
+class Cut(beam.DoFn):
+    def process(self, text):
+        yield np.full(4, len(cut(text)) + again(2) + cut_helpers.OFFSET, dtype=np.int32)
+"""
+
+HELPERS_MODULE = "OFFSET = 0\n"
+
+
+def helper_spec(tmp_path: Path, jsonl: str, source: str, helpers: str = HELPERS_MODULE) -> zf.LoaderSpec:
+    load(tmp_path, helpers, name="cut_helpers")
+    module = load(tmp_path, source, name="cut_dofns")
+    return chain_spec(jsonl, ("cut", module.Cut()), global_batch_size=2)
+
+
+def checkpoint_at(spec: zf.LoaderSpec, step: int) -> dict[str, object]:
+    with zf.Loader(spec) as loader:
+        for at, _ in loader:
+            if at == step:
+                return loader.state_dict()
+    raise AssertionError("the stream ended")
+
+
+def test_a_dofns_helpers_and_constants_are_parts_of_the_fingerprint(tmp_path: Path, jsonl: str) -> None:
+    fp = helper_spec(tmp_path, jsonl, HELPER_V1).fingerprint
+    assert sorted(p for p in fp if p.startswith("code cut")) == [
+        "code cut",
+        "code cut :: constant LIMIT in module cut_dofns",
+        "code cut :: constant OFFSET in module cut_helpers",
+        "code cut :: helper again in module cut_dofns",
+        "code cut :: helper cut in module cut_dofns",
+    ]  # numpy, Beam and zephon-flow are not the user's code
+
+
+def test_an_edited_helper_refuses_the_old_checkpoint_naming_the_dofn_and_the_helper(
+    tmp_path: Path, jsonl: str
+) -> None:
+    old = helper_spec(tmp_path, jsonl, HELPER_V1)
+    state = checkpoint_at(old, 1)
+    with zf.Loader(old, state=state) as loader:
+        assert next(iter(loader))[1]["data"].tolist() == [[5, 5, 5, 5], [5, 5, 5, 5]]
+    new = helper_spec(tmp_path, jsonl, HELPER_V1.replace("text[:LIMIT]", "text[:LIMIT + 3]"))
+    assert new.fingerprint["code cut"] == old.fingerprint["code cut"]  # the class is the same
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(new, state=state)
+    assert str(err.value) == (
+        "the checkpoint was written for another pipeline; these parts of the fingerprint differ: "
+        "operator cut: code changed (helper cut in module cut_dofns); if the code change is "
+        "deliberate (a fix or a refactor you accept for the rest of the run), pass "
+        "allow_code_change=True to zf.Loader"
+    )
+    with zf.Loader(new, state=state, allow_code_change=True) as loader:
+        step, batch = next(iter(loader))
+    assert step == 2 and batch["data"].tolist() == [[8, 8, 8, 8], [8, 8, 8, 8]]
+
+
+def test_a_changed_constant_or_a_helper_in_another_module_is_named(tmp_path: Path, jsonl: str) -> None:
+    old = helper_spec(tmp_path, jsonl, HELPER_V1)
+    state = checkpoint_at(old, 0)
+    new = helper_spec(tmp_path, jsonl, HELPER_V1.replace("LIMIT = 5", "LIMIT = 8"), "OFFSET = 1\n")
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(new, state=state)
+    assert (
+        "differ: operator cut: code changed (constant LIMIT in module cut_dofns, "
+        "constant OFFSET in module cut_helpers);" in str(err.value)
+    )
+    edited_class = helper_spec(tmp_path, jsonl, HELPER_V1.replace("+ again(2)", "+ again(3)"))
+    with pytest.raises(FingerprintMismatchError, match=r"differ: operator cut: code changed; if"):
+        zf.Loader(edited_class, state=state)
+
+
+HASH_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import cut_dofns
+from zephon_flow.core.code import reached_code
+print(sorted(reached_code(cut_dofns.Cut).items()))
+"""
+
+
+def test_what_a_dofn_reaches_has_the_same_digests_under_any_hash_seed(tmp_path: Path) -> None:
+    (tmp_path / "cut_helpers.py").write_text("OFFSET = frozenset({'a', 'b', 'c', 'd'})\n")
+    (tmp_path / "cut_dofns.py").write_text(HELPER_V1)
+    (tmp_path / "probe.py").write_text(HASH_PROBE)
+    outputs = {
+        subprocess.run(
+            [sys.executable, str(tmp_path / "probe.py"), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("0", "1", "4242")
+    }
+    assert len(outputs) == 1 and "constant OFFSET in module cut_helpers" in next(iter(outputs))

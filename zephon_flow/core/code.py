@@ -11,10 +11,13 @@ checkpoints across a Python upgrade, and only such code.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import linecache
+import os
 import sys
+import sysconfig
 import textwrap
 import types
 from typing import Any
@@ -165,3 +168,146 @@ def class_code_digest(cls: type) -> str | None:
             digest = "bytecode:" + ",".join(f"{n}={bytecode_digest(f.__code__)}" for n, f in methods)
         h.update(f"{c.__qualname__}={digest};".encode())
     return h.hexdigest()[:16]
+
+
+# -- what a DoFn's code reaches ------------------------------------------------------------
+#: Types whose values a module-level constant may hold to count as one (plain data).
+_PLAIN = (int, float, complex, str, bytes, bool, type(None))
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_dirs() -> tuple[str, ...]:
+
+    dirs = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(sorted(os.path.join(os.path.realpath(d), "") for d in dirs))
+
+
+def is_user_module(name: str) -> bool:
+    """Whether module ``name`` is the user's code: not the standard library, Beam, zephon-flow
+    or an installed package (a file under the interpreter's or an environment's library or
+    site-packages folders), and loaded from a file (``__main__`` included)."""
+    if not name or _is_library(name):
+        return False
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return False
+    real = os.path.realpath(path)
+    if f"{os.sep}site-packages{os.sep}" in real or f"{os.sep}dist-packages{os.sep}" in real:
+        return False
+    return not real.startswith(_installed_dirs())
+
+
+def _constant_repr(value: Any) -> str | None:
+    """A process-independent repr of plain data (sets sorted), or None for anything else."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        parts = [_constant_repr(v) for v in value]
+        return None if None in parts else f"{type(value).__name__}({','.join(p or '' for p in parts)})"
+    if isinstance(value, frozenset | set):
+        parts = [_constant_repr(v) for v in value]
+        return None if None in parts else "set(" + ",".join(sorted(p or "" for p in parts)) + ")"
+    if isinstance(value, dict):
+        items = [(_constant_repr(k), _constant_repr(v)) for k, v in value.items()]
+        if any(k is None or v is None for k, v in items):
+            return None
+        return "dict(" + ",".join(f"{k}:{v}" for k, v in items) + ")"
+    return None
+
+
+def _code_objects(cls: type) -> list[types.CodeType]:
+    """The code of a class's own methods (plain, static, class methods and properties)."""
+    out: list[types.CodeType] = []
+    for _, value in sorted(vars(cls).items(), key=lambda kv: kv[0]):
+        for fn in (
+            value,
+            getattr(value, "__func__", None),
+            getattr(value, "fget", None),
+            getattr(value, "fset", None),
+        ):
+            if isinstance(fn, types.FunctionType):
+                out.append(fn.__code__)
+    return out
+
+
+class _Reach:
+    """Walks from code to the module-level functions, classes and constants of the user's
+    modules it names, transitively (each object once, so recursion ends)."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, str] = {}
+        self.seen: set[int] = set()
+
+    def code(self, codes: list[types.CodeType], namespace: dict[str, Any], module: str) -> None:
+        names: set[str] = set()
+        for c in codes:
+            names.update(global_names(c))
+        for name in sorted(names):
+            if name in namespace:
+                self.value(name, namespace[name], module, names)
+
+    def value(self, name: str, value: Any, module: str, names: set[str]) -> None:
+        if isinstance(value, types.ModuleType):
+            if is_user_module(value.__name__) and id(value) not in self.seen:
+                # ``helpers.cut``: the attributes of a user module that the code names.
+                self.seen.add(id(value))
+                space = vars(value)
+                for attr in sorted(names):
+                    if attr in space and not isinstance(space[attr], types.ModuleType):
+                        self.value(attr, space[attr], value.__name__, names)
+            return
+        if isinstance(value, types.FunctionType):
+            self.function(value)
+            return
+        if isinstance(value, type):
+            self.klass(value)
+            return
+        plain = _constant_repr(value)
+        if plain is not None:
+            if is_user_module(module):
+                digest = hashlib.sha256(plain.encode("utf-8")).hexdigest()[:16]
+                self.parts[f"constant {name} in module {module}"] = digest
+            return
+        if isinstance(type(value), type) and is_user_module(type(value).__module__):
+            self.klass(type(value))  # an instance of the user's class: its class's code
+
+    def function(self, fn: types.FunctionType) -> None:
+        if id(fn) in self.seen or not is_user_module(fn.__module__):
+            return
+        self.seen.add(id(fn))
+        h = hashlib.sha256(function_code_digest(fn).encode())
+        for i, default in enumerate(fn.__defaults__ or ()):
+            h.update(f";default {i}={_constant_repr(default)}".encode())
+        self.parts[f"helper {fn.__qualname__} in module {fn.__module__}"] = h.hexdigest()[:16]
+        self.code([fn.__code__], fn.__globals__, fn.__module__)
+
+    def klass(self, cls: type) -> None:
+        if id(cls) in self.seen or not is_user_module(cls.__module__):
+            return
+        self.seen.add(id(cls))
+        digest = class_code_digest(cls)
+        if digest is not None:
+            self.parts[f"class {cls.__qualname__} in module {cls.__module__}"] = digest
+        self.dofn_class(cls)
+
+    def dofn_class(self, cls: type) -> None:
+        classes = user_classes(cls)
+        self.seen.update(id(c) for c in classes)  # their own code is digested by the caller
+        for c in classes:
+            module = sys.modules.get(c.__module__)
+            if module is not None:
+                self.code(_code_objects(c), vars(module), c.__module__)
+
+
+def reached_code(cls: type) -> dict[str, str]:
+    """What the code of a user's DoFn class reaches, by name, with a digest of each: the
+    module-level functions (``helper cut in module m``), classes (``class Tok in module m``)
+    and plain constants (``constant LIMIT in module m``) of the user's modules that its
+    methods name, and what those name in turn; not into the standard library, installed
+    packages, Beam or zephon-flow. A function is identified as ``function_code_digest`` does
+    (its parsed source) with its defaults; a constant by its value. Empty for a class of Beam
+    or zephon-flow."""
+    walk = _Reach()
+    walk.dofn_class(cls)
+    return dict(sorted(walk.parts.items()))

@@ -324,13 +324,13 @@ class LoaderState:
             differ = [p for p in differ if p not in code]
             if not differ:
                 return False
-        named = [f"operator {p[5:]}: code changed" if p in code else p for p in differ]
+        named = _named_parts(differ, code)
         message = (
             "the checkpoint was written for another pipeline; these parts of the fingerprint "
             f"differ: {', '.join(named) or 'total'}"
         )
         if code and not allow_code_change:
-            old = [p for p in code if p not in self.fingerprint]
+            old = [p for p in code if p not in self.fingerprint and " :: " not in p]
             if old:
                 message += (
                     f" (the checkpoint has no digest of the code of {', '.join(p[5:] for p in old)}: "
@@ -349,6 +349,30 @@ class LoaderState:
                 f"(the change is recorded in the state)"
             )
         raise FingerprintMismatchError(message)
+
+
+def _named_parts(differ: list[str], code: list[str]) -> list[str]:
+    """The differing parts as a refusal names them: code parts per operator, ``operator
+    <label>: code changed``, followed by the helpers whose code changed (parts ``code <label>
+    :: helper cut in module m``) as ``(helper cut in module m, ...)``."""
+    named: list[str] = []
+    helpers: dict[str, list[str]] = {}
+    for p in differ:
+        if p not in code:
+            named.append(p)
+            continue
+        label, _, what = p[5:].partition(" :: ")
+        if label not in helpers:
+            helpers[label] = []
+            named.append(f"code {label}")
+        if what:
+            helpers[label].append(what)
+    return [
+        f"operator {n[5:]}: code changed" + (f" ({', '.join(helpers[n[5:]])})" if helpers[n[5:]] else "")
+        if n.startswith("code ") and n[5:] in helpers
+        else n
+        for n in named
+    ]
 
 
 def merge_states(states: list[Any]) -> dict[str, Any]:

@@ -95,6 +95,8 @@ class LoaderSpec:
             if isinstance(params, dict) and "code" in params:
                 params = dict(params)
                 parts[f"code {label}"] = _digest(params.pop("code"))
+                for what, digest in sorted(params.pop("reaches", {}).items()):
+                    parts[f"code {label} :: {what}"] = digest  # a helper the DoFn's code reaches
             parts[f"operator {label}"] = _digest(params)
         for sp in plan.sources:
             parts[f"data {sp.label}"] = _digest(sp.source.data_identity(self.lanes, DEALING_VERSION))
