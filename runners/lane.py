@@ -6,8 +6,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from zephon_flow.core.batches import SampleLayout
-from zephon_flow.core.errors import CorruptStateError
+from zephon_flow.core.errors import CorruptStateError, ResumeMismatchError
 from zephon_flow.core.markers import DocId
+from zephon_flow.core.resume_check import FedOutputs, MadeWindow, difference
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.source import START
 from zephon_flow.core.state import FeedCursor, LaneState
@@ -142,6 +143,9 @@ class LaneRunner:
 
     ``step`` is the number of windows the lane has closed (the checkpoint's step); the mix
     draws each record at the step of the window the lane is filling when it consumes it.
+    A state that records its next window's check (``LaneState.next_window``) is verified: the
+    lane's first window is compared with it as it is made (``ResumeMismatchError`` if it
+    differs). ``made`` is the last window made, whose check completes the state taken before it.
     """
 
     def __init__(
@@ -184,6 +188,10 @@ class LaneRunner:
         self._ended = state.ended
         self._layout = state.layout
         self._windows = step
+        self._lanes = lanes
+        self._expect = state.next_window
+        self._fed: list[FedOutputs] = []  # the records read for the window being made
+        self.made: MadeWindow | None = None
         self._record: FedRecord | None = None
         self._next = 0
         self._feed = LaneFeed(
@@ -236,6 +244,8 @@ class LaneRunner:
             if record is None:
                 return None
             self._record, self._next = record, record.start
+            if not record.start:  # a record resumed inside belongs to the window before
+                self._fed.append((record.doc, record.outputs))
         j = self._next
         self._next += 1
         if j + 1 < len(record.outputs):
@@ -249,6 +259,7 @@ class LaneRunner:
     def next_window(self) -> list[Any]:
         """The lane's next window: ``window`` outputs, or fewer once its finite input has
         ended (the rest of the window is padding; an empty list once nothing is left)."""
+        self._fed = []
         while len(self._pending) < self._window and not self._ended:
             item = self._next_output()
             if item is None:
@@ -260,8 +271,36 @@ class LaneRunner:
         window, self._pending = self._pending[: self._window], self._pending[self._window :]
         if window and self._layout is None:
             self._layout = SampleLayout.of(window[0])
+        self.made = MadeWindow(window, self._fed)
+        if self._expect is not None:
+            self._verify()
         self._windows += 1
         return window
+
+    def _verify(self) -> None:
+        """Compares the first window made after a restore with the check its state recorded."""
+        expect, self._expect = self._expect, None
+        assert expect is not None and self.made is not None
+        fed = self.made.fed
+        changed = difference(expect, self.made.check(), fed, self._name)
+        if changed is not None:
+            raise ResumeMismatchError(
+                f"lane {self.lane}, step {self._windows}: the first window after the restore is not "
+                f"the one the checkpoint recorded: {changed}. Resuming would train on another stream "
+                f"than the one saved; put the data and the tokenizer back as they were, or accept the "
+                f"new stream knowingly with verify_resume=False (zf.Loader) or --no-verify-resume "
+                f"(zephon serve)"
+            )
+
+    def _name(self, doc: tuple[int, int, int]) -> str:
+        """A record id as its source, file and offset."""
+        source, split, offset = doc
+        try:
+            sp = self._plan.sources[source]
+            path = sp.source.splits(self._lanes)[split].path
+        except (IndexError, AttributeError, TypeError):
+            return f"the record {doc}"
+        return f"the record at {path} offset {offset} (source {sp.label!r})"
 
     @property
     def layout(self) -> SampleLayout | None:

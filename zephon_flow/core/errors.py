@@ -15,6 +15,7 @@
           +-- StateConflictError          merged ranks disagree about a lane
           +-- RecipeRefusedError          state_mode="recipe" cannot store this pipeline's state
           +-- RecipeMismatchError         a recipe restore did not give back the saved sequences
+          +-- ResumeMismatchError         a restored lane's first window is not the one recorded
      +-- ServiceError         the batch service refused a call or failed (carries its message)
 
 Every class also derives from the builtin a caller would naturally catch (``ValueError``
@@ -88,6 +89,12 @@ class RecipeMismatchError(StateError):
     the data, the tokenizer or a stateless DoFn changed since the checkpoint (names them)."""
 
 
+class ResumeMismatchError(StateError):
+    """A lane restored from a checkpoint made a first window other than the one the checkpoint
+    recorded: the data, the tokenizer or an operator's output changed since it was saved
+    (names the lane, the step and what changed; ``verify_resume=False`` accepts it knowingly)."""
+
+
 class ServiceError(ZephonError, RuntimeError):
     """The batch service refused a request or could not be reached; carries the server's message.
 
@@ -109,6 +116,7 @@ __all__ = [
     "LaneCountMismatchError",
     "RecipeMismatchError",
     "RecipeRefusedError",
+    "ResumeMismatchError",
     "ServiceError",
     "SpecError",
     "StageError",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import IO, Any
 
 import numpy as np
 
 from zephon_flow.core import codec, files, state_file
+from zephon_flow.core.resume_check import PendingChecks, WindowCheck
 from zephon_flow.core.batches import SampleLayout
 from zephon_flow.core.errors import (
     CorruptStateError,
@@ -167,7 +169,9 @@ class LaneState:
 
     ``ended``: the lane's finite input has ended (its windows are padding from then on);
     ``layout``: the layout of the lane's first sample, for padding when no operator declares
-    a padding sample (None until the lane made one).
+    a padding sample (None until the lane made one); ``next_window``: the check of the window
+    the lane makes next (``core/resume_check.py``), which a restore verifies (None: not known,
+    e.g. a checkpoint written before zephon-flow recorded it; such a resume is not verified).
     """
 
     lane: int
@@ -176,9 +180,10 @@ class LaneState:
     pending: list[Any] = field(default_factory=list)
     ended: bool = False
     layout: SampleLayout | None = None
+    next_window: WindowCheck | None = None
 
     def to_plain(self) -> dict[str, Any]:
-        return {
+        plain = {
             "lane": self.lane,
             "cursor": self.cursor.to_plain(),
             "stages": {label: st.to_plain() for label, st in self.stages.items()},
@@ -186,6 +191,9 @@ class LaneState:
             "ended": self.ended,
             "layout": None if self.layout is None else self.layout.to_plain(),
         }
+        if self.next_window is not None:  # an optional key: readers before it ignore it
+            plain["next_window"] = self.next_window.to_plain()
+        return plain
 
     @classmethod
     def from_plain(cls, plain: Any, version: int = codec.FORMAT_VERSION) -> LaneState:
@@ -203,6 +211,7 @@ class LaneState:
         if not isinstance(pending, list) or not isinstance(ended, bool):
             raise CorruptStateError(f"{where}: pending should be a list and ended a bool")
         layout = _need(plain, "layout", where) if version >= 3 else None
+        check = plain.get("next_window")
         return cls(
             lane=lane,
             cursor=FeedCursor.from_plain(_need(plain, "cursor", where), f"{where}, cursor"),
@@ -210,6 +219,7 @@ class LaneState:
             pending=list(pending),
             ended=ended,
             layout=None if layout is None else SampleLayout.from_plain(layout, where=f"{where}, layout"),
+            next_window=None if check is None else WindowCheck.from_plain(check, f"{where}, next_window"),
         )
 
 
@@ -221,6 +231,8 @@ class LoaderState:
     in force (a new one per accepted change on resume); empty for a pipeline without a Mix.
     ``recipe``: the lanes' buffered sequences are recipes (kind ``RECIPE_KIND``), to be rebuilt
     with the pipeline (``engine/recipe.py``) before the lanes run.
+    ``checks``: at run time, the checks of the lanes' next windows while they are being made
+    (``completed`` waits for them and puts them in the lane states); never stored.
     """
 
     step: int
@@ -229,6 +241,22 @@ class LoaderState:
     lane_states: dict[int, LaneState]
     mix_history: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     recipe: bool = False
+    checks: PendingChecks | None = field(default=None, repr=False, compare=False)
+
+    def completed(self, alive: Callable[[], bool]) -> LoaderState:
+        """This state with each lane's ``next_window`` check, once its lanes made their next
+        windows (waits for them while ``alive()``: at most the making of one window, usually
+        not at all, as the producer runs ahead); unchanged if they will never be made."""
+        if self.checks is None:
+            return self
+        found = self.checks.wait(alive)
+        if not found:
+            return self
+        lanes = {
+            lane: ls if lane not in found else replace(ls, next_window=found[lane])
+            for lane, ls in self.lane_states.items()
+        }
+        return replace(self, lane_states=lanes, checks=None)
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -379,7 +407,7 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
     """Unions the lane states of several ranks' checkpoints (plain dicts or bytes) into one.
 
     All must be for the same step and pipeline; ranks that share a lane must hold identical
-    states for it.
+    states for it, and agree on the check of its next window where both recorded one.
     """
     if not states:
         raise StateConflictError("merge_states needs at least one state")
@@ -410,12 +438,25 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
                 f"state {i} has {st.mix_history!r}"
             )
         for lane, ls in st.lane_states.items():
-            digest = codec.canonical_digest(ls.to_plain())
+            digest = codec.canonical_digest(replace(ls, next_window=None).to_plain())
             if lane in digests and digests[lane] != digest:
                 raise StateConflictError(
                     f"states disagree about lane {lane} at step {st.step} (state {i} differs)"
                 )
             digests[lane] = digest
+            known = merged.get(lane)
+            if known is not None and ls.next_window is None:
+                continue  # a rank that did not record the next window's check defers to one that did
+            if (
+                known is not None
+                and known.next_window is not None
+                and known.next_window.digest != ls.next_window.digest
+            ):
+                raise StateConflictError(
+                    f"states disagree about the next window of lane {lane} at step {st.step} (state "
+                    f"{i} recorded {ls.next_window.digest[:16]}..., an earlier state "
+                    f"{known.next_window.digest[:16]}...): the ranks made different windows"
+                )
             merged[lane] = ls
     return LoaderState(
         first.step, first.lanes, first.fingerprint, merged, first.mix_history, recipe=first.recipe
