@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 import numpy as np
 
 from zephon_flow.core import codec, files, state_file
-from zephon_flow.core.resume_check import PendingChecks, WindowCheck
 from zephon_flow.core.batches import SampleLayout
 from zephon_flow.core.errors import (
     CorruptStateError,
@@ -21,6 +20,7 @@ from zephon_flow.core.errors import (
     StateConflictError,
     StateError,
 )
+from zephon_flow.core.resume_check import PendingChecks, WindowCheck
 
 STATE_KIND = "zephon-flow/loader-state"
 #: The kind of a recipe state (``state_mode="recipe"``): buffered sequences are stored as the
