@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -21,6 +21,7 @@ from zephon_flow.core.errors import (
     ZephonError,
 )
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.resume_check import PendingChecks
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
 from zephon_flow.engine import recipe
@@ -72,6 +73,11 @@ class Loader:
     kills the stuck worker, replaces it and raises ``ChunkTimeoutError`` naming the DoFn and the
     record (threads: the error, but the thread stays stuck; inline: a logged warning only). A
     worker that dies is replaced and its chunks recomputed, with the same batches.
+
+    ``verify_resume`` (default True): a ``state`` that records its lanes' next windows (every
+    state this version writes) is verified as the lanes make their first windows, before any
+    batch is yielded; a lane whose window differs raises ``ResumeMismatchError`` naming the
+    lane, the step and the record that changed. ``False`` accepts a changed stream knowingly.
     """
 
     def __init__(
@@ -92,13 +98,18 @@ class Loader:
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
         ray_address: str | None = None,
         state_mode: str = "compact",
+        verify_resume: bool = True,
     ) -> None:
         # Phases: check the options, start the backend, restore the state, build the lanes,
         # take the first state.
         _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
         if backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
             start_worker_server()
-        for name, flag in (("allow_mix_change", allow_mix_change), ("allow_code_change", allow_code_change)):
+        for name, flag in (
+            ("allow_mix_change", allow_mix_change),
+            ("allow_code_change", allow_code_change),
+            ("verify_resume", verify_resume),
+        ):
             if not isinstance(flag, bool):
                 raise SpecError(f"{name} must be True or False, got {flag!r}")
         if state_mode not in STATE_MODES:
@@ -121,7 +132,11 @@ class Loader:
         )
         try:
             start = self._restore(
-                plan, state, allow_mix_change=allow_mix_change, allow_code_change=allow_code_change
+                plan,
+                state,
+                allow_mix_change=allow_mix_change,
+                allow_code_change=allow_code_change,
+                verify_resume=verify_resume,
             )
         except BaseException:
             self._backend.close()
@@ -135,6 +150,9 @@ class Loader:
         )
         self._step = start.step
         self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
+        known = {lane: ls.next_window for lane, ls in start.lanes.items() if ls is not None}
+        if self._last.checks is not None and known and all(known.values()):
+            self._last.checks.fill(known)  # a restored state's checks, verified as the lanes run
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
@@ -149,6 +167,7 @@ class Loader:
         *,
         allow_mix_change: bool,
         allow_code_change: bool,
+        verify_resume: bool = True,
     ) -> LaneStart:
         """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
         return restore_lanes(
@@ -160,6 +179,7 @@ class Loader:
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
             submit=self._backend.submit,
+            verify=verify_resume,
         )
 
     def _build_lanes(
@@ -189,7 +209,10 @@ class Loader:
         return self._slice
 
     def _state(self, step: int, lanes: dict[int, LaneState]) -> LoaderState:
-        return LoaderState(step, self.spec.lanes, self._fingerprint, lanes, list(self._mix_history))
+        """The state at ``step``; its lanes' next windows complete it (``checks``) once made."""
+        return LoaderState(
+            step, self.spec.lanes, self._fingerprint, lanes, list(self._mix_history), checks=PendingChecks()
+        )
 
     def _on_skip(self, source: int, message: str) -> None:
         label = self._source_labels[source]
@@ -215,20 +238,30 @@ class Loader:
 
     def _produce(self) -> None:
         step = self._step
+        before = self._last.checks  # the state the next windows complete
         try:
             for lane in self._lanes:
                 lane.prime()
             while not self._stop.is_set():
                 windows = [lane.next_window() for lane in self._lanes]
+                if before is not None:
+                    before.fill({ln.lane: ln.made for ln in self._lanes})
                 if not self._goes_on(step, windows):
                     self._put(_END)
                     return
                 batch = self._assemble(step, windows)
                 snap = {ln.lane: ln.snapshot() for ln in self._lanes}
                 step += 1
-                self._put((step - 1, batch, self._state(step, snap)))
+                after = self._state(step, snap)
+                before = after.checks
+                self._put((step - 1, batch, after))
         except BaseException as exc:  # delivered to the consumer, re-raised there
+            if before is not None:
+                before.give_up()
             self._put(exc)
+        finally:
+            if before is not None:
+                before.give_up()  # stopped: a state() waiting for these windows returns
 
     def _goes_on(self, step: int, windows: list[list[Any]]) -> bool:
         """Whether global batch ``step`` exists: an endless pipeline's lanes fill every window;
@@ -307,9 +340,16 @@ class Loader:
     def state(self) -> LoaderState:
         """This rank's lanes, positioned after the last batch yielded (``save_state`` takes it;
         buffered sequences as recipes with ``state_mode="recipe"``)."""
+        last = self._completed(self._last)
         if self._recipes is not None:
-            return self._recipes(self._last)
-        return self._last
+            return self._recipes(last)
+        return last
+
+    def _completed(self, state: LoaderState) -> LoaderState:
+        """``state`` with its lanes' next-window checks (``LoaderState.completed``): waits only
+        while the producer is still making those windows, at most one window's time."""
+        thread = self._thread
+        return state.completed(lambda: thread is not None and thread.is_alive() and not self._closed)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: this rank's lanes, positioned after the last batch yielded (buffered
@@ -371,11 +411,14 @@ def restore_lanes(
     allow_code_change: bool = False,
     submit: recipe.Submit | None = None,
     rebuild_recipes: bool = True,
+    verify: bool = True,
 ) -> LaneStart:
     """Where lanes ``lane_ids`` start: fresh, or from ``state`` (checked against the spec);
     ``who`` names what runs them in the error for a lane the state lacks. A recipe state's
     lanes are rebuilt (their records re-read, the front re-run on ``submit``, a backend's, if
-    given) unless ``rebuild_recipes`` is False (the caller only plans from the state)."""
+    given) unless ``rebuild_recipes`` is False (the caller only plans from the state).
+    With ``verify`` (the default) the lanes keep the checks of their next windows, which
+    their runners verify; a state without them is logged once as not verifiable."""
     mixture = None if plan.mixer is None else plan.mixer.mixture()
     if state is None:
         return LaneStart(0, dict.fromkeys(lane_ids), mixture)
@@ -397,7 +440,33 @@ def restore_lanes(
         )
     if rebuild_recipes:
         loaded = recipe.from_recipes(plan, loaded, spec.lanes, lane_ids, submit)
+    loaded = resume_checks(loaded, lane_ids, verify=verify)
     return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
+
+
+_said_unverified: set[tuple[int, str]] = set()
+
+
+def resume_checks(state: LoaderState, lane_ids: list[int], *, verify: bool) -> LoaderState:
+    """``state`` with its lanes' next-window checks kept (``verify``) or dropped. A state
+    without them for some of ``lane_ids`` (written before zephon-flow recorded them, or taken
+    before the lanes made a window) is logged once per step and fingerprint: its resume is
+    not verified."""
+    if not verify:
+        lanes = {lane: replace(ls, next_window=None) for lane, ls in state.lane_states.items()}
+        return replace(state, lane_states=lanes)
+    missing = [lane for lane in lane_ids if state.lane_states[lane].next_window is None]
+    key = (state.step, state.fingerprint.get("total", ""))
+    if missing and key not in _said_unverified:
+        _said_unverified.add(key)
+        _log.warning(
+            "the checkpoint at step %d records no check of the next window of lane(s) %s (written "
+            "before zephon-flow recorded them, or taken before the lanes made a window): their "
+            "resume is not verified",
+            state.step,
+            missing if len(missing) <= 8 else f"{missing[:8]} and {len(missing) - 8} more",
+        )
+    return state
 
 
 def build_lane_runners(
