@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon_flow.core.roles import MixOperator
@@ -37,6 +37,22 @@ class Plan:
     output_label: str
     graph: tuple[tuple[str, str, tuple[str, ...]], ...]  # (label, type, input labels)
     params: tuple[tuple[str, Any], ...]  # (label, operator parameters)
+
+    def for_executor(self) -> Plan:
+        """This plan with the executor's own copy of each DoFn that has a lifecycle of its own
+        (``start_bundle``, ``finish_bundle``, ``teardown``: see ``runners.dofns.Lifecycle``);
+        the rest is shared. A loader runs one and calls ``teardown`` when it closes."""
+        return replace(
+            self,
+            sources=tuple(replace(sp, chain=tuple(s.instance() for s in sp.chain)) for sp in self.sources),
+            common=tuple(s.instance() for s in self.common),
+            back=tuple(s.instance() for s in self.back),
+        )
+
+    def teardown(self) -> None:
+        """``teardown()`` of every DoFn of this plan that was set up in this process."""
+        for stage in (*(s for sp in self.sources for s in sp.chain), *self.common, *self.back):
+            stage.teardown()
 
     def front_segment(self) -> FrontSegment:
         return FrontSegment(

@@ -97,6 +97,11 @@ class FrontSegment:
         #: Stages in run order (stage n is ``stages[n - 1]``): per-source chains, then common.
         self.stages = [step for chain in self.source_chains for step in chain] + list(self.common)
 
+    def teardown(self) -> None:
+        """``teardown()`` of each stage's DoFn that was set up here (its executor is ending)."""
+        for step in self.stages:
+            step.teardown()
+
     def describe(self, chunk: Chunk, stage: int, first: int, last: int) -> str:
         """Names the operator and the record(s) a ``Progress`` report points at, for errors
         about a chunk whose worker died or hung."""

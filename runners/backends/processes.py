@@ -38,6 +38,8 @@ from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 PER_WORKER = 2
 #: How long ``close`` lets workers exit on their own before killing them.
 CLOSE_GRACE = 1.0
+#: How long a worker told to stop may spend in its DoFns' ``teardown`` (within ``CLOSE_GRACE``).
+TEARDOWN_GRACE = 0.5
 #: Workers in a row that die before they are ready (the pipeline's DoFns installed) fail the
 #: loader: a replacement would die the same way, forever. The usual cause is a script that
 #: builds and runs a loader at top level: a worker started from the forkserver imports it
@@ -72,11 +74,13 @@ def _default_signal_handlers() -> None:
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
 
 
-def _watch_parent(alive: Connection) -> None:
+def _watch_parent(alive: Connection, done: threading.Event) -> None:
     """Blocks on a pipe whose only writer is the parent's backend: EOF means the parent closed
-    the backend or died, and either way this worker has nothing left to do."""
+    the backend or died, and either way this worker has nothing left to do. A worker told to
+    stop (``close``) is let finish its DoFns' teardown for ``TEARDOWN_GRACE`` seconds first."""
     with contextlib.suppress(EOFError, OSError):
         alive.recv()
+    done.wait(TEARDOWN_GRACE)
     os._exit(0)
 
 
@@ -97,7 +101,8 @@ def _worker_main(
     if inherited:  # forked from the trainer: not its signal handlers (a save on SIGTERM, ...)
         _default_signal_handlers()
     _die_with_parent()
-    threading.Thread(target=_watch_parent, args=(alive,), name="zephon-parent-watch", daemon=True).start()
+    done = threading.Event()  # set when the worker has left its loop (and torn its DoFns down)
+    threading.Thread(target=_watch_parent, args=(alive, done), name="zephon-parent-watch", daemon=True).start()
     # The forkserver may predate the parent's current sys.path (a pipeline file loaded by
     # path, a test directory); DoFns pickled by reference must import the same way here.
     sys.path[:] = sys_path + [p for p in sys.path if p not in sys_path]
@@ -108,6 +113,15 @@ def _worker_main(
         return
 
     progress[_READY] = 1.0
+    try:
+        _serve_chunks(segment, conn, progress)
+    finally:
+        done.set()
+
+
+def _serve_chunks(segment: FrontSegment, conn: Connection, progress: Any) -> None:
+    """Runs the chunks the parent sends until told to stop (``None``: then the DoFns' teardown
+    runs, as Beam's at a worker's end) or the parent is gone (no teardown: nothing waits)."""
 
     def report(stage: int, first: int, last: int) -> None:
         progress[_STAGE], progress[_FIRST], progress[_LAST] = stage, first, last
@@ -118,6 +132,7 @@ def _worker_main(
         except (EOFError, OSError):
             return
         if message is None:
+            segment.teardown()
             return
         task_id, chunk = message[0], oob.unpack_chunk(message[1])
         progress[_STARTED] = time.monotonic()

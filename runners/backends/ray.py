@@ -87,6 +87,12 @@ class _FrontActor:
             self._task = -1
         return True, os.getpid(), pickle.dumps(results, _PROTOCOL)
 
+    def stop(self) -> None:
+        """The DoFns' ``teardown``, before the backend kills this actor (after its last call:
+        calls run one at a time)."""
+        if self._segment is not None:
+            self._segment.teardown()
+
     def where(self) -> tuple[int, float, int, int, int, int]:
         """(running task or -1, seconds it has run, stage, first, last record, pid)."""
         stage, first, last = self._where
@@ -203,6 +209,7 @@ class RayBackend:
             self._closing = True
         self._events.put(("wake",))
         self._thread.join(timeout=CLOSE_GRACE)
+        self._stop_actors()
         for actor in list(self._actors):
             self._kill(actor)
             for task in _tasks(actor):
@@ -211,6 +218,18 @@ class RayBackend:
         for task in self._drain():
             task.future.cancel()
         ray_env.disconnect_if_started(self._started_ray)
+
+    def _stop_actors(self) -> None:
+        """Asks each live actor to tear its DoFns down and waits ``CLOSE_GRACE`` seconds for
+        all of them; an actor still busy then (a stuck call) is killed without it."""
+        stops = []
+        for actor in self._actors:
+            if not actor.dead:
+                with contextlib.suppress(Exception):
+                    stops.append(actor.handle.stop.remote())
+        if stops:
+            with contextlib.suppress(Exception):
+                self._ray.wait(stops, num_returns=len(stops), timeout=CLOSE_GRACE)
 
     # -- the dispatcher's side -------------------------------------------------------------
     def _start_actor(self) -> _Actor:

@@ -16,6 +16,9 @@ from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
 
 _log = logging.getLogger("zephon_flow")
 
+#: How long ``close`` lets idle threads leave (so the loader's teardown follows their last call).
+CLOSE_GRACE = 1.0
+
 
 class _Call:
     """One chunk being run on a thread: where it is (for the deadline's message) and since when."""
@@ -127,7 +130,13 @@ class ThreadBackend:
         """Chunks wait in a plain FIFO queue here: the order stays as submitted."""
 
     def close(self) -> None:
+        """Stops the threads: idle ones leave at once; one still running a call is waited for
+        at most ``CLOSE_GRACE`` seconds in all, then left behind (a stuck call keeps it)."""
         self._closed = True
         self._deadlines.close()
         for _ in self._threads:
             self._jobs.put(None)
+        deadline = time.monotonic() + CLOSE_GRACE
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -55,6 +55,10 @@ class LaneStage(beam.DoFn):  # type: ignore[misc]
             for s in self._back
         ]
 
+    def teardown(self) -> None:
+        for stage in self._stages:
+            stage.teardown()
+
     def process(
         self, element: tuple[int, SourceChunk], state: Any = beam.DoFn.StateParam(STATE)
     ) -> Iterator[tuple[int, Piece]]:

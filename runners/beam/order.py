@@ -58,6 +58,9 @@ class StatelessStage(beam.DoFn):  # type: ignore[misc]
         super().__init__()
         self._invoker = invoker
 
+    def teardown(self) -> None:
+        self._invoker.teardown()
+
     def process(self, element: tuple[int, Piece]) -> Iterator[tuple[int, Piece]]:
         lane, piece = element
         out: list[tuple[Any, DocId | None]] = []
@@ -91,6 +94,10 @@ class OrderedStage(beam.DoFn):  # type: ignore[misc]
 
     def setup(self) -> None:
         self._invoker = StatefulInvoker(self._label, self._dofn, seed=self._seed)
+
+    def teardown(self) -> None:
+        if self._invoker is not None:
+            self._invoker.teardown()
 
     def process(
         self, element: tuple[int, Piece], state: Any = beam.DoFn.StateParam(STATE)

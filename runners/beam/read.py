@@ -101,6 +101,9 @@ class DecodeChunk(beam.DoFn):  # type: ignore[misc]
         super().__init__()
         self._segment = segment
 
+    def teardown(self) -> None:
+        self._segment.teardown()
+
     def process(self, element: tuple[int, SourceChunk]) -> Iterator[tuple[int, SourceChunk]]:
         lane, chunk = element
         work: Chunk = [(chunk.source, payload) for doc, payload in chunk.entries if doc is not None]
