@@ -6,7 +6,6 @@ import contextlib
 import logging
 import queue
 import threading
-from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -26,7 +25,7 @@ from zephon_flow.core.resume_check import PendingChecks
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
 from zephon_flow.engine import recipe
-from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync
+from zephon_flow.engine.endsync import EndSync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
@@ -79,11 +78,6 @@ class Loader:
     state this version writes) is verified as the lanes make their first windows, before any
     batch is yielded; a lane whose window differs raises ``ResumeMismatchError`` naming the
     lane, the step and the record that changed. ``False`` accepts a changed stream knowingly.
-
-    ``keep_states`` is how many states the loader keeps, the one after each of the last
-    batches yielded (references to snapshots it takes anyway, not copies):
-    ``state(step)`` gives the one from which ``step`` is the next batch, for a trainer that
-    reads ahead of the batch it trains on.
     """
 
     def __init__(
@@ -105,17 +99,10 @@ class Loader:
         ray_address: str | None = None,
         state_mode: str = "compact",
         verify_resume: bool = True,
-        keep_states: int = 8,
     ) -> None:
         # Phases: check the options, start the backend, restore the state, build the lanes,
         # take the first state.
-        _check_options(
-            spec,
-            prefetch=prefetch,
-            chunk_records=chunk_records,
-            prefetch_chunks=prefetch_chunks,
-            keep_states=keep_states,
-        )
+        _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
         if backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
             start_worker_server()
         for name, flag in (
@@ -159,17 +146,14 @@ class Loader:
         self._build_lanes(plan, start, chunk_records=chunk_records, depth=prefetch_chunks)
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
-        self._end_sync = bind_end_sync(  # this rank's side: its votes, and its leaving
-            end_sync or default_end_sync(world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes),
-            rank,
+        self._end_sync = end_sync or default_end_sync(
+            world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes
         )
         self._step = start.step
         self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
         known = {lane: ls.next_window for lane, ls in start.lanes.items() if ls is not None}
         if self._last.checks is not None and known and all(known.values()):
             self._last.checks.fill(known)  # a restored state's checks, verified as the lanes run
-        # The states after the last batches yielded, oldest first (``state(step)``).
-        self._kept: deque[LoaderState] = deque([self._last], maxlen=keep_states)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
@@ -275,8 +259,6 @@ class Loader:
         except BaseException as exc:  # delivered to the consumer, re-raised there
             if before is not None:
                 before.give_up()
-            if self._end_sync is not None:  # peers waiting on this rank raise at once, naming it
-                self._end_sync.leave(exc)
             self._put(exc)
         finally:
             if before is not None:
@@ -354,34 +336,15 @@ class Loader:
                 raise item
             step, batch, after = item
             self._last = after
-            self._kept.append(after)
             yield step, batch
 
-    def state(self, step: int | None = None) -> LoaderState:
-        """This rank's lanes, positioned so that ``step`` is the next batch (default: after the
-        last batch yielded); ``save_state`` takes it. Buffered sequences as recipes with
-        ``state_mode="recipe"``. A step outside the kept ones (``keep_states``) is refused."""
-        return self.saved_form(self.snapshot(step))
-
-    def snapshot(self, step: int | None = None) -> LoaderState:
-        """``state(step)`` as the loader holds it (never recipes): a reference, no copy. It
-        is never changed afterwards; ``saved_form`` turns it into what ``state`` gives."""
-        if step is None:
-            return self._last
-        kept = self._kept  # the producer never touches it: only this consumer's thread appends
-        first, last = kept[0].step, kept[-1].step
-        if not first <= step <= last:
-            raise StateError(
-                f"Loader.state(step={step}): the loader keeps the states from which steps "
-                f"{first}..{last} are next (keep_states={kept.maxlen}); save more often or "
-                f"raise keep_states"
-            )
-        return kept[step - first]
-
-    def saved_form(self, state: LoaderState) -> LoaderState:
-        """``state`` (a ``snapshot``) as this loader saves it: recipes with ``state_mode="recipe"``."""
-        state = self._completed(state)
-        return state if self._recipes is None else self._recipes(state)
+    def state(self) -> LoaderState:
+        """This rank's lanes, positioned after the last batch yielded (``save_state`` takes it;
+        buffered sequences as recipes with ``state_mode="recipe"``)."""
+        last = self._completed(self._last)
+        if self._recipes is not None:
+            return self._recipes(last)
+        return last
 
     def _completed(self, state: LoaderState) -> LoaderState:
         """``state`` with its lanes' next-window checks (``LoaderState.completed``): waits only
@@ -389,18 +352,16 @@ class Loader:
         thread = self._thread
         return state.completed(lambda: thread is not None and thread.is_alive() and not self._closed)
 
-    def state_dict(self, step: int | None = None) -> dict[str, Any]:
-        """Plain data: ``state(step)``, this rank's lanes positioned so that ``step`` is the
-        next batch (default: after the last batch yielded)."""
-        return self.state(step).to_plain()
+    def state_dict(self) -> dict[str, Any]:
+        """Plain data: this rank's lanes, positioned after the last batch yielded (buffered
+        sequences as recipes with ``state_mode="recipe"``)."""
+        return self.state().to_plain()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        if self._end_sync is not None:  # peers waiting on a step this rank never votes on raise
-            self._end_sync.leave(None)
         for lane in self._lanes:
             lane.close()
         self._backend.close()
@@ -453,15 +414,13 @@ def restore_lanes(
     submit: recipe.Submit | None = None,
     rebuild_recipes: bool = True,
     verify: bool = True,
-    quiet: bool = False,
 ) -> LaneStart:
     """Where lanes ``lane_ids`` start: fresh, or from ``state`` (checked against the spec);
     ``who`` names what runs them in the error for a lane the state lacks. A recipe state's
     lanes are rebuilt (their records re-read, the front re-run on ``submit``, a backend's, if
     given) unless ``rebuild_recipes`` is False (the caller only plans from the state).
     With ``verify`` (the default) the lanes keep the checks of their next windows, which
-    their runners verify; a state without them is logged once as not verifiable (unless
-    ``quiet``: the caller reports it)."""
+    their runners verify; a state without them is logged once as not verifiable."""
     mixture = None if plan.mixer is None else plan.mixer.mixture()
     if state is None:
         return LaneStart(0, dict.fromkeys(lane_ids), mixture)
@@ -483,14 +442,14 @@ def restore_lanes(
         )
     if rebuild_recipes:
         loaded = recipe.from_recipes(plan, loaded, spec.lanes, lane_ids, submit)
-    loaded = resume_checks(loaded, lane_ids, verify=verify, quiet=quiet)
+    loaded = resume_checks(loaded, lane_ids, verify=verify)
     return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
 
 _said_unverified: set[tuple[int, str]] = set()
 
 
-def resume_checks(state: LoaderState, lane_ids: list[int], *, verify: bool, quiet: bool = False) -> LoaderState:
+def resume_checks(state: LoaderState, lane_ids: list[int], *, verify: bool) -> LoaderState:
     """``state`` with its lanes' next-window checks kept (``verify``) or dropped. A state
     without them for some of ``lane_ids`` (written before zephon-flow recorded them, or taken
     before the lanes made a window) is logged once per step and fingerprint: its resume is
@@ -498,9 +457,9 @@ def resume_checks(state: LoaderState, lane_ids: list[int], *, verify: bool, quie
     if not verify:
         lanes = {lane: replace(ls, next_window=None) for lane, ls in state.lane_states.items()}
         return replace(state, lane_states=lanes)
-    missing = sorted(lane for lane, ls in state.lane_states.items() if ls.next_window is None)
+    missing = [lane for lane in lane_ids if state.lane_states[lane].next_window is None]
     key = (state.step, state.fingerprint.get("total", ""))
-    if set(missing) & set(lane_ids) and not quiet and key not in _said_unverified:
+    if missing and key not in _said_unverified:
         _said_unverified.add(key)
         _log.warning(
             "the checkpoint at step %d records no check of the next window of lane(s) %s (written "
