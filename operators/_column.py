@@ -1,4 +1,5 @@
-"""A source whose documents are the string values of one column (Parquet, Arrow IPC), in row ranges."""
+"""A source whose documents are the values of one column (Parquet, Arrow IPC), in row ranges:
+text from a string column, token ids (int32 arrays) from an integer-list column."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.types as pat
 
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError, SpecError
@@ -28,6 +31,8 @@ class Units(Protocol):
     """An open table file: its units' row counts and their columns (see ``ColumnSource``)."""
 
     rows: list[int]
+    #: What the column holds (``column_kind``): "text", "tokens", or "none" (nulls only).
+    kind: str
 
     def column(self, unit: int) -> pa.Array | pa.ChunkedArray: ...
 
@@ -89,30 +94,42 @@ class ColumnSource(Source):
 
     # -- what a subclass provides --------------------------------------------------------
     def open_units(self, path: str) -> Units:
-        """The file opened (its schema checked for ``column``): its units' row counts and a
-        reader of one unit's column. Closed by its ``with`` block."""
+        """The file opened (its schema checked for ``column`` and its type, ``column_kind``):
+        its units' row counts and a reader of one unit's column. Closed by its ``with`` block."""
         raise NotImplementedError
 
     def unit_rows(self, path: str) -> list[int]:
         """The row count of every unit of the file, in order."""
+        return self._listed(path)[0]
+
+    def _listed(self, path: str) -> tuple[list[int], str]:
         with self.open_units(path) as units:
-            return list(units.rows)
+            return list(units.rows), units.kind
 
     # -- the plan and the reading ----------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         skipped: list[str] = []
         listed = files.list_each(
             paths,
-            lambda p: [(p, self.unit_rows(p))],
+            lambda p: [(p, *self._listed(p))],
             on_error=self.on_error,
             operator=self.operator_name,
             skipped=skipped,
         )
         self.skipped_files = skipped
-        total = sum(sum(rows) for _, rows in listed)
+        first: dict[str, str] = {}
+        for path, _, kind in listed:
+            first.setdefault(kind, path)
+        if "text" in first and "tokens" in first:
+            raise DataError(
+                f"{self.operator_name}: the column {self.column!r} holds text in {first['text']} "
+                f"but token ids in {first['tokens']}; a source reads one kind: give the text "
+                f"files and the tokenized ones sources of their own"
+            )
+        total = sum(sum(rows) for _, rows, _ in listed)
         size = _plan.target(total, lanes, MIN_SPLIT_ROWS)
         splits: list[Split] = []
-        for path, rows in listed:
+        for path, rows, _ in listed:
             bounds = [0]
             for n in rows:
                 if n:
@@ -153,7 +170,14 @@ class ColumnSource(Source):
                 values = self._column_of(units, split.path, unit) if partial else units.column(unit)
                 name = f"{self.unit_name} {unit}"
                 yield from column_rows(
-                    split.path, name, values, row - base, end - base, base, operator=self.operator_name
+                    split.path,
+                    name,
+                    values,
+                    row - base,
+                    end - base,
+                    base,
+                    operator=self.operator_name,
+                    column=self.column,
                 )
                 row, unit = end, unit + 1
 
@@ -176,6 +200,8 @@ class ColumnSource(Source):
 
     def decode(self, record: Record, operator: str) -> list[Any]:
         value = record.payload
+        if isinstance(value, np.ndarray):  # token ids (``column_rows`` made them int32)
+            return [value] if value.size else []
         if value is None or value == "":
             return []
         if not isinstance(value, str):
@@ -187,6 +213,91 @@ class ColumnSource(Source):
         return [value]
 
 
+#: What a column may hold, as errors say it.
+ACCEPTED = (
+    "text (string or large_string) or token ids (list, large_list or fixed_size_list of "
+    "int8..int64 or uint8..uint64)"
+)
+_INT32 = np.iinfo(np.int32)
+
+
+def column_kind(data_type: pa.DataType, *, operator: str, path: str, column: str) -> str:
+    """``"text"`` for a string column, ``"tokens"`` for an integer-list column (``"none"`` for
+    a column of nulls only); anything else is refused, naming the file, column and type."""
+    if pat.is_dictionary(data_type):
+        data_type = data_type.value_type
+    if pat.is_string(data_type) or pat.is_large_string(data_type):
+        return "text"
+    if pat.is_null(data_type):
+        return "none"
+    if (
+        pat.is_list(data_type) or pat.is_large_list(data_type) or pat.is_fixed_size_list(data_type)
+    ) and pat.is_integer(data_type.value_type):
+        return "tokens"
+    hint = ""
+    if pat.is_binary(data_type) or pat.is_large_binary(data_type):
+        hint = " (a binary column: store the text as a string column)"
+    elif pat.is_list(data_type) or pat.is_large_list(data_type) or pat.is_fixed_size_list(data_type):
+        hint = " (token ids must be integers)"
+    raise DataError(
+        f"{operator}: the column {column!r} in {path} has type {data_type}; a column must hold "
+        f"{ACCEPTED}{hint}"
+    )
+
+
+def _is_token_list(data_type: pa.DataType) -> bool:
+    return (
+        pat.is_list(data_type) or pat.is_large_list(data_type) or pat.is_fixed_size_list(data_type)
+    ) and pat.is_integer(data_type.value_type)
+
+
+def token_rows(
+    values: pa.Array, *, operator: str, path: str, unit: str, first: int, column: str
+) -> list[Any]:
+    """The rows of an integer-list array as int32 arrays (views of one new array per call;
+    None for a null row). A null token id, or one outside int32, is refused naming its
+    row (``first`` is the unit row of ``values``' first)."""
+    n = len(values)
+    if pat.is_fixed_size_list(values.type):
+        size = values.type.list_size
+        flat = values.values.slice(values.offset * size, n * size)
+        offsets = np.arange(0, (n + 1) * size, size, dtype=np.int64)
+    else:
+        raw = values.offsets.to_numpy().astype(np.int64)
+        flat = values.values.slice(int(raw[0]), int(raw[-1] - raw[0]))
+        offsets = raw - raw[0]
+    rows_valid = np.asarray(values.is_valid()) if values.null_count else np.ones(n, dtype=bool)
+    counted = np.repeat(rows_valid, np.diff(offsets))  # the ids of valid rows (null rows' are not)
+    ids = flat.to_numpy(zero_copy_only=False)
+    bad_null = np.asarray(flat.is_null()) & counted if flat.null_count else None
+    if bad_null is not None and bad_null.any():
+        _refuse_id(operator, path, unit, first, column, offsets, int(np.flatnonzero(bad_null)[0]), None)
+    if ids.dtype.kind == "f":  # nulls (of null rows only) made pyarrow give floats
+        ids = np.where(counted, np.nan_to_num(ids), 0).astype(np.int64)
+    if ids.size:
+        outside = counted & ((ids < _INT32.min) | (ids > _INT32.max))
+        if outside.any():
+            at = int(np.flatnonzero(outside)[0])
+            _refuse_id(operator, path, unit, first, column, offsets, at, int(ids[at]))
+    ids = ids.astype(np.int32)  # a new array: never a view of the file's (mapped) buffers
+    return [ids[offsets[i] : offsets[i + 1]] if rows_valid[i] else None for i in range(n)]
+
+
+def _refuse_id(
+    operator: str,
+    path: str,
+    unit: str,
+    first: int,
+    column: str,
+    offsets: np.ndarray,
+    at: int,
+    value: int | None,
+) -> None:
+    row = first + int(np.searchsorted(offsets, at, side="right")) - 1
+    what = "a null token id" if value is None else f"the token id {value}, outside int32 (-2**31..2**31-1)"
+    raise DataError(f"{operator}: the column {column!r} in {path} at {unit} row {row} holds {what}")
+
+
 def column_rows(
     path: str,
     unit: str,
@@ -196,14 +307,23 @@ def column_rows(
     base: int,
     *,
     operator: str,
+    column: str = "text",
 ) -> Iterator[tuple[int, Record]]:
     """``(position after, record)`` for rows ``first..stop`` of one unit whose first row is file
     row ``base``; ``unit`` names it in errors (``"row group 2"``, ``"record batch 0"``). Values
-    that do not decode (invalid UTF-8, damaged offsets) raise a ``DataError`` naming the rows."""
+    that do not decode (invalid UTF-8, damaged offsets) raise a ``DataError`` naming the rows.
+    A row of an integer-list column is an int32 array (``token_rows``)."""
+    tokens = _is_token_list(values.type)
     for begin in range(first, stop, BATCH_ROWS):
         n = min(BATCH_ROWS, stop - begin)
         try:
-            chunk = values.slice(begin, n).to_pylist()
+            part = values.slice(begin, n)
+            if tokens:
+                if isinstance(part, pa.ChunkedArray):
+                    part = part.combine_chunks()
+                chunk = token_rows(part, operator=operator, path=path, unit=unit, first=begin, column=column)
+            else:
+                chunk = part.to_pylist()
         except (UnicodeDecodeError, pa.ArrowException, SystemError, OverflowError) as exc:
             raise DataError(
                 f"{operator}: {path} {unit} rows {begin}..{begin + n - 1} do not decode: "

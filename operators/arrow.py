@@ -1,4 +1,4 @@
-"""ReadArrow: a source of text documents from one string column of Arrow IPC (Feather v2) files."""
+"""ReadArrow: a source of documents (text, or token ids) from one column of Arrow IPC files."""
 
 from __future__ import annotations
 
@@ -9,14 +9,17 @@ import pyarrow.ipc as ipc
 
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError
-from zephon_flow.operators._column import ColumnSource
+from zephon_flow.operators import _hf_disk
+from zephon_flow.operators._column import ColumnSource, column_kind
 
 _FILE_MAGIC = b"ARROW1"
 _FEATHER_V1_MAGIC = b"FEA1"
 
 
 class ReadArrow(ColumnSource):
-    """Documents from the string column ``column`` of Arrow IPC files, one record batch per split.
+    """Documents from the column ``column`` of Arrow IPC files, in row ranges: text from a
+    string column, or token ids from an integer-list column (each row an int32 array that
+    ``Pack`` takes without ``Tokenize``; see ``docs/pretokenized.md``).
 
     Reads the IPC *file* format (Feather v2, ``.arrow``/``.feather``: batches are found through the
     footer, so a split is opened directly) and the IPC *stream* format (``.arrows``: reaching
@@ -27,7 +30,14 @@ class ReadArrow(ColumnSource):
       grouped, batches bigger than a split are cut into row ranges.
     - **Positions**: the file row of the next row to read; a record's ``offset`` is its file
       row, its ``where`` names the batch and the row in it.
-    - **Documents**: only ``column`` is read; null and empty values give no document.
+    - **Documents**: only ``column`` is read; null and empty values give no document. Its type
+      is checked when the files are listed: a string column gives text, a list, large_list or
+      fixed_size_list of integers gives int32 token arrays (an id outside int32 is refused by
+      its row); any other type is refused naming the file, the column and the type.
+    - **Hugging Face** ``save_to_disk`` **folders** (``dataset_info.json``, ``state.json`` and
+      ``data-00000-of-0000N.arrow`` stream files): ``ReadArrow("ds")`` or ``ReadArrow("ds/*")``
+      reads the data files ``state.json`` lists, in its order; a ``DatasetDict`` folder is
+      refused naming its splits (read ``ds/train``).
     - **Epochs**: ``epochs=None`` reads forever, each epoch dealing the batches anew; with a
       number, a lane's stream of this source ends after that many passes.
     - **Errors** (``DataError``, naming the file and this operator): an empty (0-byte) file, a
@@ -40,6 +50,13 @@ class ReadArrow(ColumnSource):
 
     def open_units(self, path: str) -> _IpcFile:
         return _IpcFile(self, path)
+
+    def paths(self) -> list[str]:
+        """The files of the glob; a Hugging Face ``save_to_disk`` folder among them (or named
+        by the pattern) is read by the data files its ``state.json`` lists (``_hf_disk``)."""
+        if self._paths is None:
+            self._paths = _hf_disk.expand(self.pattern, operator=self.operator_name)
+        return self._paths
 
 
 class _IpcFile:
@@ -110,7 +127,15 @@ class _IpcFile:
                 f"{self._op}: {self.path} has {what} {self._column!r} "
                 f"(columns: {available}); set column= to the one that holds the text"
             )
-        return names.index(self._column)
+        index = names.index(self._column)
+        try:
+            self.kind = column_kind(
+                schema.field(index).type, operator=self._op, path=self.path, column=self._column
+            )
+        except DataError:
+            self.__exit__()
+            raise
+        return index
 
     def column(self, batch: int) -> pa.Array:
         """The source's column of record batch ``batch``."""

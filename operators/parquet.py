@@ -1,4 +1,4 @@
-"""ReadParquet: a source of text documents from one string column of Parquet files."""
+"""ReadParquet: a source of documents (text, or token ids) from one column of Parquet files."""
 
 from __future__ import annotations
 
@@ -9,11 +9,14 @@ import pyarrow.parquet as pq
 
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError
-from zephon_flow.operators._column import ColumnSource
+from zephon_flow.operators._column import ColumnSource, column_kind
 
 
 class ReadParquet(ColumnSource):
-    """Documents from the string column ``column`` of Parquet files, in row ranges.
+    """Documents from the column ``column`` of Parquet files, in row ranges: text from a string
+    column, or token ids from an integer-list column (pre-tokenized data: each row an int32
+    array that ``Pack`` takes without ``Tokenize``; see ``ColumnSource`` and
+    ``docs/pretokenized.md``). The column's type is checked when the files are listed.
 
     Splits are row ranges of a file (see ``ColumnSource``): small row groups are grouped, and
     row groups bigger than a split are cut into ranges; such a split reads its group's column
@@ -26,9 +29,10 @@ class ReadParquet(ColumnSource):
     def open_units(self, path: str) -> _RowGroups:
         return _RowGroups(self, path)
 
-    def _open(self, path: str) -> tuple[pq.ParquetFile, IO[bytes] | None]:
-        """The file, its footer read and its schema checked for ``column``; and for a remote
-        file the handle it reads through (the caller closes both)."""
+    def _open(self, path: str) -> tuple[pq.ParquetFile, IO[bytes] | None, str]:
+        """The file, its footer read and its schema checked for ``column`` and its type; for a
+        remote file the handle it reads through (the caller closes both); what the column holds
+        (``column_kind``)."""
         raw: IO[bytes] | None = None
         try:
             if files.size(path, operator=self.operator_name) == 0:
@@ -55,7 +59,18 @@ class ReadParquet(ColumnSource):
                 f"{self.operator_name}: {path} has no column {self.column!r} "
                 f"(columns: {available}); set column= to the one that holds the text"
             )
-        return pf, raw
+        try:
+            kind = column_kind(
+                pf.schema_arrow.field(names.index(self.column)).type,
+                operator=self.operator_name,
+                path=path,
+                column=self.column,
+            )
+        except DataError:
+            pf.close()
+            _close(raw)
+            raise
+        return pf, raw, kind
 
 
 def _close(raw: IO[bytes] | None) -> None:
@@ -69,7 +84,7 @@ class _RowGroups:
     def __init__(self, source: ReadParquet, path: str) -> None:
         self._op, self.path = source.operator_name, path
         self._wanted = source.column
-        self._file, self._raw = source._open(path)
+        self._file, self._raw, self.kind = source._open(path)
         meta = self._file.metadata
         self.rows = [meta.row_group(g).num_rows for g in range(self._file.num_row_groups)]
 

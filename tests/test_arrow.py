@@ -126,15 +126,19 @@ def test_nulls_and_empty_strings_give_no_document(tmp_path: Path) -> None:
     assert [t for r in records for t in source.decode(r, OP)] == ["a", "d"]
 
 
-def test_non_string_values_name_the_file_batch_and_row(tmp_path: Path) -> None:
-    path = write(tmp_path / "a.arrow", [{"text": [1, 2]}, {"text": [3, 4]}])
-    source = ReadArrow(path, label="books")
-    record = read(source, Split(path, 2, 4))[1][1]
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_column_of_another_type_is_refused_when_the_files_are_listed(tmp_path: Path, stream: bool) -> None:
+    path = write(tmp_path / "a.arrow", [{"text": [1, 2]}, {"text": [3, 4]}], stream=stream)
     message = (
-        f"{OP}: the column 'text' in {path} at record batch 1 row 1 holds a value of type int, not a string"
+        f"{OP}: the column 'text' in {path} has type int64; a column must hold text (string or "
+        "large_string) or token ids (list, large_list or fixed_size_list of int8..int64 or "
+        "uint8..uint64)"
     )
-    with pytest.raises(DataError, match=re.escape(message)):
-        source.decode(record, OP)
+    with pytest.raises(DataError, match=re.escape(message) + "$"):
+        ReadArrow(path, label="books").splits()
+    strings = write(tmp_path / "b.arrow", [{"text": pa.array([["a"]])}])
+    with pytest.raises(DataError, match=re.escape("type list<item: string>; a column must hold")):
+        ReadArrow(strings, label="books").splits()
 
 
 def test_binary_values_are_refused_in_decode() -> None:

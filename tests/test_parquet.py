@@ -132,15 +132,18 @@ def test_decode_refuses_a_value_that_is_not_a_string() -> None:
         source.decode(Record(b"raw", "/d/a.parquet", "row group 2 row 5", 5), OP)
 
 
-def test_non_string_column_fails_in_decode_with_the_row(tmp_path: Path) -> None:
+def test_a_column_of_another_type_is_refused_when_the_files_are_listed(tmp_path: Path) -> None:
     path = write(tmp_path / "a.parquet", 2, text=[1, 2, 3])
-    source = ReadParquet(path)
-    record = read(source, source.splits()[2])[0][1]
     message = (
-        f"{OP}: the column 'text' in {path} at row group 1 row 0 holds a value of type int, not a string"
+        f"{OP}: the column 'text' in {path} has type int64; a column must hold text (string or "
+        "large_string) or token ids (list, large_list or fixed_size_list of int8..int64 or "
+        "uint8..uint64)"
     )
-    with pytest.raises(DataError, match=re.escape(message)):
-        source.decode(record, OP)
+    with pytest.raises(DataError, match=re.escape(message) + "$"):
+        ReadParquet(path, label="code").splits()
+    write(tmp_path / "b.parquet", 2, text=[b"x"])
+    with pytest.raises(DataError, match=re.escape("(a binary column: store the text as a string column)")):
+        ReadParquet(str(tmp_path / "b.parquet"), label="code").splits()
 
 
 def test_missing_column_names_the_file_and_the_available_columns(tmp_path: Path) -> None:
