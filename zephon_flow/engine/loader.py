@@ -6,6 +6,7 @@ import contextlib
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -78,6 +79,11 @@ class Loader:
     state this version writes) is verified as the lanes make their first windows, before any
     batch is yielded; a lane whose window differs raises ``ResumeMismatchError`` naming the
     lane, the step and the record that changed. ``False`` accepts a changed stream knowingly.
+
+    ``keep_states`` is how many states the loader keeps, the one after each of the last
+    batches yielded (references to snapshots it takes anyway, not copies):
+    ``state(step)`` gives the one from which ``step`` is the next batch, for a trainer that
+    reads ahead of the batch it trains on.
     """
 
     def __init__(
@@ -99,10 +105,17 @@ class Loader:
         ray_address: str | None = None,
         state_mode: str = "compact",
         verify_resume: bool = True,
+        keep_states: int = 8,
     ) -> None:
         # Phases: check the options, start the backend, restore the state, build the lanes,
         # take the first state.
-        _check_options(spec, prefetch=prefetch, chunk_records=chunk_records, prefetch_chunks=prefetch_chunks)
+        _check_options(
+            spec,
+            prefetch=prefetch,
+            chunk_records=chunk_records,
+            prefetch_chunks=prefetch_chunks,
+            keep_states=keep_states,
+        )
         if backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
             start_worker_server()
         for name, flag in (
@@ -154,6 +167,8 @@ class Loader:
         known = {lane: ls.next_window for lane, ls in start.lanes.items() if ls is not None}
         if self._last.checks is not None and known and all(known.values()):
             self._last.checks.fill(known)  # a restored state's checks, verified as the lanes run
+        # The states after the last batches yielded, oldest first (``state(step)``).
+        self._kept: deque[LoaderState] = deque([self._last], maxlen=keep_states)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
@@ -336,15 +351,34 @@ class Loader:
                 raise item
             step, batch, after = item
             self._last = after
+            self._kept.append(after)
             yield step, batch
 
-    def state(self) -> LoaderState:
-        """This rank's lanes, positioned after the last batch yielded (``save_state`` takes it;
-        buffered sequences as recipes with ``state_mode="recipe"``)."""
-        last = self._completed(self._last)
-        if self._recipes is not None:
-            return self._recipes(last)
-        return last
+    def state(self, step: int | None = None) -> LoaderState:
+        """This rank's lanes, positioned so that ``step`` is the next batch (default: after the
+        last batch yielded); ``save_state`` takes it. Buffered sequences as recipes with
+        ``state_mode="recipe"``. A step outside the kept ones (``keep_states``) is refused."""
+        return self.saved_form(self.snapshot(step))
+
+    def snapshot(self, step: int | None = None) -> LoaderState:
+        """``state(step)`` as the loader holds it (never recipes): a reference, no copy. It
+        is never changed afterwards; ``saved_form`` turns it into what ``state`` gives."""
+        if step is None:
+            return self._last
+        kept = self._kept  # the producer never touches it: only this consumer's thread appends
+        first, last = kept[0].step, kept[-1].step
+        if not first <= step <= last:
+            raise StateError(
+                f"Loader.state(step={step}): the loader keeps the states from which steps "
+                f"{first}..{last} are next (keep_states={kept.maxlen}); save more often or "
+                f"raise keep_states"
+            )
+        return kept[step - first]
+
+    def saved_form(self, state: LoaderState) -> LoaderState:
+        """``state`` (a ``snapshot``) as this loader saves it: recipes with ``state_mode="recipe"``."""
+        state = self._completed(state)
+        return state if self._recipes is None else self._recipes(state)
 
     def _completed(self, state: LoaderState) -> LoaderState:
         """``state`` with its lanes' next-window checks (``LoaderState.completed``): waits only
@@ -352,10 +386,10 @@ class Loader:
         thread = self._thread
         return state.completed(lambda: thread is not None and thread.is_alive() and not self._closed)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Plain data: this rank's lanes, positioned after the last batch yielded (buffered
-        sequences as recipes with ``state_mode="recipe"``)."""
-        return self.state().to_plain()
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """Plain data: ``state(step)``, this rank's lanes positioned so that ``step`` is the
+        next batch (default: after the last batch yielded)."""
+        return self.state(step).to_plain()
 
     def close(self) -> None:
         if self._closed:
