@@ -114,3 +114,36 @@ class Traced(beam.DoFn):  # type: ignore[misc]
 def traces(folder: str | Path) -> list[list[str]]:
     """The lifecycle calls of each instance that ran, one list per instance (sorted)."""
     return sorted(p.read_text().split() for p in Path(folder).glob("*.log"))
+
+
+class TracedTotal(Traced):
+    """``Traced`` as a stateful DoFn (a bag of what it saw), for the lanes' back."""
+
+    SEEN = BagStateSpec("seen", PickleCoder())
+
+    def process(  # type: ignore[override]
+        self, element: tuple[int, Any], seen: Any = beam.DoFn.StateParam(SEEN)
+    ) -> Iterator[Any]:
+        self._log("process")
+        seen.add(1)
+        yield element[1]
+
+
+class EmitsFromStart(beam.DoFn):  # type: ignore[misc]
+    """Wrong: ``start_bundle`` yields (Beam refuses it too)."""
+
+    def start_bundle(self) -> Iterator[str]:
+        yield "too early"
+
+    def process(self, text: str) -> Iterator[str]:
+        yield text
+
+
+class PlainFinish(beam.DoFn):  # type: ignore[misc]
+    """Wrong: ``finish_bundle`` yields a plain value, not a WindowedValue (Beam refuses it too)."""
+
+    def process(self, text: str) -> None:
+        pass
+
+    def finish_bundle(self) -> Iterator[dict[str, Any]]:
+        yield {"length": np.int64(0)}
