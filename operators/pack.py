@@ -29,6 +29,12 @@ _CHECK_ROWS = 64
 STRATEGIES = ("concat", "best_fit")
 #: The label of a position that must not be trained on (PyTorch's and HF's ``ignore_index``).
 IGNORE = -100
+#: Why a ``(key, value)`` pair is refused (a Beam user's keying before a stateful DoFn).
+KEYED = (
+    "Pack: an element is a (key, value) pair, not token ids: zephon-flow keys every stateful "
+    "DoFn by lane itself (Pack receives (lane, value) and keeps its state per lane), so do not "
+    "key its input: give Pack the token arrays themselves"
+)
 #: The fields of ``concat``'s open sequence (the ``carry`` state), and of its earlier form.
 _CARRY_KEYS = {"pieces", "docs"}
 _OLD_CARRY_KEYS = {"ids", "pos", "seg", "docs"}
@@ -348,6 +354,8 @@ class Pack(beam.DoFn):  # type: ignore[misc]
         doc: Any = ProvenanceParam,
     ) -> Any:
         _lane, tokens = element
+        if isinstance(tokens, tuple) and len(tokens) == 2 and not np.isscalar(tokens[1]):
+            raise SpecError(KEYED)
         ids = np.asarray(tokens)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise DataError(

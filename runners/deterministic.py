@@ -17,8 +17,9 @@ from apache_beam.pipeline import AppliedPTransform, Pipeline, PipelineVisitor
 from apache_beam.runners.runner import PipelineResult, PipelineRunner, PipelineState
 from apache_beam.transforms import core, window
 from apache_beam.transforms.util import Reshuffle
+from apache_beam.typehints import typehints
 
-from zephon_flow.core.code import class_code_digest, reached_code
+from zephon_flow.core.code import class_code_digest, makes_constant_keyed_pairs, reached_code
 from zephon_flow.core.errors import SpecError, UnsupportedTransformError
 from zephon_flow.core.identity import beam_function_identity
 from zephon_flow.core.roles import role_of
@@ -153,6 +154,8 @@ class DeterministicRunner(PipelineRunner):  # type: ignore[misc]
         nodes = _collect(pipeline)
         graph = _Graph.of(nodes, output)
         trace = self._trace(graph, output)
+        for node in trace.path:
+            _check_not_keyed(graph, node)
         common, back = self._classify(trace.path)
         return self._describe(graph, trace, common, back, output)
 
@@ -296,6 +299,67 @@ class _Trace:
     mix_node: AppliedPTransform | None
     branches: tuple[SourcePlan, ...]
     ordered: list[AppliedPTransform]
+
+
+def _pair_hint(pcoll: Any) -> bool:
+    """Whether a PCollection's element type (Beam infers it for a lambda) is a pair, Beam's KV."""
+    hint = getattr(pcoll, "element_type", None)
+    return isinstance(hint, typehints.TupleHint.TupleConstraint) and len(hint.tuple_types) == 2
+
+
+def _keying(node: AppliedPTransform) -> bool:
+    """Whether ``node`` keys its elements as Beam users do before a stateful DoFn: Beam's
+    ``WithKeys``, or a ``Map`` whose function returns ``(constant, value)``."""
+    fn = getattr(node.transform, "fn", None)
+    if not isinstance(fn, core.CallableWrapperDoFn):
+        return False
+    wrapper = fn._fn
+    code = getattr(wrapper, "__code__", None)
+    if (
+        code is not None
+        and "fn" in code.co_freevars
+        and getattr(wrapper, "__module__", "").startswith("apache_beam")
+    ):
+        wrapper = wrapper.__closure__[code.co_freevars.index("fn")].cell_contents
+    if getattr(wrapper, "__module__", "") == "apache_beam.transforms.util" and "WithKeys" in getattr(
+        wrapper, "__qualname__", ""
+    ):
+        return True
+    return makes_constant_keyed_pairs(wrapper)
+
+
+def _check_not_keyed(graph: _Graph, node: AppliedPTransform) -> None:
+    """Refuses a keyed input to a stateful DoFn: zephon-flow keys every stateful DoFn by lane.
+
+    Refused: the input of one of zephon-flow's own stateful operators (Pack, Shuffle, ...)
+    whose element type is a pair, and the input of any stateful DoFn made by a keying transform
+    (``_keying``). A user's stateful DoFn may take pairs it means as values (``(text, source)``
+    from a Map that computes both): it receives ``(lane, (text, source))``.
+    """
+    t = node.transform
+    if not isinstance(t, core.ParDo) or not is_stateful(t.fn) or not node.inputs:
+        return
+    pcoll = node.inputs[0]
+    producer = graph.producer.get(pcoll)
+    if producer is None or not _pair_hint(pcoll):
+        return
+    own = type(t.fn).__module__.startswith("zephon_flow.")
+    if not own and not _keying(producer):
+        return
+    name = type(t.fn).__name__
+    parent = producer.parent
+    keyer = (
+        parent.full_label
+        if parent is not None and parent.full_label and parent.parts == [producer]
+        else producer.full_label
+    )
+    raise _refuse(
+        node,
+        f"its input from {keyer!r} is (key, value) pairs, as Beam's own runners want a stateful "
+        f"DoFn's input; zephon-flow keys every stateful DoFn by lane itself: {name} receives "
+        f"(lane, value) and keeps its state per lane. Do not key: remove the keying from "
+        f"{keyer!r} and give {name} the values themselves",
+    )
 
 
 def _operator(node: AppliedPTransform) -> Any:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import apache_beam as beam
+import numpy as np
 import pytest
+from apache_beam.coders import PickleCoder
 from apache_beam.transforms import window
+from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 from helpers import Corpus, DocKey, run_batches
 
 import zephon_flow as zf
@@ -153,3 +156,93 @@ def test_compiling_leaves_no_temporary_folder_behind(
 def test_build_must_be_callable() -> None:
     with pytest.raises(SpecError, match=r"build must be a callable taking a beam.Pipeline, got 3"):
         zf.LoaderSpec(3, lanes=1, global_batch_size=1)  # type: ignore[arg-type]
+
+
+# -- a keyed input to a stateful DoFn: zephon-flow keys by lane ------------------------------
+class Tokens(beam.DoFn):  # type: ignore[misc]
+    """A document's character codes as token ids (a stand-in for Tokenize)."""
+
+    def process(self, text: str) -> Iterator[np.ndarray]:
+        yield np.frombuffer(text.encode()[:40], dtype=np.uint8).astype(np.int32)
+
+
+class KeyByHand(beam.DoFn):  # type: ignore[misc]
+    """Keys like beam.Map(lambda t: (0, t)), but as a DoFn Beam infers no pair type for."""
+
+    def process(self, tokens: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        yield 0, tokens
+
+
+class CountPerKey(beam.DoFn):  # type: ignore[misc]
+    """A user's stateful DoFn written for Beam: ``key, value = element``."""
+
+    SEEN = ReadModifyWriteStateSpec("seen", PickleCoder())
+
+    def process(
+        self, element: tuple[int, object], seen: object = beam.DoFn.StateParam(SEEN)
+    ) -> Iterator[dict[str, int]]:
+        _lane, value = element
+        yield {"pair": int(isinstance(value, tuple))}
+
+
+KEYED = (
+    "transform 'pack' (ParDo): its input from 'key' is (key, value) pairs, as Beam's own runners "
+    "want a stateful DoFn's input; zephon-flow keys every stateful DoFn by lane itself: {name} "
+    "receives (lane, value) and keeps its state per lane. Do not key: remove the keying from "
+    "'key' and give {name} the values themselves"
+)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [lambda: beam.Map(lambda t: (0, t)), lambda: beam.WithKeys(0), lambda: beam.Map(lambda t: (t, len(t)))],
+    ids=["map-to-constant-key", "WithKeys", "any-pair-into-Pack"],
+)
+def test_a_keyed_input_to_pack_is_refused_when_the_spec_is_built(
+    corpus: Corpus, key: Callable[[], beam.PTransform]
+) -> None:
+    msg = refused(
+        lambda p: (
+            web(corpus, p)
+            | "tok" >> beam.ParDo(Tokens())
+            | "key" >> key()
+            | "pack" >> beam.ParDo(ops.Pack(32))
+        )
+    )
+    assert msg == KEYED.format(name="Pack")
+
+
+def test_a_keyed_input_to_a_users_stateful_dofn_is_refused_when_the_keying_is_plain(corpus: Corpus) -> None:
+    msg = refused(
+        lambda p: web(corpus, p) | "key" >> beam.WithKeys("k") | "pack" >> beam.ParDo(CountPerKey())
+    )
+    assert msg == KEYED.format(name="CountPerKey")
+    msg = refused(
+        lambda p: web(corpus, p) | "key" >> beam.Map(lambda t: ("k", t)) | "pack" >> beam.ParDo(CountPerKey())
+    )
+    assert msg == KEYED.format(name="CountPerKey")
+
+
+def test_pairs_a_users_stateful_dofn_means_as_values_are_accepted(corpus: Corpus) -> None:
+    """``(text, length)`` is a value, not a key: the DoFn receives ``(lane, (text, length))``."""
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        pairs = web(corpus, p) | "key" >> beam.Map(lambda t: (t, len(t)))
+        return pairs | "pack" >> beam.ParDo(CountPerKey())
+
+    batches = run_batches(zf.LoaderSpec(build, lanes=2, global_batch_size=4), 2)
+    assert [b["pair"].tolist() for b in batches] == [[1, 1, 1, 1], [1, 1, 1, 1]]
+
+
+def test_a_keyed_element_pack_sees_at_run_time_is_refused_by_name(corpus: Corpus) -> None:
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        tokens = web(corpus, p) | "tok" >> beam.ParDo(Tokens())
+        return tokens | "key" >> beam.ParDo(KeyByHand()) | "pack" >> beam.ParDo(ops.Pack(32))
+
+    with pytest.raises(SpecError) as err:
+        run_batches(zf.LoaderSpec(build, lanes=2, global_batch_size=4), 1)
+    assert str(err.value) == (
+        "Pack: an element is a (key, value) pair, not token ids: zephon-flow keys every stateful "
+        "DoFn by lane itself (Pack receives (lane, value) and keeps its state per lane), so do not "
+        "key its input: give Pack the token arrays themselves"
+    )

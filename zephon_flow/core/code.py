@@ -311,3 +311,37 @@ def reached_code(cls: type) -> dict[str, str]:
     walk = _Reach()
     walk.dofn_class(cls)
     return dict(sorted(walk.parts.items()))
+
+
+def makes_constant_keyed_pairs(fn: Any) -> bool:
+    """Whether a function (a lambda or a ``def``) returns ``(constant, value)`` pairs: the
+    keying a Beam user writes before a stateful DoFn (``beam.Map(lambda t: (0, t))``), read
+    from its parsed source (False where there is none)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    if fn.__name__ == "<lambda>":
+        linecache.checkcache(fn.__code__.co_filename)
+        try:
+            tree = ast.parse("".join(linecache.getlines(fn.__code__.co_filename)))
+        except SyntaxError:
+            return False
+        line, code = fn.__code__.co_firstlineno, fn.__code__
+        names = list(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+        bodies = [
+            n.body
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Lambda)
+            and n.lineno == line
+            and [a.arg for a in (*n.args.args, *n.args.kwonlyargs)] == names
+        ]
+    else:
+        try:
+            parsed = _parse(inspect.getsource(fn))
+        except (OSError, TypeError):
+            return False
+        if parsed is None:
+            return False
+        bodies = [n.value for n in ast.walk(parsed) if isinstance(n, ast.Return) and n.value is not None]
+    return bool(bodies) and all(
+        isinstance(b, ast.Tuple) and len(b.elts) == 2 and isinstance(b.elts[0], ast.Constant) for b in bodies
+    )
