@@ -7,6 +7,8 @@
      +-- StageError           a DoFn raised; carries the worker's traceback
      |    +-- WorkerLostError         a worker process died on the same chunk too many times
      |    +-- ChunkTimeoutError       a stateless call ran past the chunk deadline (chunk_timeout)
+     +-- RankLostError        a peer rank failed, closed or stopped answering before the
+     |                        ranks agreed on the end of a finite pass (names the rank)
      +-- StateError           a checkpoint cannot be used
           +-- FingerprintMismatchError    written for another pipeline (names the part)
           +-- LaneCountMismatchError      written for another lane count
@@ -53,6 +55,11 @@ class WorkerLostError(StageError):
 class ChunkTimeoutError(StageError):
     """A stateless call ran longer than the loader's ``chunk_timeout``; names the DoFn and the
     record. On the processes backend the stuck worker has been killed and replaced."""
+
+
+class RankLostError(ZephonError, RuntimeError):
+    """A peer rank failed, closed or stopped answering before the ranks of a finite pass agreed
+    on a step (``EndSync``); names the rank and the step, and the peer's own error if known."""
 
 
 class StateError(ZephonError, ValueError):
@@ -114,6 +121,7 @@ __all__ = [
     "FingerprintMismatchError",
     "FormatVersionError",
     "LaneCountMismatchError",
+    "RankLostError",
     "RecipeMismatchError",
     "RecipeRefusedError",
     "ResumeMismatchError",

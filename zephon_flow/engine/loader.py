@@ -26,7 +26,7 @@ from zephon_flow.core.resume_check import PendingChecks
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
 from zephon_flow.engine import recipe
-from zephon_flow.engine.endsync import EndSync, default_end_sync
+from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
@@ -159,8 +159,10 @@ class Loader:
         self._build_lanes(plan, start, chunk_records=chunk_records, depth=prefetch_chunks)
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
-        self._end_sync = end_sync or default_end_sync(
-            world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes
+        self._end_sync = bind_end_sync(  # this rank's side: its votes, and its leaving
+            end_sync
+            or default_end_sync(world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes),
+            rank,
         )
         self._step = start.step
         self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
@@ -274,6 +276,8 @@ class Loader:
         except BaseException as exc:  # delivered to the consumer, re-raised there
             if before is not None:
                 before.give_up()
+            if self._end_sync is not None:  # peers waiting on this rank raise at once, naming it
+                self._end_sync.leave(exc)
             self._put(exc)
         finally:
             if before is not None:
@@ -396,6 +400,8 @@ class Loader:
             return
         self._closed = True
         self._stop.set()
+        if self._end_sync is not None:  # peers waiting on a step this rank never votes on raise
+            self._end_sync.leave(None)
         for lane in self._lanes:
             lane.close()
         self._backend.close()
