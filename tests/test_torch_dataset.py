@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 import zephon_flow as zf
 from zephon_flow.core.batches import split_ragged
 from zephon_flow.core.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError
+from zephon_flow.core.state import encode_state
 from zephon_flow.engine.simulate import global_batches, global_digests
 from zephon_flow.torch import ZephonDataset, gather_states
 
@@ -84,10 +85,11 @@ def test_state_dict_resumes_after_the_last_batch_yielded(corpus: Corpus) -> None
     reference = global_digests(spec, steps=6)
     ds = ZephonDataset.from_loader(spec)
     fresh = ds.state_dict()
-    assert fresh == {"step": 0, "loader_state": b""}
+    assert fresh == {"step": 0, "lane_states": {str(lane): b"" for lane in range(LANES)}}
     first = take(ds, 2)
     state = ds.state_dict()
-    assert state["step"] == 2 and isinstance(state["loader_state"], bytes)
+    assert state["step"] == 2 and sorted(state["lane_states"]) == ["0", "1", "2", "3"]
+    assert all(isinstance(bytes(v), bytes) for v in state["lane_states"].values())
     # A second iteration continues where the first stopped.
     second = take(ds, 1)
     ds.close()
@@ -109,7 +111,8 @@ def test_a_single_ranks_state_does_not_resume_another_topology(corpus: Corpus) -
     spec = spec_of(corpus)
     ds = ZephonDataset.from_loader(spec, rank=0, world_size=2)
     take(ds, 1)
-    local = {"step": 1, "loader_state": ds.local_state()}
+    local = ds.state_dict()  # this rank's lanes only
+    assert sorted(local["lane_states"]) == ["0", "1"]
     ds.close()
     other = ZephonDataset.from_loader(spec, rank=1, world_size=2)
     with pytest.raises(StateError, match=r"no entry for lane\(s\) \[2, 3\], which rank 1 of 2 runs"):
@@ -127,8 +130,12 @@ def test_bad_states_are_refused_with_a_reason(corpus: Corpus) -> None:
         fresh.load_state_dict({"step": 1})
     with pytest.raises(CorruptStateError, match=r"'loader_state' should be bytes, found str"):
         fresh.load_state_dict({"step": 1, "loader_state": "x"})
+    with pytest.raises(CorruptStateError, match=r"'lane_states'\['0'\] should be bytes, found int"):
+        fresh.load_state_dict({"step": 1, "lane_states": {"0": 5}})
     with pytest.raises(CorruptStateError, match=r"says step 2, its loader state step 1"):
-        fresh.load_state_dict({"step": 2, "loader_state": state["loader_state"]})
+        fresh.load_state_dict({"step": 2, "lane_states": state["lane_states"]})
+    with pytest.raises(CorruptStateError, match=r"is at step 3 but holds no loader state"):
+        fresh.load_state_dict({"step": 3, "lane_states": {"0": b""}})
     with pytest.raises(FingerprintMismatchError, match=r"differ: seed$"):
         ZephonDataset.from_loader(spec_of(corpus, seed=5)).load_state_dict(state)
 
@@ -265,5 +272,8 @@ def test_two_gloo_ranks_gather_a_state_that_resumes_on_one_and_four(corpus: Corp
         with pytest.warns(UserWarning, match=r"assuming the intent is to load in a single process"):
             dcp.load(loaded, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
         assert loaded["data"]["step"] == steps
-        assert loaded["data"]["loader_state"] == gathered[0]
+        # DCP kept each rank's lanes under their own keys: all of them, as the gathered state has.
+        parts = loaded["data"]["lane_states"]
+        assert sorted(parts) == [str(lane) for lane in range(LANES)]
+        assert encode_state(zf.merge_states([bytes(p) for p in parts.values()])) == gathered[0]
         assert topology_digests(spec, loaded["data"], world, more) == reference
