@@ -55,7 +55,9 @@ def make_spec(corpus: Corpus) -> zf.LoaderSpec:
 def tiny_gpt2(corpus: Corpus) -> GPT2LMHeadModel:
     torch.manual_seed(0)
     vocab = Tokenizer.from_file(corpus.tokenizer_json).get_vocab_size()
-    config = GPT2Config(n_layer=1, n_head=2, n_embd=32, vocab_size=vocab, n_positions=SEQ_LEN)
+    config = GPT2Config(
+        n_layer=1, n_head=2, n_embd=32, vocab_size=vocab, n_positions=SEQ_LEN, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -72,8 +74,10 @@ class RecordingTrainer(ZephonTrainer):
         return super().training_step(model, inputs, *args)
 
 
-def training_args(out: str, *, steps: int, save_steps: int, rows: int, ga: int = 1) -> TrainingArguments:
-    return TrainingArguments(
+def training_args(
+    out: str, *, steps: int, save_steps: int, rows: int, ga: int = 1, **change: Any
+) -> TrainingArguments:
+    options: dict[str, Any] = dict(
         output_dir=out,
         max_steps=steps,
         save_steps=save_steps,
@@ -87,6 +91,7 @@ def training_args(out: str, *, steps: int, save_steps: int, rows: int, ga: int =
         disable_tqdm=True,
         seed=0,
     )
+    return TrainingArguments(**{**options, **change})
 
 
 def run(
@@ -122,7 +127,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--save-steps", type=int, default=10)
     opts = parser.parse_args()
-    seen = run(corpus_at(opts.corpus), opts.out, steps=opts.steps, save_steps=opts.save_steps, resume=opts.resume)
+    seen = run(
+        corpus_at(opts.corpus), opts.out, steps=opts.steps, save_steps=opts.save_steps, resume=opts.resume
+    )
     rank = int(os.environ.get("RANK", "0"))
     np.save(f"{opts.record}.rank{rank}.npy", np.stack(seen))
 

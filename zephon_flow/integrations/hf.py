@@ -12,7 +12,7 @@ any world size. Without the Trainer (a plain ``accelerate`` loop), ``save_data_s
 
 from __future__ import annotations
 
-import inspect
+import json
 import logging
 import os
 from typing import Any
@@ -24,13 +24,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 import zephon_flow as zf
 from zephon_flow.core.errors import SpecError, StateError
-from zephon_flow.torch import ZephonDataset, gather_states
+from zephon_flow.torch import ZephonDataset, gather_states, to_hf_inputs
 
 __all__ = [
     "DATA_STATE_NAME",
     "ZephonTrainer",
     "ZephonTrainerMixin",
-    "hf_inputs",
     "load_data_state",
     "save_data_state",
 ]
@@ -41,31 +40,9 @@ _log = logging.getLogger("zephon_flow")
 DATA_STATE_NAME = "zephon_state.zfstate"
 #: Fields a batch carries for the record, not for the model: left out unless asked for.
 PROVENANCE = ("documents", "documents_count", "segment_ids")
-IGNORE_INDEX = -100
 
 
 # -- batches ----------------------------------------------------------------------------------
-def hf_inputs(batch: dict[str, torch.Tensor], *, provenance: bool = False) -> dict[str, torch.Tensor]:
-    """A zephon batch as a transformers model takes it: integer fields as int64, ``labels``
-    added when the pipeline gave none (``input_ids`` with every piece start, ``position_ids ==
-    0``, and padding, ``segment_ids == -1``, set to -100: no target across a document
-    boundary, as ``Pack(labels=True)`` makes them), provenance (``documents``,
-    ``documents_count``, ``segment_ids``) left out unless ``provenance=True``."""
-    out: dict[str, torch.Tensor] = {}
-    for key, value in batch.items():
-        if key in PROVENANCE and not provenance:
-            continue
-        out[key] = value.long() if value.dtype in (torch.int32, torch.int16) else value
-    if "labels" not in out and "input_ids" in out:
-        labels = out["input_ids"].clone()
-        if "position_ids" in batch:
-            labels[batch["position_ids"] == 0] = IGNORE_INDEX
-        if "segment_ids" in batch:
-            labels[batch["segment_ids"] == -1] = IGNORE_INDEX
-        out["labels"] = labels
-    return out
-
-
 class _TrainBatches:
     """What the Trainer iterates: the dataset's batches as model inputs, handed one at a time
     (no read-ahead, so the batches handed out are the batches trained when a checkpoint is
@@ -87,29 +64,19 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _merged_state(dataset: ZephonDataset, step: int | None) -> bytes:
-    """Every rank's lanes merged, positioned so that ``step`` is the next batch (default: after
-    the last batch the dataset yielded). Collective under torch.distributed."""
-    if step is not None and "step" in inspect.signature(gather_states).parameters:
-        merged: bytes = gather_states(dataset, step=step)  # type: ignore[call-arg]
-        return merged
-    if step is not None and step != dataset.next_step:
-        raise StateError(
-            f"the dataset has yielded up to step {dataset.next_step - 1}, the state asked for resumes at "
-            f"step {step}: pass the step of the next batch to train"
-        )
-    return gather_states(dataset)
-
-
 def save_data_state(
-    dataset: ZephonDataset, folder: str | os.PathLike[str], *, step: int | None = None, write: bool | None = None
+    dataset: ZephonDataset,
+    folder: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    write: bool | None = None,
 ) -> str:
     """Writes ``folder/zephon_state.zfstate``: every rank's lanes merged, so that the resumed run
     yields global batch ``step`` first (default: the one after the last batch yielded; give the
     step explicitly when something reads ahead of training, as ``accelerator.prepare``'s
     dataloaders do). Under torch.distributed every rank must call it (it gathers); the process
     with ``write`` (default: rank 0) writes. Returns the file's path."""
-    state = _merged_state(dataset, step)
+    state = gather_states(dataset, step)
     if not state:
         raise StateError(
             f"save_data_state({os.fspath(folder)!r}): the dataset has not yielded a batch yet, so there "
@@ -124,10 +91,14 @@ def save_data_state(
     return path
 
 
-def load_data_state(dataset: ZephonDataset, folder: str | os.PathLike[str]) -> int:
+def load_data_state(
+    dataset: ZephonDataset, folder: str | os.PathLike[str], *, expected_step: int | None = None
+) -> int:
     """Positions ``dataset`` at the state in ``folder/zephon_state.zfstate`` (written by
     ``save_data_state`` or ``ZephonTrainer``, at any world size); returns the step the dataset
-    yields next. Reads no data: the time does not grow with the step."""
+    yields next. Reads no data: the time does not grow with the step. ``expected_step``: the
+    step the trainer resumes at by its own count; a state at another step is loaded as it is,
+    with a ``StepMismatchWarning`` naming both."""
     path = os.path.join(os.fspath(folder), DATA_STATE_NAME)
     if not os.path.isfile(path):
         raise StateError(
@@ -137,7 +108,8 @@ def load_data_state(dataset: ZephonDataset, folder: str | os.PathLike[str]) -> i
         )
     plain = zf.load_state(path)
     step = int(plain["step"])
-    dataset.load_state_dict({"step": step, "loader_state": zf.encode_state(plain)})
+    state = {"step": step, "loader_state": zf.encode_state(plain)}
+    dataset.load_state_dict(state, expected_step=expected_step)
     return step
 
 
@@ -155,29 +127,21 @@ class _DataStateCallback(TrainerCallback):  # type: ignore[misc]
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         dataset = self.trainer._zephon_dataset()
-        expected = state.global_step * self._per_step(args)
-        resumed = self.trainer._zephon_resumed_from
-        if resumed is not None and dataset.next_step != expected:
-            _log.warning(
-                "ZephonTrainer: %s resumes the data at step %d, but Trainer's global_step %d x "
-                "gradient_accumulation_steps %d is micro-step %d; the data continues from step %d "
-                "(the loader state decides). Expected when the first run started its data at a "
-                "step other than 0; otherwise the checkpoint's folders were mixed or "
-                "gradient_accumulation_steps changed",
-                os.path.join(resumed, DATA_STATE_NAME),
-                dataset.next_step,
-                state.global_step,
-                self._per_step(args),
-                expected,
-                dataset.next_step,
-            )
-        self.base = dataset.next_step - expected
+        self.base = dataset.next_step - state.global_step * self._per_step(args)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         dataset = self.trainer._zephon_dataset()
         step = self.base + state.global_step * self._per_step(args)
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         save_data_state(dataset, folder, step=step, write=bool(args.should_save))
+
+
+def _check_max_steps(args: Any) -> None:
+    if args is None or args.max_steps is None or args.max_steps <= 0:
+        raise SpecError(
+            "ZephonTrainer: set TrainingArguments(max_steps=N): the stream has no length, so the "
+            "number of optimizer steps cannot come from num_train_epochs"
+        )
 
 
 class ZephonTrainerMixin:
@@ -193,10 +157,14 @@ class ZephonTrainerMixin:
     """
 
     def __init__(self, *args: Any, provenance: bool = False, **kwargs: Any) -> None:
+        # Trainer(model, args, data_collator, train_dataset, ...): refused before Trainer's own check
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        dataset = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        if isinstance(dataset, ZephonDataset):
+            _check_max_steps(given)
         super().__init__(*args, **kwargs)
         self._zephon_provenance = provenance
         self._zephon_resume: str | None = None
-        self._zephon_resumed_from: str | None = None
         self._zephon_batches: _TrainBatches | None = None
         trainer: Any = self
         if trainer.train_dataset is not None:
@@ -241,11 +209,7 @@ class ZephonTrainerMixin:
                 "ZephonTrainer: auto_find_batch_size=True would change the batch size, which is the spec's "
                 "global_batch_size; leave it False"
             )
-        if args.max_steps is None or args.max_steps <= 0:
-            raise SpecError(
-                "ZephonTrainer: set TrainingArguments(max_steps=N): the stream has no length, so the "
-                "number of optimizer steps cannot come from num_train_epochs"
-            )
+        _check_max_steps(args)
         for name in ("get_tp_size", "get_cp_size", "get_sp_size"):
             size = getattr(trainer, name)() if hasattr(trainer, name) else 1
             if size != 1:
@@ -256,7 +220,8 @@ class ZephonTrainerMixin:
                 )
         spec = dataset._spec
         assert spec is not None
-        world = int(args.world_size)
+        world = int(args.world_size)  # starts torch.distributed under torchrun
+        self._zephon_check_topology(dataset)
         rows, gpus = spec.global_batch_size // world, max(1, int(args.n_gpu))
         if spec.global_batch_size % world:
             raise SpecError(
@@ -279,14 +244,12 @@ class ZephonTrainerMixin:
 
     def _zephon_check_topology(self, dataset: ZephonDataset) -> None:
         args: Any = getattr(self, "args")  # noqa: B009
-        rank, world = getattr(dataset, "rank", None), getattr(dataset, "world_size", None)
-        if rank is None or world is None:  # resolved from torch.distributed at the first batch
-            return
+        rank, world = dataset.rank, dataset.world_size  # as resolved at the first iteration
         if (rank, world) != (int(args.process_index), int(args.world_size)):
             raise SpecError(
                 f"ZephonTrainer: the train_dataset is rank {rank} of {world} but this Trainer process is rank "
                 f"{args.process_index} of {args.world_size}: build it with ZephonDataset.from_loader(spec) "
-                f"without rank= or world_size= (they are read from torch.distributed when it starts)"
+                f"without rank= or world_size= (they are read from torch.distributed at the first batch)"
             )
 
     # -- Trainer's hooks ------------------------------------------------------------------------
@@ -309,13 +272,22 @@ class ZephonTrainerMixin:
         checkpoint's loader state on a resume."""
         self._zephon_check_args()
         dataset = self._zephon_dataset()
-        self._zephon_check_topology(dataset)
-        self._zephon_resumed_from = None
         if self._zephon_resume is not None:
-            load_data_state(dataset, self._zephon_resume)
-            self._zephon_resumed_from = self._zephon_resume
+            load_data_state(
+                dataset, self._zephon_resume, expected_step=self._zephon_trained(self._zephon_resume)
+            )
         self._zephon_batches = _TrainBatches(dataset, self._zephon_inputs)
         return self._zephon_batches
+
+    def _zephon_trained(self, folder: str) -> int | None:
+        """The micro-steps trained by the checkpoint's own count (its ``trainer_state.json``)."""
+        trainer: Any = self
+        try:
+            with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
+                global_step = int(json.load(f)["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # Trainer itself says what is wrong with the checkpoint
+        return global_step * int(trainer.args.gradient_accumulation_steps)
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
         """No skipping: the dataloader already starts at the checkpoint's loader state."""
@@ -323,11 +295,12 @@ class ZephonTrainerMixin:
 
     def _zephon_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         trainer: Any = self
-        inputs = hf_inputs(batch, provenance=self._zephon_provenance)
+        keep = [k for k in PROVENANCE if k in batch] if self._zephon_provenance else []
+        inputs = to_hf_inputs(batch, keep=keep)
         if trainer.args.remove_unused_columns:
             trainer._set_signature_columns_if_needed()
-            keep = set(trainer._signature_columns)
-            inputs = {k: v for k, v in inputs.items() if k in keep}
+            accepted = set(trainer._signature_columns)
+            inputs = {k: v for k, v in inputs.items() if k in accepted}
         return inputs
 
 
