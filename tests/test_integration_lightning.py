@@ -1,0 +1,185 @@
+"""PyTorch Lightning: ZephonDataModule resumes exactly (same and other worker count, DDP at another
+world size); a ZephonDataset given to Lightning another way is refused on resume by ZephonGuard."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import Corpus
+from lightning_script import EVERY, GLOBAL_BATCH, fit, make_spec
+from torch.utils.data import DataLoader
+
+from zephon_flow.core.errors import CorruptStateError, StateError
+from zephon_flow.engine.simulate import global_batches
+from zephon_flow.integrations.lightning import FORMAT, ZephonDataModule, ZephonGuard
+from zephon_flow.torch import StepMismatchWarning, ZephonDataset
+
+SCRIPT = Path(__file__).resolve().parent / "lightning_script.py"
+
+pytestmark = [
+    # Lightning 2.6.6's own pytree code on torch 2.13; not about our code.
+    pytest.mark.filterwarnings(r"ignore:`isinstance\(treespec, LeafSpec\)` is deprecated:FutureWarning"),
+    # A resumed fit checkpoints into its own folder; Lightning notes that its ModelCheckpoint's
+    # bookkeeping of best models is not carried over.
+    pytest.mark.filterwarnings("ignore:The dirpath has changed from:UserWarning"),
+]
+
+
+def digest(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids, dtype=np.int32).tobytes()).hexdigest()
+
+
+def seen(model: Any) -> list[tuple[int, str]]:
+    return [(step, digest(ids)) for step, ids in zip(model.steps, model.seen, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Corpus) -> list[tuple[int, str]]:
+    """The global batches' input_ids digests, steps 0..19, as the pipeline defines them."""
+    return [(step, digest(batch["input_ids"])) for step, batch in global_batches(make_spec(corpus), steps=20)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus: Corpus, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """20 steps in one fit, checkpointing at steps 10 and 20: the model, and the checkpoint folder."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    model = fit(out, steps=20, datamodule=ZephonDataModule(make_spec(corpus)))
+    return model, out / "ckpt"
+
+
+def test_the_fit_trains_on_the_pipelines_batches_and_saves_the_trained_step(
+    uninterrupted: tuple[Any, Path], reference: list[tuple[int, str]]
+) -> None:
+    model, ckpt = uninterrupted
+    assert seen(model) == reference
+    saved = torch.load(ckpt / "step=10.ckpt", weights_only=False)
+    state = saved["ZephonDataModule"]
+    assert state["format"] == FORMAT and state["trained_batches"] == 10
+    # The step after the last one trained, not after the batch Lightning read ahead.
+    assert state["data"]["step"] == 10 and isinstance(state["data"]["loader_state"], bytes)
+    assert "combined_loader" not in saved["loops"]["fit_loop"]  # Lightning keeps no second copy
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_continues_exactly_at_the_same_and_another_worker_count(
+    corpus: Corpus, uninterrupted: tuple[Any, Path], tmp_path: Path, workers: int
+) -> None:
+    model, ckpt = uninterrupted
+    backend = "threads" if workers > 1 else "inline"
+    data = ZephonDataModule(make_spec(corpus), backend=backend, workers=workers)
+    resumed = fit(tmp_path, steps=20, datamodule=data, resume=ckpt / "step=10.ckpt")
+    assert seen(resumed) == seen(model)[10:]
+
+
+def run_script(corpus: Corpus, out: Path, *, devices: int, resume: Path | None = None) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--corpus", str(corpus.root), "--out", str(out)]
+    cmd += ["--devices", str(devices), "--steps", "20"]
+    if resume is not None:
+        cmd += ["--resume", str(resume)]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "LOCAL_RANK")}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def global_digests(out: Path, ranks: int) -> list[tuple[int, str]]:
+    parts = [np.load(out / f"seen.rank{r}.npz") for r in range(ranks)]
+    steps = [p["steps"].tolist() for p in parts]
+    assert all(s == steps[0] for s in steps), steps
+    glued = np.concatenate([p["input_ids"] for p in parts], axis=1)  # rank slices, in rank order
+    assert glued.shape[1] == GLOBAL_BATCH
+    return [(step, digest(ids)) for step, ids in zip(steps[0], glued, strict=True)]
+
+
+def test_ddp_on_two_ranks_resumes_on_one(
+    corpus: Corpus, reference: list[tuple[int, str]], tmp_path: Path
+) -> None:
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_script(corpus, two, devices=2)
+    assert global_digests(two, 2) == reference
+    run_script(corpus, one, devices=1, resume=two / "ckpt" / f"step={EVERY}.ckpt")
+    assert global_digests(one, 1) == reference[EVERY:]
+
+
+# -- what ZephonGuard does with a ZephonDataset given to Lightning without the data module ---------
+def plain_loader(corpus: Corpus) -> DataLoader[Any]:
+    return DataLoader(ZephonDataset.from_loader(make_spec(corpus)), batch_size=None)
+
+
+def dataset_itself(corpus: Corpus) -> ZephonDataset:
+    return ZephonDataset.from_loader(make_spec(corpus))
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "starts_at"),
+    [(plain_loader, "a DataLoader", 0), (dataset_itself, "the dataset itself", EVERY + 1)],
+)
+def test_a_resume_without_the_data_module_is_refused_by_name(
+    corpus: Corpus, tmp_path: Path, make: Any, kind: str, starts_at: int
+) -> None:
+    with pytest.warns(UserWarning, match=f"ZephonGuard: a ZephonDataset reached Lightning as {kind}"):
+        first = fit(tmp_path, steps=EVERY, loader=make(corpus))
+    assert first.steps == list(range(EVERY))
+    with pytest.raises(StateError) as refused:
+        fit(
+            tmp_path / "again", steps=20, loader=make(corpus), resume=tmp_path / "ckpt" / f"step={EVERY}.ckpt"
+        )
+    assert (
+        f"Lightning resumes after {EVERY} trained batches, but the ZephonDataset starts at step {starts_at}"
+        in str(refused.value)
+    )
+    assert "datamodule=zephon_flow.integrations.lightning.ZephonDataModule(spec, ...)" in str(refused.value)
+
+
+def test_every_trainer_gets_the_guard_from_the_entry_point(tmp_path: Path) -> None:
+    from lightning_script import trainer
+
+    assert sum(isinstance(cb, ZephonGuard) for cb in trainer(tmp_path, steps=1).callbacks) == 1
+
+
+def test_a_checkpoint_without_the_data_modules_state_is_refused(corpus: Corpus, tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="ZephonGuard"):
+        fit(tmp_path, steps=EVERY, loader=plain_loader(corpus))
+    with pytest.raises(
+        StateError, match="holds no ZephonDataModule state, so the data would start again at step 0"
+    ):
+        fit(
+            tmp_path / "again",
+            steps=20,
+            datamodule=ZephonDataModule(make_spec(corpus)),
+            resume=tmp_path / "ckpt" / f"step={EVERY}.ckpt",
+        )
+
+
+def test_a_data_state_from_another_save_is_loaded_with_a_warning_naming_both_steps(
+    corpus: Corpus, uninterrupted: tuple[Any, Path], tmp_path: Path
+) -> None:
+    _, ckpt = uninterrupted
+    saved = torch.load(ckpt / "step=10.ckpt", weights_only=False)
+    later = torch.load(ckpt / "step=20.ckpt", weights_only=False)
+    saved["ZephonDataModule"] = later["ZephonDataModule"]  # the data state of step 20 with the loops of 10
+    torch.save(saved, tmp_path / "mixed.ckpt")
+    with pytest.warns(
+        StepMismatchWarning, match="loader state is at step 20 but the trainer resumes at step 10"
+    ):
+        resumed = fit(
+            tmp_path, steps=12, datamodule=ZephonDataModule(make_spec(corpus)), resume=tmp_path / "mixed.ckpt"
+        )
+    assert resumed.steps == [20, 21]
+
+
+def test_a_damaged_state_is_refused_by_name(corpus: Corpus) -> None:
+    data = ZephonDataModule(make_spec(corpus))
+    with pytest.raises(
+        CorruptStateError, match="ZephonDataModule state is missing 'format', 'data', 'trained_batches'"
+    ):
+        data.load_state_dict({})
+    with pytest.raises(CorruptStateError, match="has format 'other/1'; this zephon-flow reads"):
+        data.load_state_dict({"format": "other/1", "data": {"step": 1}, "trained_batches": 1})
