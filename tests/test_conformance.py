@@ -22,6 +22,7 @@ import pytest
 from apache_beam.coders import PickleCoder
 from apache_beam.transforms.userstate import BagStateSpec, TimeDomain, TimerSpec, on_timer
 from apache_beam.utils.timestamp import MAX_TIMESTAMP, Duration
+from bundle_dofns import BufferedLengths, Doubled, RunningTotal
 from helpers import Corpus, DocKey, run_batches, tagged_texts, write_jsonl
 from vlm_helpers import vlm_spec, write_captioned_images
 
@@ -204,6 +205,21 @@ def skipping(corpus: Corpus, tmp: Path) -> zf.LoaderSpec:
     return zf.LoaderSpec(build, lanes=2, seed=3, global_batch_size=4)
 
 
+def bundles(corpus: Corpus, tmp: Path) -> zf.LoaderSpec:
+    """DoFns that use Beam's bundle lifecycle (``bundle_dofns``): lengths buffered in process
+    and flushed in finish_bundle (the front), a stateful DoFn whose finish_bundle adds a marker,
+    a stateless one emitting only from finish_bundle (the back); finite."""
+    jsonl = write_jsonl(tmp / "docs.jsonl", tagged_texts("web", 30, seed=4))
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        docs = p | "docs" >> ops.ReadJsonl(jsonl, field="text", split_bytes=300, epochs=1)
+        lengths = docs | "lengths" >> beam.ParDo(BufferedLengths())
+        totals = lengths | "total" >> beam.ParDo(RunningTotal())
+        return totals | "doubled" >> beam.ParDo(Doubled())
+
+    return zf.LoaderSpec(build, lanes=3, seed=5, global_batch_size=6)
+
+
 #: name -> (build the spec in a scratch folder, steps to compare).
 PIPELINES: dict[str, tuple[Callable[[Corpus, Path], zf.LoaderSpec], int]] = {
     "text mix": (lambda c, t: text_mix(c, t, epochs=None), 10),
@@ -213,6 +229,7 @@ PIPELINES: dict[str, tuple[Callable[[Corpus, Path], zf.LoaderSpec], int]] = {
     "vlm": (vlm, 1000),
     "user stateful DoFn with timers": (user_timers, 1000),
     "bad records skipped": (skipping, 1000),
+    "bundle lifecycle DoFns": (bundles, 1000),
 }
 
 
