@@ -232,6 +232,50 @@ def _inspect_splits(spec: Any, state: Any, *, as_json: bool) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """``zephon verify CHECKPOINT MODULE:SPEC``: each lane's first window against its check."""
+    import dataclasses
+    import json
+
+    from zephon_flow.core.state import load_state
+    from zephon_flow.engine.verify import OK, render, verify_state
+
+    lanes = None
+    if args.lanes is not None:
+        try:
+            lanes = [int(x) for x in args.lanes.split(",") if x.strip()]
+        except ValueError as exc:
+            raise UsageError(
+                f"zephon verify: --lanes takes lane numbers like 0,3,5, got {args.lanes!r}"
+            ) from exc
+    spec = load_spec(args.target)
+    verdicts = verify_state(
+        spec, load_state(args.checkpoint), lanes=lanes, backend=args.backend, workers=args.workers
+    )
+    if args.json:
+        print(json.dumps([dataclasses.asdict(v) for v in verdicts], indent=1))
+    else:
+        print(render(verdicts))
+    return 0 if all(v.verdict == OK for v in verdicts) else 1
+
+
+def add_verify_command(sub: Any) -> None:
+    """``zephon verify``: exit 0 when every lane resumes onto its recorded stream, 1 if not."""
+    v = add_command(
+        sub,
+        "verify",
+        _verify,
+        "run a checkpoint's lanes to their first window and compare it with the digest the "
+        "checkpoint recorded (exit 0: every lane OK, 1: a mismatch or a lane without a digest)",
+    )
+    v.add_argument("checkpoint", metavar="CHECKPOINT")
+    v.add_argument("target", metavar="MODULE:SPEC")
+    v.add_argument("--lanes", help="only these lanes, e.g. 0,3 (default: every lane of the checkpoint)")
+    v.add_argument("--backend", choices=BACKENDS, default="inline")
+    v.add_argument("--workers", type=int, default=1)
+    v.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from zephon_flow.demo import run_demo
 
@@ -407,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--workers", type=int, default=1)
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
+
+    add_verify_command(sub)
 
     m = add_command(sub, "demo", _demo, "build a small real corpus and show elastic determinism")
     m.add_argument("--steps", type=int, default=300)

@@ -81,13 +81,6 @@ def _feed(h: Any, value: Any) -> None:
         h.update(b"x" + struct.pack("<q", len(data)) + data)
 
 
-def value_digest(value: Any, size: int = RUN_BYTES) -> bytes:
-    """The canonical digest of a sample or an output (``size`` bytes of blake2b)."""
-    h = hashlib.blake2b(digest_size=size)
-    _feed(h, value)
-    return h.digest()
-
-
 @dataclass(frozen=True, eq=False)
 class WindowCheck:
     """What a checkpoint records of a lane's next window (see the module's docstring).
@@ -107,7 +100,7 @@ class WindowCheck:
     @classmethod
     def of(cls, samples: Sequence[Any], fed: Sequence[FedOutputs]) -> WindowCheck:
         """The check of a window made of ``samples`` after reading ``fed``."""
-        h = hashlib.blake2b(digest_size=WINDOW_BYTES)
+        h = hashlib.sha256()  # sha256 over blake2b: twice as fast here (SHA extensions)
         h.update(struct.pack("<q", len(samples)))
         for sample in samples:
             _feed(h, sample)
@@ -115,25 +108,25 @@ class WindowCheck:
         ids = np.full((len(bounds), 3), -1, dtype=np.int64)
         digests = []
         for g, (start, stop) in enumerate(bounds):
-            run = hashlib.blake2b(digest_size=RUN_BYTES)
+            run = hashlib.sha256()
             for doc, outputs in fed[start:stop]:
                 _feed(run, _NO_DOC if doc is None else doc)
                 _feed(run, list(outputs))
-            digests.append(run.digest())
+            digests.append(run.digest()[:RUN_BYTES])
             first = fed[start][0]
             if first is not None:
                 ids[g] = first
-        return cls(len(samples), h.digest(), len(fed), ids, b"".join(digests))
+        return cls(len(samples), h.digest()[:WINDOW_BYTES], len(fed), ids, b"".join(digests))
 
     @property
     def digest(self) -> str:
         """One hex digest of the whole check (for display and comparison)."""
-        h = hashlib.blake2b(digest_size=WINDOW_BYTES)
+        h = hashlib.sha256()
         h.update(struct.pack("<qq", self.samples, self.records))
         h.update(self.window)
         h.update(np.ascontiguousarray(self.runs, dtype="<i8").tobytes())
         h.update(self.run_digests)
-        return h.hexdigest()
+        return h.hexdigest()[: 2 * WINDOW_BYTES]
 
     def run_digest(self, g: int) -> bytes:
         return self.run_digests[g * RUN_BYTES : (g + 1) * RUN_BYTES]

@@ -161,7 +161,9 @@ class Loader:
         self._padding = plan.padding_sample() if plan.finite else None
         self._end_sync = bind_end_sync(  # this rank's side: its votes, and its leaving
             end_sync
-            or default_end_sync(world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes),
+            or default_end_sync(
+                world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes
+            ),
             rank,
         )
         self._step = start.step
@@ -454,13 +456,15 @@ def restore_lanes(
     submit: recipe.Submit | None = None,
     rebuild_recipes: bool = True,
     verify: bool = True,
+    quiet: bool = False,
 ) -> LaneStart:
     """Where lanes ``lane_ids`` start: fresh, or from ``state`` (checked against the spec);
     ``who`` names what runs them in the error for a lane the state lacks. A recipe state's
     lanes are rebuilt (their records re-read, the front re-run on ``submit``, a backend's, if
     given) unless ``rebuild_recipes`` is False (the caller only plans from the state).
     With ``verify`` (the default) the lanes keep the checks of their next windows, which
-    their runners verify; a state without them is logged once as not verifiable."""
+    their runners verify; a state without them is logged once as not verifiable (unless
+    ``quiet``: the caller reports it)."""
     mixture = None if plan.mixer is None else plan.mixer.mixture()
     if state is None:
         return LaneStart(0, dict.fromkeys(lane_ids), mixture)
@@ -482,14 +486,16 @@ def restore_lanes(
         )
     if rebuild_recipes:
         loaded = recipe.from_recipes(plan, loaded, spec.lanes, lane_ids, submit)
-    loaded = resume_checks(loaded, lane_ids, verify=verify)
+    loaded = resume_checks(loaded, lane_ids, verify=verify, quiet=quiet)
     return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
 
 
 _said_unverified: set[tuple[int, str]] = set()
 
 
-def resume_checks(state: LoaderState, lane_ids: list[int], *, verify: bool) -> LoaderState:
+def resume_checks(
+    state: LoaderState, lane_ids: list[int], *, verify: bool, quiet: bool = False
+) -> LoaderState:
     """``state`` with its lanes' next-window checks kept (``verify``) or dropped. A state
     without them for some of ``lane_ids`` (written before zephon-flow recorded them, or taken
     before the lanes made a window) is logged once per step and fingerprint: its resume is
@@ -497,9 +503,9 @@ def resume_checks(state: LoaderState, lane_ids: list[int], *, verify: bool) -> L
     if not verify:
         lanes = {lane: replace(ls, next_window=None) for lane, ls in state.lane_states.items()}
         return replace(state, lane_states=lanes)
-    missing = [lane for lane in lane_ids if state.lane_states[lane].next_window is None]
+    missing = sorted(lane for lane, ls in state.lane_states.items() if ls.next_window is None)
     key = (state.step, state.fingerprint.get("total", ""))
-    if missing and key not in _said_unverified:
+    if set(missing) & set(lane_ids) and not quiet and key not in _said_unverified:
         _said_unverified.add(key)
         _log.warning(
             "the checkpoint at step %d records no check of the next window of lane(s) %s (written "
