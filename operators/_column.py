@@ -230,9 +230,7 @@ def column_kind(data_type: pa.DataType, *, operator: str, path: str, column: str
         return "text"
     if pat.is_null(data_type):
         return "none"
-    if (
-        pat.is_list(data_type) or pat.is_large_list(data_type) or pat.is_fixed_size_list(data_type)
-    ) and pat.is_integer(data_type.value_type):
+    if _is_token_list(data_type):
         return "tokens"
     hint = ""
     if pat.is_binary(data_type) or pat.is_large_binary(data_type):
@@ -246,9 +244,8 @@ def column_kind(data_type: pa.DataType, *, operator: str, path: str, column: str
 
 
 def _is_token_list(data_type: pa.DataType) -> bool:
-    return (
-        pat.is_list(data_type) or pat.is_large_list(data_type) or pat.is_fixed_size_list(data_type)
-    ) and pat.is_integer(data_type.value_type)
+    listed = pat.is_list(data_type) or pat.is_large_list(data_type) or pat.is_fixed_size_list(data_type)
+    return bool(listed and pat.is_integer(data_type.value_type))
 
 
 def token_rows(
