@@ -1,23 +1,21 @@
 """Test-only torchtitan config registry (``--module titan_config --config zephon_tiny``).
 
 A llama3 of one tiny layer with SDPA attention (FlexAttention has no CPU backward), a tokenizer
-that reads no files (the pipeline tokenizes), and zephon-flow's dataloader over a JSONL file of
-``ZEPHON_TITAN_DATA`` (bytes as token ids). ``TitanDigestLoader`` records each batch's rows.
+that reads no files (the pipeline tokenizes), and zephon-flow's dataloader over
+``titan_pipeline:spec``. ``TitanDigestLoader`` records each batch's rows.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-import apache_beam as beam
-import numpy as np
 import torch
 import torch.distributed as dist
+from titan_pipeline import GLOBAL_BATCH, SEQ_LEN, row_digest
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
@@ -36,39 +34,9 @@ from torchtitan.models.llama3 import (
 from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.trainer import Trainer
 
-import zephon_flow as zf
-from zephon_flow import operators as ops
 from zephon_flow.integrations.torchtitan import ZephonTitanDataLoader
 
 VOCAB = 256
-SEQ_LEN = 16
-GLOBAL_BATCH = 4
-LANES = 4
-
-
-def byte_ids(text: str) -> np.ndarray:
-    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-
-
-def write_data(folder: str, documents: int = 400) -> str:
-    path = os.path.join(folder, "docs.jsonl")
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(documents):
-            f.write(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor " * (i % 13)}) + "\n")
-    return path
-
-
-def spec() -> zf.LoaderSpec:
-    """The test pipeline: bytes of each document, packed to SEQ_LEN + 1, shuffled."""
-    path = os.path.join(os.environ["ZEPHON_TITAN_DATA"], "docs.jsonl")
-
-    def build(p: beam.Pipeline) -> beam.PCollection:
-        docs = p | "docs" >> ops.ReadJsonl(path, split_bytes=2000)
-        ids = docs | "bytes" >> beam.ParDo(ops.Map(byte_ids))
-        seqs = ids | "pack" >> beam.ParDo(ops.Pack(seq_len=SEQ_LEN + 1))
-        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=8))
-
-    return zf.LoaderSpec(build, lanes=LANES, seed=11, global_batch_size=GLOBAL_BATCH)
 
 
 class TitanNullTokenizer(BaseTokenizer):  # type: ignore[misc]
@@ -104,10 +72,7 @@ class TitanDigestLoader(ZephonTitanDataLoader):
         out = os.path.join(os.environ["ZEPHON_TITAN_DIGESTS"], f"rank{rank}.jsonl")
         for inputs, labels in super().__iter__():
             step = self.dataset.next_step - 1
-            rows = [
-                hashlib.sha256(i.numpy().tobytes() + b"|" + t.numpy().tobytes()).hexdigest()
-                for i, t in zip(inputs["input"], labels, strict=True)
-            ]
+            rows = [row_digest(i.numpy(), t.numpy()) for i, t in zip(inputs["input"], labels, strict=True)]
             with open(out, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"step": step, "dp_rank": self.dp_rank, "rows": rows}) + "\n")
             yield inputs, labels
@@ -151,9 +116,10 @@ def zephon_tiny() -> Trainer.Config:
             mixed_precision_param="float32",
             disable_cuda_graphs=True,
         ),
-        dataloader=TitanDigestLoader.Config(spec="titan_config:spec"),
+        dataloader=TitanDigestLoader.Config(spec="titan_pipeline:spec"),
         metrics=MetricsProcessor.Config(log_freq=5),
-        parallelism=ParallelismConfig(),
+        # Data parallel by replication: FSDP scales gradients with PREMUL_SUM, which gloo lacks.
+        parallelism=ParallelismConfig(spmd_backend="partial_dtensor", data_parallel_shard_degree=1),
         checkpoint=CheckpointManager.Config(enable=True, interval=10, last_save_model_only=False),
         activation_checkpoint=None,
     )
