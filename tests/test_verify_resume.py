@@ -215,3 +215,75 @@ def test_zephon_verify_exit_codes(own: Corpus, tmp_path: Path, capsys: pytest.Ca
     assert main(["verify", str(checkpoint), f"{pipeline}:spec", "--lanes", "x"]) == 2
     verdicts = verify_state(make_spec(own), zf.load_state(checkpoint))
     assert [v.verdict for v in verdicts].count(MISMATCH) >= 1
+
+
+def test_lane_owners_record_the_loaders_checks_and_verify_their_restore(own: Corpus) -> None:
+    from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions
+
+    state = state_at(make_spec(own), CUT, world_size=1)
+
+    def owner(lanes: list[int], start: Any, name: str) -> LaneOwner:
+        return LaneOwner(
+            make_spec(own), lanes, state=start, readers={0: 0}, options=OwnerOptions(), name=name
+        )
+
+    owners = [owner([0, 1], None, "owner 0").start(), owner([2, 3], None, "owner 1").start()]
+    try:
+        for step in range(CUT + 1):
+            for o in owners:
+                while o.rows(0, step, timeout=30) is None:
+                    pass
+        snaps = {lane: ls for o in owners for lane, ls in (o.snapshot(CUT) or {}).items()}
+    finally:
+        for o in owners:
+            o.close()
+    assert {lane: ls.next_window.digest for lane, ls in snaps.items() if ls.next_window} == checks(state)
+    lane, offset = web_record_read_next(own, state)
+    edit_in_place(own.web_jsonl, offset)
+    restored = owner([lane], to_loader_state(state), "owner 2").start()
+    try:
+        with pytest.raises(OwnerError) as caught:
+            while restored.rows(0, CUT, timeout=30) is None:
+                pass
+    finally:
+        restored.close()
+    assert f"ResumeMismatchError: lane {lane}, step {CUT}: the first window after the restore" in str(
+        caught.value
+    )
+    assert f"{own.web_jsonl} offset {offset}" in str(caught.value)
+
+
+def test_zephon_serve_resume_verifies_and_can_be_told_not_to(own: Corpus, tmp_path: Path) -> None:
+    from zephon_flow.service.server import BatchServer
+
+    directory = tmp_path / "ckpt"
+    srv = BatchServer(
+        make_spec(own), ahead=2, keep=1, checkpoint_dir=str(directory), checkpoint_every=2
+    ).start()
+    try:
+        with zf.Client(f"{srv.host}:{srv.port}", 0, 1) as client:
+            for step, _batch in client:
+                if step == 6:
+                    break
+    finally:
+        srv.stop(grace=None)
+    path = sorted(directory.iterdir(), key=lambda p: int(p.stem.split("-")[1]))[-1]
+    saved = zf.load_state(path)
+    assert sorted(checks(saved)) == [0, 1, 2, 3]  # the server's checkpoints are verifiable
+    lane, offset = web_record_read_next(own, saved)
+    edit_in_place(own.web_jsonl, offset)
+    srv = BatchServer(make_spec(own), ahead=2, resume=str(path)).start()
+    try:
+        address = f"{srv.host}:{srv.port}"
+        client = zf.Client(address, 0, 1, start_step=saved["step"], retries=0)
+        with client, pytest.raises(zf.ServiceError) as caught:
+            next(iter(client))
+    finally:
+        srv.stop(grace=None)
+    assert f"lane {lane}, step {saved['step']}: the first window after the restore" in str(caught.value)
+    srv = BatchServer(make_spec(own), ahead=2, resume=str(path), verify_resume=False).start()
+    try:
+        with zf.Client(f"{srv.host}:{srv.port}", 0, 1, start_step=saved["step"]) as client:
+            assert next(iter(client))[0] == saved["step"]
+    finally:
+        srv.stop(grace=None)

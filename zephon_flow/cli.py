@@ -356,6 +356,7 @@ def _serve(args: argparse.Namespace) -> int:
             state=state,
             chunk_timeout=args.chunk_timeout,
             ray_address=args.ray_address,
+            verify_resume=not args.no_verify_resume,
         )
     server = BatchServer(
         spec,
@@ -375,6 +376,7 @@ def _serve(args: argparse.Namespace) -> int:
         stream_timeout=args.stream_timeout,
         chunk_timeout=args.chunk_timeout,
         loader=loader,
+        verify_resume=not args.no_verify_resume,
     )
     return serve_forever(server)
 
@@ -480,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1)
     s.add_argument("--checkpoint-dir", help="where Checkpoint(step) writes DIR/step-<step>.zfstate")
     s.add_argument("--resume", metavar="DIR/step-STEP.zfstate", help="start from this checkpoint file")
+    s.add_argument(
+        "--no-verify-resume",
+        action="store_true",
+        help="with --resume: accept lanes whose first window differs from the one the checkpoint "
+        "recorded (changed data or tokenizer), instead of failing",
+    )
     s.add_argument(
         "--ahead",
         type=int,

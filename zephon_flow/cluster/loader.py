@@ -41,6 +41,8 @@ class OwnedLoader:
     owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
     lanes' last snapshot, gathered every ``snapshot_every`` steps; ``checkpoint()`` gathers
     every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``).
+    A resumed owner verifies its lanes' first windows against ``state`` (``verify_resume``, as
+    ``zf.Loader``'s), and a replaced one against the snapshot it restarts from.
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class OwnedLoader:
         timeout: float = 300.0,
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
+        verify_resume: bool = True,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
         if not isinstance(spec, LoaderSpec):
@@ -85,6 +88,7 @@ class OwnedLoader:
             keep=keep,
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
+            verify_resume=verify_resume,
         )
         start = None if state is None else to_loader_state(state)
         self._prefetch, self._timeout = prefetch, timeout

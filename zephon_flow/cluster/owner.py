@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.resume_check import MadeWindow, WindowCheck
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.loader import assemble_rows, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
@@ -44,6 +45,8 @@ class OwnerOptions:
     keep: int = 4
     allow_mix_change: bool = False
     allow_code_change: bool = False
+    #: Verify a restored lane's first window against the check its state recorded.
+    verify_resume: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -112,6 +115,7 @@ class LaneOwner:
             who=name,
             allow_mix_change=options.allow_mix_change,
             allow_code_change=options.allow_code_change,
+            verify=options.verify_resume,
         )
         self._backend = make_backend(
             options.backend,
@@ -136,6 +140,12 @@ class LaneOwner:
         self._snapshots: dict[int, dict[int, LaneState]] = {
             start.step: {r.lane: r.snapshot() for r in self._runners}
         }
+        # Per step, the lanes' windows as made, which complete that step's snapshots with the
+        # checks of their next windows (computed only when a snapshot is asked for).
+        self._made: dict[int, dict[int, MadeWindow | WindowCheck]] = {}
+        restored = {lane: ls.next_window for lane, ls in start.lanes.items() if ls is not None}
+        if restored and all(restored.values()):
+            self._made[start.step] = {lane: c for lane, c in restored.items() if c is not None}
         self._dead_from: int | None = None  # first step at which none of its lanes had a sample
         # Readers that have asked (production waits for the slowest of them) and readers
         # expected to ask, from the step given (steps from there on are held for them).
@@ -175,9 +185,11 @@ class LaneOwner:
                 windows = tuple(runner.next_window() for runner in self._runners)
                 layouts = tuple(runner.layout for runner in self._runners)
                 snaps = {runner.lane: runner.snapshot() for runner in self._runners}
+                made = {runner.lane: runner.made for runner in self._runners if runner.made is not None}
                 with self._cond:
                     step = self._produced
                     self._windows[step], self._layouts[step] = windows, layouts
+                    self._made.setdefault(step, made)
                     self._snapshots[step + 1] = snaps
                     if self._dead_from is None and not any(windows):
                         self._dead_from = step
@@ -205,6 +217,7 @@ class LaneOwner:
             self._windows.pop(s, None)
             self._layouts.pop(s, None)
             self._snapshots.pop(s, None)
+            self._made.pop(s, None)
         self._low = low
         self._cond.notify_all()
 
@@ -285,11 +298,23 @@ class LaneOwner:
             self._raise_error()
             return self._dead_from is None or step < self._dead_from
 
-    def snapshot(self, step: int) -> dict[int, LaneState] | None:
-        """Each lane's state from which ``step`` is its next window; None if not held (yet)."""
+    def snapshot(self, step: int, timeout: float = 5.0) -> dict[int, LaneState] | None:
+        """Each lane's state from which ``step`` is its next window, with the check of that
+        window (waiting up to ``timeout`` seconds for it to be made; without the check past
+        that); None if not held (yet)."""
         with self._cond:
             self._raise_error()
-            return self._snapshots.get(step)
+            snaps = self._snapshots.get(step)
+            if snaps is None:
+                return None
+            self._cond.wait_for(
+                lambda: step in self._made or self._error is not None or self._stop.is_set(), timeout
+            )
+            made = dict(self._made.get(step, {}))
+        return {
+            lane: ls if lane not in made else replace(ls, next_window=_check(made[lane]))
+            for lane, ls in snaps.items()
+        }
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -312,6 +337,10 @@ class LaneOwner:
         for runner in self._runners:
             runner.close()
         self._backend.close()
+
+
+def _check(made: MadeWindow | WindowCheck) -> WindowCheck:
+    return made.check() if isinstance(made, MadeWindow) else made
 
 
 def _ignore_skip(source: int, message: str) -> None:

@@ -48,6 +48,7 @@ class OwnersServer:
         snapshot_every: int = 8,
         max_replacements: int = 3,
         owner_cpus: float = 0.0,
+        verify_resume: bool = True,
     ) -> None:
         # Phases: check, connect to Ray, start the coordinator and its owners, listen.
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -66,7 +67,9 @@ class OwnersServer:
             owners=owners,
             world_size=world_size,
             state=state,
-            options=OwnerOptions(backend=backend, workers=workers, ahead=ahead, keep=keep),
+            options=OwnerOptions(
+                backend=backend, workers=workers, ahead=ahead, keep=keep, verify_resume=verify_resume
+            ),
             owner_cpus=owner_cpus,
             snapshot_every=snapshot_every,
             max_replacements=max_replacements,
@@ -132,6 +135,7 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         workers=args.workers,
         ahead=args.ahead,
         keep=args.keep,
+        verify_resume=not getattr(args, "no_verify_resume", False),
     )
     done = threading.Event()
 

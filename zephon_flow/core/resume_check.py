@@ -244,18 +244,21 @@ class MadeWindow:
     """A window a lane made and the records it read for it, kept by reference (samples and
     outputs are never changed once made): its check is computed only when a state needs it."""
 
-    __slots__ = ("_check", "fed", "samples")
+    __slots__ = ("_check", "_lock", "fed", "samples")
 
     def __init__(self, samples: Sequence[Any], fed: Sequence[FedOutputs]) -> None:
         self.samples, self.fed = samples, fed
         self._check: WindowCheck | None = None
+        self._lock = threading.Lock()
 
     def check(self) -> WindowCheck:
-        """The window's check (computed once; the window and records are let go then)."""
-        if self._check is None:
-            self._check = WindowCheck.of(self.samples, self.fed)
-            self.samples, self.fed = (), ()
-        return self._check
+        """The window's check (computed once, by whichever thread asks first; the window and
+        records are let go then)."""
+        with self._lock:
+            if self._check is None:
+                self._check = WindowCheck.of(self.samples, self.fed)
+                self.samples, self.fed = (), ()
+            return self._check
 
 
 class PendingChecks:

@@ -106,7 +106,9 @@ class BatchServer:
     one written), keeping the newest
     ``keep_checkpoints`` files. A rank's new stream replaces its old one; a stream whose client
     has taken nothing (no message, no acknowledgement) for ``stream_timeout`` seconds while data
-    waits for it is dropped (its client reconnects when it reads again).
+    waits for it is dropped (its client reconnects when it reads again). Resumed, the loader's
+    lanes verify their first windows against the checkpoint (``ResumeMismatchError``, a
+    pipeline failure) unless ``verify_resume`` is False (``zephon serve --no-verify-resume``).
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class BatchServer:
         stream_timeout: float = 300.0,
         chunk_timeout: float = 300.0,
         window: int | None = None,
+        verify_resume: bool = True,
     ) -> None:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
         # streams, listen.
@@ -153,7 +156,12 @@ class BatchServer:
         self.spec, self.fingerprint = spec, spec.fingerprint["total"]
         if loader is None:
             loader = _embedded_loader(
-                spec, resume, backend=backend, workers=workers, chunk_timeout=chunk_timeout
+                spec,
+                resume,
+                backend=backend,
+                workers=workers,
+                chunk_timeout=chunk_timeout,
+                verify_resume=verify_resume,
             )
         self._loader = loader
         first = loader.state()
@@ -504,9 +512,16 @@ def serve_forever(server: BatchServer) -> int:
 
 
 def _embedded_loader(
-    spec: LoaderSpec, resume: str | None, *, backend: str, workers: int, chunk_timeout: float
+    spec: LoaderSpec,
+    resume: str | None,
+    *,
+    backend: str,
+    workers: int,
+    chunk_timeout: float,
+    verify_resume: bool = True,
 ) -> Loader:
-    """The server's own Loader: world size 1, every lane, from ``resume`` or the start."""
+    """The server's own Loader: world size 1, every lane, from ``resume`` or the start (its
+    lanes' first windows verified against the checkpoint unless ``verify_resume`` is False)."""
     return Loader(
         spec,
         rank=0,
@@ -515,6 +530,7 @@ def _embedded_loader(
         workers=workers,
         state=load_state(resume) if resume is not None else None,
         chunk_timeout=chunk_timeout,
+        verify_resume=verify_resume,
     )
 
 
