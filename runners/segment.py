@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,12 +33,15 @@ class Failure:
 
     ``error`` is the class to re-raise when it is more precise than ``DataError``/``StageError``
     (a lost worker, a chunk past its deadline); it must take the message as its one argument.
+    ``pid`` is the process it was raised in: its traceback is labelled as the worker's only
+    when that is another process (not on the inline or threads backend).
     """
 
     data_error: bool
     message: str
     worker_traceback: str
     error: type[ZephonError] | None = None
+    pid: int = 0
 
     @classmethod
     def of(cls, exc: BaseException, message: str | None = None) -> Failure:
@@ -50,12 +54,14 @@ class Failure:
             str(exc) if message is None else message,
             "" if precise else "".join(traceback.format_exception(exc)),
             precise,
+            os.getpid(),
         )
 
     def reraise(self) -> NoReturn:
         text = self.message
         if self.worker_traceback:
-            text = f"{text}\n\n-- traceback on the worker --\n{self.worker_traceback}"
+            where = " on the worker" if self.pid not in (0, os.getpid()) else ""
+            text = f"{text}\n\n-- traceback{where} --\n{self.worker_traceback}"
         if self.error is not None:
             raise self.error(text)
         if self.data_error:

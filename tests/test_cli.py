@@ -134,13 +134,6 @@ def test_failures_exit_1_with_one_line(
     assert capsys.readouterr().err == f"zephon: error: no such pipeline file: {tmp_path / 'nowhere.py'}\n"
     assert main(["digest", "no_such_module_here:spec", "--steps", "1"]) == 1
     assert "no module named 'no_such_module_here'" in capsys.readouterr().err
-    # negative counts: refused, not an empty output (digest) or a run that never ends (inspect)
-    assert main(["digest", f"{pipeline_file}:spec", "--steps", "-5"]) == 1
-    assert capsys.readouterr().err == "zephon: error: steps must be an integer >= 0, got -5\n"
-    assert main(["inspect", f"{pipeline_file}:spec", "--step", "-1"]) == 1
-    assert capsys.readouterr().err == "zephon: error: step must be an integer >= 0, got -1\n"
-    assert main(["demo", "--steps", "1"]) == 1
-    assert "demo: steps must be an integer >= 2" in capsys.readouterr().err
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,6 +148,72 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main(["frobnicate"])
     assert exit_.value.code == 2
+    capsys.readouterr()
+    assert main(["inspect", "x.py:spec", "--step", "0", "--rank", "2", "--world-size", "2"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "zephon: error: zephon inspect: --rank must be below --world-size (2), got 2\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Refused by the parser, by the option's name: not an empty output (digest --steps -3),
+        # a run that never ends (inspect --step -1) or an error naming an internal class.
+        (["digest", "x.py:spec", "--steps", "-3"], "argument --steps: must be an integer >= 0, got '-3'"),
+        (
+            ["digest", "x.py:spec", "--steps", "1", "--world-size", "0"],
+            "argument --world-size: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["digest", "x.py:spec", "--steps", "1", "--workers", "0"],
+            "argument --workers: must be an integer >= 1, got '0'",
+        ),
+        (["digest", "x.py:spec", "--steps", "ten"], "argument --steps: must be an integer >= 0, got 'ten'"),
+        (["inspect", "x.py:spec", "--step", "-1"], "argument --step: must be an integer >= 0, got '-1'"),
+        (
+            ["inspect", "x.py:spec", "--step", "1", "--rank", "-1"],
+            "argument --rank: must be an integer >= 0, got '-1'",
+        ),
+        (["demo", "--steps", "1"], "argument --steps: must be an integer >= 2, got '1'"),
+        (
+            ["materialize", "x.py:spec", "--steps", "0", "--out", "d"],
+            "argument --steps: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["serve", "x.py:spec", "--port", "70000"],
+            "argument --port: must be an integer from 0 to 65535, got '70000'",
+        ),
+        (
+            ["serve", "x.py:spec", "--port", "0", "--ahead", "0"],
+            "argument --ahead: must be an integer >= 1, got '0'",
+        ),
+        (
+            ["serve", "x.py:spec", "--port", "0", "--keep", "-1"],
+            "argument --keep: must be an integer >= 0, got '-1'",
+        ),
+        (
+            ["serve", "x.py:spec", "--port", "0", "--chunk-timeout", "0"],
+            "argument --chunk-timeout: must be a positive number of seconds, got '0'",
+        ),
+        (
+            ["serve", "x.py:spec", "--port", "0", "--stream-timeout", "nan"],
+            "argument --stream-timeout: must be a positive number of seconds, got 'nan'",
+        ),
+        (
+            ["serve", "x.py:spec", "--port", "0", "--ray", "--lane-owners", "0"],
+            "argument --lane-owners: must be an integer >= 1, got '0'",
+        ),
+    ],
+)
+def test_bad_argument_values_exit_2_naming_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"zephon {argv[0]}: error: {message}"
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -175,7 +234,7 @@ def test_a_broken_pipeline_file_is_one_line_and_v_gives_the_traceback(
     err = capsys.readouterr().err
     assert err == (
         f"zephon: error: pipeline file {broken} raised at {broken}:2: ModuleNotFoundError: "
-        f"No module named 'no_such_package_xyz'\n"
+        f"No module named 'no_such_package_xyz' (-v prints the traceback)\n"
     )
     assert main(["digest", f"{broken}:spec", "--steps", "1", "-v"]) == 1
     err = capsys.readouterr().err
@@ -194,7 +253,10 @@ def test_unexpected_errors_say_how_to_see_the_traceback(
     odd.write_text("def spec():\n    return {}['missing']\n")
     assert main(["digest", f"{odd}:spec", "--steps", "1"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"zephon: error: {odd}:spec() raised at {odd}:2: KeyError: 'missing'\n")
+    assert (
+        err
+        == f"zephon: error: {odd}:spec() raised at {odd}:2: KeyError: 'missing' (-v prints the traceback)\n"
+    )
 
 
 def test_console_script_exit_codes_and_log_level(pipeline_file: Path, tmp_path: Path) -> None:
@@ -292,3 +354,44 @@ def test_serve_takes_ahead_held_bytes_and_the_former_window_flag(
     with pytest.raises(SystemExit) as exit_:
         main(["serve", target, "--port", "0", "--held-bytes", "lots"])
     assert exit_.value.code == 2
+
+
+FAILING = """
+import apache_beam as beam
+import zephon_flow as zf
+from zephon_flow import operators as ops
+
+class NoSevens(beam.DoFn):
+    def process(self, text):
+        if "7" in text:
+            raise ValueError("sevens are not allowed")
+        yield {{"n": len(text)}}
+
+def build(p):
+    docs = p | "docs" >> ops.ReadTextFiles({path!r})
+    return docs | "nosevens" >> beam.ParDo(NoSevens())
+
+spec = zf.LoaderSpec(build, lanes=1, seed=1, global_batch_size=1)
+"""
+
+
+@pytest.mark.parametrize("backend", ["inline", "processes"])
+def test_a_dofn_error_is_one_line_and_v_adds_its_traceback_labelled_by_where_it_ran(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "lines.txt").write_text("one\ntwo 7\n")
+    pipeline = tmp_path / "failing.py"
+    pipeline.write_text(FAILING.format(path=str(tmp_path / "lines.txt")))
+    argv = ["digest", f"{pipeline}:spec", "--steps", "3", "--backend", backend, "--no-progress"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "zephon: error: DoFn 'nosevens' raised ValueError: sevens are not allowed (on the record at "
+        f"{tmp_path / 'lines.txt'} (the whole file), via ReadTextFiles('docs')) (-v prints the traceback)\n"
+    )
+    assert main([*argv, "-v"]) == 1
+    err = capsys.readouterr().err
+    label = "-- traceback on the worker --" if backend == "processes" else "-- traceback --"
+    assert err.count(label) == 1 and err.count("-- traceback") == 1
+    assert 'raise ValueError("sevens are not allowed")' in err
+    assert err.splitlines()[-1].startswith("zephon: error: DoFn 'nosevens' raised ValueError")

@@ -144,7 +144,7 @@ def test_a_data_error_of_a_raising_source_comes_back_as_a_failure_naming_the_rec
     )
     with pytest.raises(DataError) as info:
         result.reraise()
-    assert str(info.value).startswith(result.message + "\n\n-- traceback on the worker --\n")
+    assert str(info.value).startswith(result.message + "\n\n-- traceback --\n")  # raised in this process
     assert 'raise DataError("thirteen is unlucky")' in str(info.value)
 
 
@@ -169,6 +169,6 @@ def test_a_bug_in_a_dofn_is_a_stage_error_even_for_a_skipping_source(tmp_path: P
     assert isinstance(result, Failure) and not result.data_error
     assert result.message.startswith("DoFn 'crash' raised KeyError: 'no such thing'")
     assert f"{tmp_path / 'n.txt'} line 1" in result.message
-    with pytest.raises(StageError, match="-- traceback on the worker --"):
+    with pytest.raises(StageError, match="-- traceback --"):
         result.reraise()
     assert "in process" in result.worker_traceback and "KeyError" in result.worker_traceback

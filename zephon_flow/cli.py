@@ -1,9 +1,11 @@
 """The ``zephon`` command line: digests of global batches, digest diffs, inspection, the demo, serving.
 
 Exit codes: 0 success, 1 a failure (a file that cannot be read, a pipeline that does not load
-or is refused, bad data), 2 a usage error (arguments argparse refuses, a malformed
-``MODULE:SPEC``, options that do not go together). Errors are one line on stderr; ``-v``
-adds the traceback. Logging is configured here, not by ``import zephon_flow``:
+or is refused, bad data), 2 a usage error (arguments argparse refuses, among them every number
+out of its range, a malformed ``MODULE:SPEC``, options that do not go together). An error is
+one line on stderr, ``zephon: error: ...``; ``-v`` prints the traceback before it (with a DoFn's
+error, its own traceback, from the worker where it ran). Logging is configured here, not by
+``import zephon_flow``:
 ``--log-level`` (default INFO) for zephon-flow's loggers, WARNING for other libraries.
 """
 
@@ -191,6 +193,10 @@ def _inspect(args: argparse.Namespace) -> int:
     from zephon_flow.core.state import load_state
     from zephon_flow.engine.inspection import inspect_step, render
 
+    if args.rank >= args.world_size:
+        raise UsageError(
+            f"zephon inspect: --rank must be below --world-size ({args.world_size}), got {args.rank}"
+        )
     spec = load_spec(args.target)
     state = load_state(args.state) if args.state else None
     if args.splits:
@@ -272,7 +278,7 @@ def add_verify_command(sub: Any) -> None:
     v.add_argument("target", metavar="MODULE:SPEC")
     v.add_argument("--lanes", help="only these lanes, e.g. 0,3 (default: every lane of the checkpoint)")
     v.add_argument("--backend", choices=BACKENDS, default="inline")
-    v.add_argument("--workers", type=int, default=1)
+    v.add_argument("--workers", type=POSITIVE, default=1)
     v.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
@@ -280,6 +286,37 @@ def _demo(args: argparse.Namespace) -> int:
     from zephon_flow.demo import run_demo
 
     return run_demo(steps=args.steps, workers=args.workers, backend=args.backend)
+
+
+def _int_from(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type=``: an integer in ``[low, high]``; anything else is a usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            within = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {within}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type=``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+POSITIVE = _int_from(1)
+NON_NEGATIVE = _int_from(0)
 
 
 def _ahead(args: argparse.Namespace) -> int:
@@ -421,10 +458,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = add_command(sub, "digest", _digest, "print STEP SHA256 for each global batch")
     d.add_argument("target", metavar="MODULE:SPEC")
-    d.add_argument("--steps", type=int, required=True)
-    d.add_argument("--world-size", type=int, default=1, help="simulated ranks whose slices are concatenated")
+    d.add_argument("--steps", type=NON_NEGATIVE, required=True)
+    d.add_argument(
+        "--world-size", type=POSITIVE, default=1, help="simulated ranks whose slices are concatenated"
+    )
     d.add_argument("--backend", choices=BACKENDS, default="inline")
-    d.add_argument("--workers", type=int, default=1)
+    d.add_argument("--workers", type=POSITIVE, default=1)
     d.add_argument("--state", help="resume from this checkpoint file")
     d.add_argument("--save-state", help="write the merged checkpoint after the last step here")
     d.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
@@ -440,26 +479,28 @@ def build_parser() -> argparse.ArgumentParser:
         "show the documents of every sequence of one step, or (--splits) the split plan",
     )
     i.add_argument("target", metavar="MODULE:SPEC")
-    i.add_argument("--step", type=int, help="the step to show (required unless --splits)")
+    i.add_argument("--step", type=NON_NEGATIVE, help="the step to show (required unless --splits)")
     i.add_argument(
         "--splits",
         action="store_true",
         help="per source: split count, lanes' shares of a pass (min/mean/max), with --state each lane's place",
     )
-    i.add_argument("--rank", type=int, default=0)
-    i.add_argument("--world-size", type=int, default=1)
+    i.add_argument("--rank", type=NON_NEGATIVE, default=0)
+    i.add_argument("--world-size", type=POSITIVE, default=1)
     i.add_argument("--state", help="start from this checkpoint (of a step at or before --step)")
     i.add_argument("--backend", choices=BACKENDS, default="inline")
-    i.add_argument("--workers", type=int, default=1)
+    i.add_argument("--workers", type=POSITIVE, default=1)
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
 
     add_verify_command(sub)
 
     m = add_command(sub, "demo", _demo, "build a small real corpus and show elastic determinism")
-    m.add_argument("--steps", type=int, default=300)
+    m.add_argument(
+        "--steps", type=_int_from(2), default=300, help="at least 2: it resumes halfway (default 300)"
+    )
     m.add_argument("--backend", choices=BACKENDS, default="processes")
-    m.add_argument("--workers", type=int, default=2)
+    m.add_argument("--workers", type=POSITIVE, default=2)
 
     z = add_command(
         sub,
@@ -469,17 +510,21 @@ def build_parser() -> argparse.ArgumentParser:
         "STEP SHA256 of each as read back (other options are Beam pipeline options)",
     )
     z.add_argument("target", metavar="MODULE:SPEC")
-    z.add_argument("--steps", type=int, required=True)
+    z.add_argument("--steps", type=POSITIVE, required=True)
     z.add_argument("--out", required=True, metavar="DIR", help="an empty folder: DIR/step-<step>.parquet")
     z.add_argument("--runner", default="FnApiRunner", help="a Beam runner's name (default FnApiRunner)")
-    z.add_argument("--passes", type=int, default=1, help="passes of each endless source to read (default 1)")
+    z.add_argument(
+        "--passes", type=POSITIVE, default=1, help="passes of each endless source to read (default 1)"
+    )
 
     s = add_command(sub, "serve", _serve, "serve every rank its slice of each global batch over gRPC")
     s.add_argument("target", metavar="MODULE:SPEC")
-    s.add_argument("--port", type=int, required=True, help="0 picks a free port (printed on start)")
+    s.add_argument(
+        "--port", type=_int_from(0, 65535), required=True, help="0 picks a free port (printed on start)"
+    )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     s.add_argument("--backend", choices=BACKENDS, default="inline")
-    s.add_argument("--workers", type=int, default=1)
+    s.add_argument("--workers", type=POSITIVE, default=1)
     s.add_argument("--checkpoint-dir", help="where Checkpoint(step) writes DIR/step-<step>.zfstate")
     s.add_argument("--resume", metavar="DIR/step-STEP.zfstate", help="start from this checkpoint file")
     s.add_argument(
@@ -490,12 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--ahead",
-        type=int,
+        type=POSITIVE,
         default=None,
         metavar="N",
         help="steps produced ahead of the slowest rank (default 32)",
     )
-    s.add_argument("--window", type=int, default=None, help=argparse.SUPPRESS)  # --ahead's former name
+    s.add_argument("--window", type=POSITIVE, default=None, help=argparse.SUPPRESS)  # --ahead's former name
     s.add_argument(
         "--held-bytes",
         "--window-bytes",
@@ -505,33 +550,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound the bytes of held global batches (e.g. 512MiB; default: no bound): steps behind "
         "the slowest rank are released first, then production waits",
     )
-    s.add_argument("--keep", type=int, default=8, help="steps held behind the slowest rank, for reconnects")
+    s.add_argument(
+        "--keep", type=NON_NEGATIVE, default=8, help="steps held behind the slowest rank, for reconnects"
+    )
     s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
     s.add_argument(
         "--checkpoint-every",
-        type=int,
+        type=POSITIVE,
         metavar="N",
         help="write a checkpoint to --checkpoint-dir each time the slowest rank has moved N steps on",
     )
     s.add_argument(
         "--keep-checkpoints",
-        type=int,
+        type=POSITIVE,
         default=3,
         metavar="K",
         help="keep the K newest checkpoints (default 3)",
     )
     s.add_argument(
         "--stream-timeout",
-        type=float,
+        type=_seconds,
         default=300.0,
         metavar="SECONDS",
         help="drop a stream whose client takes nothing for this long while data waits (default 300)",
     )
     s.add_argument(
         "--chunk-timeout",
-        type=float,
+        type=_seconds,
         default=300.0,
         metavar="SECONDS",
         help="a stateless call running longer than this fails the pipeline (default 300)",
@@ -545,8 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
         "default: start a local Ray",
     )
     s.add_argument("--ray", action="store_true", help="run the lanes on Ray lane owners (--lane-owners N)")
-    s.add_argument("--lane-owners", type=int, default=1, metavar="N", help="with --ray: owner actors")
-    s.add_argument("--world-size", type=int, metavar="W", help="with --ray: the trainer ranks")
+    s.add_argument("--lane-owners", type=POSITIVE, default=1, metavar="N", help="with --ray: owner actors")
+    s.add_argument("--world-size", type=POSITIVE, metavar="W", help="with --ray: the trainer ranks")
     s.set_defaults(func=_serve)
     return parser
 
@@ -580,18 +627,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if verbose:
             traceback.print_exc(file=sys.stderr)
-        print(f"zephon: error: {_one_line(exc)}", file=sys.stderr)
-        if not verbose and not isinstance(exc, ZephonError | OSError):
-            print("zephon: run with -v for the traceback", file=sys.stderr)
+        line = _one_line(exc)
+        if not verbose and _has_traceback(exc):
+            line += " (-v prints the traceback)"
+        print(f"zephon: error: {line}", file=sys.stderr)
         return 2 if isinstance(exc, UsageError) else 1
 
 
+#: Where a DoFn's error message ends and its traceback (carried from where it ran) begins.
+_TRACEBACK_MARK = "\n\n-- traceback"
+
+
 def _one_line(exc: BaseException) -> str:
+    """The error's message on one line: without the traceback a DoFn's error carries, its
+    lines joined."""
     if isinstance(exc, ZephonError):
-        return str(exc)
-    if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror}"
-    return f"{type(exc).__name__}: {exc}"
+        text = str(exc).split(_TRACEBACK_MARK)[0]
+    elif isinstance(exc, OSError) and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(part.strip() for part in text.splitlines() if part.strip()) or type(exc).__name__
+
+
+def _has_traceback(exc: BaseException) -> bool:
+    """Whether ``-v`` would show more than the message: a DoFn's traceback, or the place in
+    the code of an error that is not the project's own."""
+    if isinstance(exc, ZephonError):
+        cause = exc.__cause__
+        return _TRACEBACK_MARK in str(exc) or (cause is not None and not isinstance(cause, ZephonError))
+    return not isinstance(exc, OSError)
 
 
 if __name__ == "__main__":
