@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import apache_beam as beam
-from apache_beam.transforms import userstate
 from apache_beam.internal import pickler
+from apache_beam.transforms import userstate
 from apache_beam.transforms.core import get_function_arguments
 from apache_beam.utils.timestamp import Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
@@ -209,7 +209,7 @@ class Lifecycle:
         """``teardown()`` of an instance that was set up, once; an error in it, or a call still
         running on the instance after ``TEARDOWN_WAIT`` seconds, is logged, never raised (the
         loader or worker is closing)."""
-        if self._torn:
+        if self._torn or not self.owned:  # a shared instance defines no teardown: it stays
             return
         if not (self._ready and _defines(self.dofn, "teardown")):
             self._torn, self._ready = True, False

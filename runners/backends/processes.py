@@ -102,7 +102,9 @@ def _worker_main(
         _default_signal_handlers()
     _die_with_parent()
     done = threading.Event()  # set when the worker has left its loop (and torn its DoFns down)
-    threading.Thread(target=_watch_parent, args=(alive, done), name="zephon-parent-watch", daemon=True).start()
+    threading.Thread(
+        target=_watch_parent, args=(alive, done), name="zephon-parent-watch", daemon=True
+    ).start()
     # The forkserver may predate the parent's current sys.path (a pipeline file loaded by
     # path, a test directory); DoFns pickled by reference must import the same way here.
     sys.path[:] = sys_path + [p for p in sys.path if p not in sys_path]
