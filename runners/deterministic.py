@@ -27,6 +27,13 @@ from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_se
 from zephon_flow.runners.plan import Plan, SourcePlan
 
 
+#: What a refused source is told to use instead: every zephon-flow source.
+SOURCES = (
+    "ops.ReadTextFiles (a document per file), ops.ReadJsonl (a JSON object per line), "
+    "ops.ReadParquet, ops.ReadArrow or ops.ReadWebDataset"
+)
+
+
 def _taken_whole(transform: Any) -> bool:
     """zephon-flow's sources and mix (by the role they declare) and Reshuffle are not expanded."""
     return role_of(transform) is not None or isinstance(transform, Reshuffle)
@@ -46,7 +53,7 @@ class _Collector(PipelineVisitor):  # type: ignore[misc]
         elif isinstance(node.transform, beam.Create):
             raise UnsupportedTransformError(
                 f"transform {node.full_label!r} (Create) is not a zephon-flow source; read data "
-                f"with ops.ReadJsonl or ops.ReadParquet so it can be dealt to lanes and resumed"
+                f"with {SOURCES}, so it can be dealt to lanes and resumed"
             )
 
     def leave_composite_transform(self, node: AppliedPTransform) -> None:
@@ -62,6 +69,13 @@ def _refuse(node: AppliedPTransform, why: str) -> UnsupportedTransformError:
     return UnsupportedTransformError(
         f"transform {node.full_label!r} ({type(node.transform).__name__}): {why}"
     )
+
+
+def _outermost(node: AppliedPTransform) -> AppliedPTransform:
+    """The user's transform that ``node`` is part of: its ancestor just below the root."""
+    while node.parent is not None and node.parent.parent is not None:
+        node = node.parent
+    return node
 
 
 def _passthrough(node: AppliedPTransform) -> bool:
@@ -93,7 +107,14 @@ def _check_primitive(node: AppliedPTransform) -> None:
     if isinstance(t, core.GroupByKey):
         raise _refuse(node, "GroupByKey is not supported; group inside a stateful DoFn (BagState)")
     if isinstance(t, core.Impulse):
-        raise _refuse(node, "bare Impulse is not a zephon-flow source; use ops.ReadJsonl or ops.ReadParquet")
+        outer = _outermost(node)
+        if outer is not node:  # a Beam read (beam.io.ReadFromText, ...) starts from an Impulse
+            raise UnsupportedTransformError(
+                f"transform {outer.full_label!r} ({type(outer.transform).__name__}) reads with a "
+                f"Beam source, whose records the runner can neither deal to lanes nor resume; "
+                f"read the data with a zephon-flow source instead: {SOURCES}"
+            )
+        raise _refuse(node, f"bare Impulse is not a zephon-flow source; use {SOURCES}")
     raise _refuse(
         node,
         "not one of the transforms the deterministic runner accepts (zephon-flow "

@@ -39,8 +39,25 @@ def refused(build: Build) -> str:
 
 def test_create_is_refused(corpus: Corpus) -> None:
     msg = refused(lambda p: p | "make" >> beam.Create(["a", "b"]) | "key" >> beam.ParDo(DocKey()))
-    assert msg.startswith(
-        "transform 'make' (Create) is not a zephon-flow source; read data with ops.ReadJsonl"
+    assert msg == (
+        "transform 'make' (Create) is not a zephon-flow source; read data with ops.ReadTextFiles "
+        "(a document per file), ops.ReadJsonl (a JSON object per line), ops.ReadParquet, "
+        "ops.ReadArrow or ops.ReadWebDataset, so it can be dealt to lanes and resumed"
+    )
+
+
+def test_a_beam_read_is_refused_by_its_own_name_pointing_to_the_sources(tmp_path: Path) -> None:
+    (tmp_path / "lines.txt").write_text("a\nb\n")
+    msg = refused(lambda p: p | "read" >> beam.io.ReadFromText(str(tmp_path / "lines.txt")))
+    assert msg == (
+        "transform 'read' (ReadFromText) reads with a Beam source, whose records the runner can "
+        "neither deal to lanes nor resume; read the data with a zephon-flow source instead: "
+        "ops.ReadTextFiles (a document per file), ops.ReadJsonl (a JSON object per line), "
+        "ops.ReadParquet, ops.ReadArrow or ops.ReadWebDataset"
+    )
+    bare = refused(lambda p: p | "imp" >> beam.Impulse())
+    assert bare.startswith(
+        "transform 'imp' (Impulse): bare Impulse is not a zephon-flow source; use ops.ReadTextFiles"
     )
 
 
