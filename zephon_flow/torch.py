@@ -18,13 +18,13 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
+from zephon_flow._torch_state import FRESH, LaneBytes, Snapshot, lane_parts
 from zephon_flow.core.errors import CorruptStateError, SpecError, StateConflictError, StateError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LoaderState, encode_state, merge_states, to_loader_state
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends.base import BACKENDS
-from zephon_flow._torch_state import FRESH, LaneBytes, Snapshot, lane_parts
 
 TorchBatch = dict[str, torch.Tensor]
 Group = Any  # a torch.distributed ProcessGroup (or None: the default group)
@@ -212,9 +212,7 @@ class ZephonDataset(IterableDataset[Item]):
         def connect(rank: int, world_size: int, start_step: int) -> ClientLike:
             return factory(address, rank, world_size, start_step, as_torch=True, **client_options)
 
-        return cls(
-            connect=connect, rank=rank, world_size=world_size, group=group, keep_states=keep_states
-        )
+        return cls(connect=connect, rank=rank, world_size=world_size, group=group, keep_states=keep_states)
 
     @property
     def served(self) -> bool:
@@ -398,10 +396,10 @@ class ZephonDataset(IterableDataset[Item]):
         snap = self._snapshot(step, who)
         target = 0 if snap is None else snap.step
         assert self._spec is not None
-        if self._topology is None:  # not started: every lane (a template DCP loads into)
-            lanes = list(range(self._spec.lanes))
-        else:
-            lanes = self._lanes_of(self._topology)
+        # Not started: every lane (a template DCP loads every rank's lanes into).
+        lanes = (
+            self._lanes_of(self._topology) if self._topology is not None else list(range(self._spec.lanes))
+        )
         return {"step": target, "lane_states": lane_parts(snap, lanes)}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, expected_step: int | None = None) -> None:
@@ -511,7 +509,9 @@ def _lane_value(value: Any, where: str) -> LoaderState | bytes:
     if isinstance(value, LaneBytes):
         return value.state()
     if not isinstance(value, bytes | bytearray | memoryview):
-        raise CorruptStateError(f"ZephonDataset state's {where} should be bytes, found {type(value).__name__}")
+        raise CorruptStateError(
+            f"ZephonDataset state's {where} should be bytes, found {type(value).__name__}"
+        )
     return bytes(value)
 
 
@@ -550,7 +550,9 @@ def gather_states(dataset: ZephonDataset, step: int | None = None, group: Group 
     return encode_state(merged)
 
 
-def to_hf_inputs(batch: Mapping[str, torch.Tensor], *, keep: Iterable[str] = (), labels: bool = True) -> TorchBatch:
+def to_hf_inputs(
+    batch: Mapping[str, torch.Tensor], *, keep: Iterable[str] = (), labels: bool = True
+) -> TorchBatch:
     """A batch as a ``transformers`` causal LM takes it: int64 ``input_ids``, ``labels`` and
     ``position_ids`` (or ``attention_mask`` when the batch has no positions).
 
@@ -571,9 +573,7 @@ def to_hf_inputs(batch: Mapping[str, torch.Tensor], *, keep: Iterable[str] = (),
         out["position_ids"] = positions.long()
     else:
         segments = batch.get("segment_ids")
-        out["attention_mask"] = (
-            torch.ones_like(ids) if segments is None else (segments >= 0).long()
-        )
+        out["attention_mask"] = torch.ones_like(ids) if segments is None else (segments >= 0).long()
     if labels:
         if "labels" in batch:
             target = batch["labels"].long().clone()
