@@ -148,7 +148,7 @@ def describe_params(obj: Any) -> Any:
     if own is not None and isinstance(described, dict):
         described = dict(described)
         described["code"] = f"{described['code']}+{own}" if "code" in described else own
-        reaches = reached_code(type(obj))
+        reaches = reached_code(type(obj), obj)
         if reaches:  # the user's helpers, classes and constants it names: parts of their own
             described["reaches"] = reaches
     return described

@@ -369,3 +369,18 @@ def test_what_a_dofn_reaches_has_the_same_digests_under_any_hash_seed(tmp_path: 
         for seed in ("0", "1", "4242")
     }
     assert len(outputs) == 1 and "constant OFFSET in module cut_helpers" in next(iter(outputs))
+
+
+def test_a_function_a_dofn_holds_is_part_of_what_it_reaches(tmp_path: Path, jsonl: str) -> None:
+    source = HELPER_V1 + (
+        "\nclass Apply(beam.DoFn):\n    def __init__(self, fn):\n        self.fn = fn\n\n"
+        "    def process(self, text):\n        yield self.fn(text)\n"
+    )
+    load(tmp_path, HELPERS_MODULE, name="cut_helpers")
+    module = load(tmp_path, source, name="cut_dofns")
+    fp = chain_spec(jsonl, ("apply", module.Apply(module.cut)), global_batch_size=2).fingerprint
+    assert sorted(p for p in fp if p.startswith("code apply")) == [
+        "code apply",
+        "code apply :: constant LIMIT in module cut_dofns",
+        "code apply :: helper cut in module cut_dofns",
+    ]

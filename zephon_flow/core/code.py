@@ -300,16 +300,20 @@ class _Reach:
                 self.code(_code_objects(c), vars(module), c.__module__)
 
 
-def reached_code(cls: type) -> dict[str, str]:
+def reached_code(cls: type, instance: Any = None) -> dict[str, str]:
     """What the code of a user's DoFn class reaches, by name, with a digest of each: the
     module-level functions (``helper cut in module m``), classes (``class Tok in module m``)
     and plain constants (``constant LIMIT in module m``) of the user's modules that its
     methods name, and what those name in turn; not into the standard library, installed
     packages, Beam or zephon-flow. A function is identified as ``function_code_digest`` does
-    (its parsed source) with its defaults; a constant by its value. Empty for a class of Beam
-    or zephon-flow."""
+    (its parsed source) with its defaults; a constant by its value. Functions and classes of
+    the user's modules that ``instance``'s attributes hold (``MyDoFn(fn=cut)``) count too.
+    Empty for a class of Beam or zephon-flow."""
     walk = _Reach()
     walk.dofn_class(cls)
+    for name, value in sorted(vars(instance).items()) if hasattr(instance, "__dict__") else ():
+        if isinstance(value, types.FunctionType | type):
+            walk.value(name, value, cls.__module__, set())
     return dict(sorted(walk.parts.items()))
 
 
