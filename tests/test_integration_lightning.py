@@ -16,6 +16,7 @@ import torch
 from helpers import Corpus
 from lightning_script import EVERY, GLOBAL_BATCH, fit, make_spec
 from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from zephon_flow.core.errors import CorruptStateError, StateError
 from zephon_flow.engine.simulate import global_batches
@@ -65,7 +66,7 @@ def test_the_fit_trains_on_the_pipelines_batches_and_saves_the_trained_step(
     assert state["format"] == FORMAT and state["trained_batches"] == 10
     # The step after the last one trained, not after the batch Lightning read ahead.
     assert state["data"]["step"] == 10 and isinstance(state["data"]["loader_state"], bytes)
-    assert "combined_loader" not in saved["loops"]["fit_loop"]  # Lightning keeps no second copy
+    assert "combined_loader" not in saved["loops"]["fit_loop"]["state_dict"]  # Lightning keeps no second copy
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -101,11 +102,15 @@ def global_digests(out: Path, ranks: int) -> list[tuple[int, str]]:
 def test_ddp_on_two_ranks_resumes_on_one(
     corpus: Corpus, reference: list[tuple[int, str]], tmp_path: Path
 ) -> None:
-    two, one = tmp_path / "two", tmp_path / "one"
-    run_script(corpus, two, devices=2)
-    assert global_digests(two, 2) == reference
-    run_script(corpus, one, devices=1, resume=two / "ckpt" / f"step={EVERY}.ckpt")
-    assert global_digests(one, 1) == reference[EVERY:]
+    run_script(corpus, tmp_path, devices=2)  # Lightning's launcher starts rank 1
+    assert global_digests(tmp_path, 2) == reference
+    resumed = fit(
+        tmp_path / "one",
+        steps=20,
+        datamodule=ZephonDataModule(make_spec(corpus)),
+        resume=tmp_path / "ckpt" / f"step={EVERY}.ckpt",
+    )
+    assert seen(resumed) == reference[EVERY:]
 
 
 # -- what ZephonGuard does with a ZephonDataset given to Lightning without the data module ---------
@@ -117,25 +122,54 @@ def dataset_itself(corpus: Corpus) -> ZephonDataset:
     return ZephonDataset.from_loader(make_spec(corpus))
 
 
-@pytest.mark.parametrize(
-    ("make", "kind", "starts_at"),
-    [(plain_loader, "a DataLoader", 0), (dataset_itself, "the dataset itself", EVERY + 1)],
-)
-def test_a_resume_without_the_data_module_is_refused_by_name(
-    corpus: Corpus, tmp_path: Path, make: Any, kind: str, starts_at: int
+def stateful_loader(corpus: Corpus) -> StatefulDataLoader:
+    return StatefulDataLoader(ZephonDataset.from_loader(make_spec(corpus)), batch_size=None)
+
+
+@pytest.mark.parametrize("make", [dataset_itself, stateful_loader])
+def test_the_dataset_itself_or_in_a_stateful_dataloader_resumes_exactly(
+    corpus: Corpus, reference: list[tuple[int, str]], tmp_path: Path, make: Any
 ) -> None:
-    with pytest.warns(UserWarning, match=f"ZephonGuard: a ZephonDataset reached Lightning as {kind}"):
-        first = fit(tmp_path, steps=EVERY, loader=make(corpus))
+    first = fit(tmp_path, steps=EVERY, loader=make(corpus))
+    assert seen(first) == reference[:EVERY]
+    resumed = fit(
+        tmp_path / "again", steps=20, loader=make(corpus), resume=tmp_path / "ckpt" / "step=10.ckpt"
+    )
+    assert seen(resumed) == reference[EVERY:]
+
+
+def test_a_plain_dataloader_is_warned_and_its_resume_refused(corpus: Corpus, tmp_path: Path) -> None:
+    with pytest.warns(
+        UserWarning, match="ZephonGuard: a ZephonDataset reached Lightning through a DataLoader"
+    ):
+        first = fit(tmp_path, steps=EVERY, loader=plain_loader(corpus))
     assert first.steps == list(range(EVERY))
     with pytest.raises(StateError) as refused:
         fit(
-            tmp_path / "again", steps=20, loader=make(corpus), resume=tmp_path / "ckpt" / f"step={EVERY}.ckpt"
+            tmp_path / "again",
+            steps=20,
+            loader=plain_loader(corpus),
+            resume=tmp_path / "ckpt" / "step=10.ckpt",
         )
-    assert (
-        f"Lightning resumes after {EVERY} trained batches, but the ZephonDataset starts at step {starts_at}"
-        in str(refused.value)
+    assert str(refused.value) == (
+        "ZephonGuard: Lightning resumes after 10 trained batches, but the ZephonDataset starts at "
+        "step 0 (Lightning saved no state for it): steps 10.. would train on other batches. Train "
+        "and resume with trainer.fit(model, "
+        "datamodule=zephon_flow.integrations.lightning.ZephonDataModule(spec, ...))"
     )
-    assert "datamodule=zephon_flow.integrations.lightning.ZephonDataModule(spec, ...)" in str(refused.value)
+
+
+def test_a_read_ahead_state_saved_without_the_guard_is_refused(corpus: Corpus, tmp_path: Path) -> None:
+    fit(tmp_path, steps=EVERY, loader=dataset_itself(corpus), guard=False)
+    with pytest.raises(
+        StateError, match="resumes after 10 trained batches, but the ZephonDataset starts at step 11:"
+    ):
+        fit(
+            tmp_path / "again",
+            steps=20,
+            loader=dataset_itself(corpus),
+            resume=tmp_path / "ckpt" / "step=10.ckpt",
+        )
 
 
 def test_every_trainer_gets_the_guard_from_the_entry_point(tmp_path: Path) -> None:

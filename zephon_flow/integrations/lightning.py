@@ -14,9 +14,10 @@ ranks (the one collective, at checkpoint time), and loads it before the first ba
 resumed fit, under any world size and worker count.
 
 ``ZephonGuard`` (added to every Trainer through Lightning's ``callbacks_factory`` entry point)
-refuses by name a resume where a ``ZephonDataset`` reached Lightning some other way (a plain
-``DataLoader``, a ``StatefulDataLoader``, the dataset itself) and would not continue at the step
-Lightning continues at.
+covers a ``ZephonDataset`` that reached Lightning some other way: as the dataset itself or in
+a ``StatefulDataLoader`` it saves the trained step's state in place of Lightning's read-ahead
+one (exact resume); through a plain ``DataLoader`` (no state to save) it warns, and refuses the
+resume by name.
 """
 
 from __future__ import annotations
@@ -165,26 +166,30 @@ def _processed(trainer: pl.Trainer) -> int:
 
 # -- the guard against a ZephonDataset given to Lightning without the data module ----------------
 class ZephonGuard(Callback):
-    """Refuses a fit whose first ``(step, batch)`` is not the step Lightning resumes at.
+    """Makes a ``ZephonDataset`` given to Lightning without ``ZephonDataModule`` resume exactly,
+    or refuses the resume by name.
 
-    A ``ZephonDataset`` given to Lightning as a plain ``DataLoader`` has no saved state (a
-    resume would start the data again at step 0); as the dataset itself or in a
-    ``StatefulDataLoader``, Lightning saves its state after the batch it read ahead (a resume
-    would skip one batch). Either way the first batch of the resumed fit is not the one
-    Lightning counts on; this stops the fit before training on it. A fresh fit is warned.
+    As the dataset itself or in a torchdata ``StatefulDataLoader``, Lightning saves the
+    dataset's state, but after the batch its fit loop read ahead (a resume would skip it): the
+    guard replaces that entry with the state of the step after the last batch trained, merged
+    over all ranks. A plain ``DataLoader`` has no state for Lightning to save (a resume would
+    start the data again at step 0): a fresh fit is warned. Whatever the way in, a resumed fit
+    whose first batch is not the step Lightning resumes at is stopped before training on it.
     """
 
     def __init__(self) -> None:
-        self._expect: int | None = None
+        self._first = False  # the next training batch is the first of this fit
+        self._offset = 0  # data step minus Lightning's trained batches
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        loaders = _flat(trainer.train_dataloader)
-        self._expect = _processed(trainer) if any(_unmanaged(x) for x in loaders) else None
-        if self._expect == 0:
+        loaders = [x for x in _flat(trainer.train_dataloader) if _dataset_of(x) is not None]
+        self._first = bool(loaders)
+        plain = [x for x in loaders if not _stateful(x)]
+        if plain and _processed(trainer) == 0:
             warnings.warn(
-                f"ZephonGuard: a ZephonDataset reached Lightning as {_kinds(loaders)}: Lightning's "
-                f"checkpoints will not resume its data at the step they resume the model (a resume "
-                f"is refused); use trainer.fit(model, "
+                f"ZephonGuard: a ZephonDataset reached Lightning through a {type(plain[0]).__name__}, "
+                f"which has no state for Lightning's checkpoints: a resume from them would start the "
+                f"data again at step 0, so it will be refused. Use trainer.fit(model, "
                 f"datamodule=zephon_flow.integrations.lightning.ZephonDataModule(spec, ...))",
                 UserWarning,
                 stacklevel=2,
@@ -193,20 +198,46 @@ class ZephonGuard(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        expect, self._expect = self._expect, None
-        if expect is None or not isinstance(batch, StepBatch) or int(batch.step) == expect:
+        if not self._first:
             return
-        why = (
-            "Lightning saved no data state (a plain DataLoader has none)"
-            if batch.step == 0
-            else "Lightning saved the dataset's state after the batch its fit loop read ahead"
-        )
-        raise StateError(
-            f"ZephonGuard: Lightning resumes after {expect} trained batches, but the ZephonDataset "
-            f"starts at step {batch.step}: {why}, so training would continue on other batches. "
-            f"Train and resume with trainer.fit(model, "
-            f"datamodule=zephon_flow.integrations.lightning.ZephonDataModule(spec, ...))"
-        )
+        self._first = False
+        if not isinstance(batch, StepBatch):
+            return
+        trained, step = _processed(trainer), int(batch.step)
+        if trained == 0:  # a fresh fit: the data may start anywhere
+            self._offset = step
+            return
+        if step != trained:
+            raise StateError(
+                f"ZephonGuard: Lightning resumes after {trained} trained batches, but the "
+                f"ZephonDataset starts at step {step}"
+                + (" (Lightning saved no state for it)" if step == 0 else "")
+                + f": steps {trained}.. would train on other batches. Train and resume with "
+                f"trainer.fit(model, "
+                f"datamodule=zephon_flow.integrations.lightning.ZephonDataModule(spec, ...))"
+            )
+        self._offset = 0
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Replaces the fit loop's read-ahead state of each ZephonDataset with the trained step's
+        (collective: every rank saves a checkpoint)."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        entries = loop.get("combined_loader")  # the fit loop's own state (Loop.on_save_checkpoint)
+        stateful = [x for x in _flat(trainer.train_dataloader) if _stateful(x)]
+        if not entries or len(entries) != len(stateful):
+            return
+        step = _processed(trainer) + self._offset
+        for index, loader in enumerate(stateful):
+            dataset = _dataset_of(loader)
+            if dataset is None:
+                continue
+            data = {"step": step, "loader_state": gather_states(dataset, step=step)}
+            if loader is dataset:
+                entries[index] = data
+            elif isinstance(entries[index], dict) and "dataset_state" in entries[index]:
+                entries[index] = {**entries[index], "dataset_state": data}  # StatefulDataLoader's
 
 
 def _flat(loaders: Any) -> list[Any]:
@@ -219,15 +250,18 @@ def _flat(loaders: Any) -> list[Any]:
     return [loaders]
 
 
-def _unmanaged(loader: Any) -> bool:
-    return isinstance(loader, ZephonDataset) or isinstance(getattr(loader, "dataset", None), ZephonDataset)
+def _dataset_of(loader: Any) -> ZephonDataset | None:
+    """The ZephonDataset a loader given to Lightning holds (not one a ZephonDataModule manages)."""
+    if isinstance(loader, ZephonDataset):
+        return loader
+    dataset = getattr(loader, "dataset", None)
+    return dataset if isinstance(dataset, ZephonDataset) else None
 
 
-def _kinds(loaders: list[Any]) -> str:
-    return " and ".join(
-        "the dataset itself" if isinstance(x, ZephonDataset) else f"a {type(x).__name__}"
-        for x in loaders
-        if _unmanaged(x)
+def _stateful(loader: Any) -> bool:
+    # What Lightning's fit loop saves and loads (its _Stateful protocol).
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
     )
 
 
