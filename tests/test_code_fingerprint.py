@@ -384,3 +384,13 @@ def test_a_function_a_dofn_holds_is_part_of_what_it_reaches(tmp_path: Path, json
         "code apply :: constant LIMIT in module cut_dofns",
         "code apply :: helper cut in module cut_dofns",
     ]
+
+
+def test_an_attribute_does_not_bring_a_global_of_the_same_name(tmp_path: Path, jsonl: str) -> None:
+    source = HELPER_V1.replace("LIMIT = 5\n", "LIMIT = 5\ntext = 'a global named like the attribute'\n")
+    source = source.replace(
+        "    def process(self, text):\n", "    def process(self, text):\n        self.text = text\n"
+    )
+    fp = helper_spec(tmp_path, jsonl, source).fingerprint
+    assert not any("constant text" in p for p in fp)
+    assert "code cut :: constant LIMIT in module cut_dofns" in fp

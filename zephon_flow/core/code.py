@@ -231,6 +231,20 @@ def _code_objects(cls: type) -> list[types.CodeType]:
     return out
 
 
+def _loaded_names(owner: Any) -> set[str] | None:
+    """The names a function's or class's source reads as bare names (``ast.Name``), or None
+    where it has no source."""
+    if owner is None:
+        return None
+    try:
+        tree = _parse(inspect.getsource(owner))
+    except (OSError, TypeError):
+        return None
+    if tree is None:
+        return None
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
 class _Reach:
     """Walks from code to the module-level functions, classes and constants of the user's
     modules it names, transitively (each object once, so recursion ends)."""
@@ -239,11 +253,18 @@ class _Reach:
         self.parts: dict[str, str] = {}
         self.seen: set[int] = set()
 
-    def code(self, codes: list[types.CodeType], namespace: dict[str, Any], module: str) -> None:
+    def code(
+        self, codes: list[types.CodeType], namespace: dict[str, Any], module: str, owner: Any = None
+    ) -> None:
+        """Follows the module-level names ``codes`` read. Bytecode's names are the globals
+        read and every attribute name (``self.text``); where ``owner`` (the function or class
+        the code is) has source, only those also read as a bare name count as globals, so an
+        attribute never brings a global that happens to share its name."""
         names: set[str] = set()
         for c in codes:
             names.update(global_names(c))
-        for name in sorted(names):
+        loads = _loaded_names(owner)
+        for name in sorted(names if loads is None else names & loads):
             if name in namespace:
                 self.value(name, namespace[name], module, names)
 
@@ -280,7 +301,7 @@ class _Reach:
         for i, default in enumerate(fn.__defaults__ or ()):
             h.update(f";default {i}={_constant_repr(default)}".encode())
         self.parts[f"helper {fn.__qualname__} in module {fn.__module__}"] = h.hexdigest()[:16]
-        self.code([fn.__code__], fn.__globals__, fn.__module__)
+        self.code([fn.__code__], fn.__globals__, fn.__module__, None if fn.__name__ == "<lambda>" else fn)
 
     def klass(self, cls: type) -> None:
         if id(cls) in self.seen or not is_user_module(cls.__module__):
@@ -297,7 +318,7 @@ class _Reach:
         for c in classes:
             module = sys.modules.get(c.__module__)
             if module is not None:
-                self.code(_code_objects(c), vars(module), c.__module__)
+                self.code(_code_objects(c), vars(module), c.__module__, c)
 
 
 def reached_code(cls: type, instance: Any = None) -> dict[str, str]:
