@@ -185,7 +185,9 @@ class LaneOwner:
                 windows = tuple(runner.next_window() for runner in self._runners)
                 layouts = tuple(runner.layout for runner in self._runners)
                 snaps = {runner.lane: runner.snapshot() for runner in self._runners}
-                made = {runner.lane: runner.made for runner in self._runners if runner.made is not None}
+                made: dict[int, MadeWindow | WindowCheck] = {
+                    runner.lane: runner.made for runner in self._runners if runner.made is not None
+                }
                 with self._cond:
                     step = self._produced
                     self._windows[step], self._layouts[step] = windows, layouts

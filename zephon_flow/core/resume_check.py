@@ -55,18 +55,18 @@ def _feed(h: Any, value: Any) -> None:
             return
         head = f"a{array.dtype.str}{array.shape}".encode()
         h.update(struct.pack("<q", len(head)) + head)
-        h.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        h.update(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
     elif isinstance(value, Mapping):
         h.update(b"d" + struct.pack("<q", len(value)))
         for key in sorted(value, key=str):
             _feed(h, str(key))
             _feed(h, value[key])
     elif isinstance(value, bytes | bytearray | memoryview):
-        data = bytes(value)
-        h.update(b"b" + struct.pack("<q", len(data)) + data)
+        raw = bytes(value)
+        h.update(b"b" + struct.pack("<q", len(raw)) + raw)
     elif isinstance(value, str):
-        data = value.encode("utf-8", "surrogatepass")
-        h.update(b"s" + struct.pack("<q", len(data)) + data)
+        encoded = value.encode("utf-8", "surrogatepass")
+        h.update(b"s" + struct.pack("<q", len(encoded)) + encoded)
     elif isinstance(value, list | tuple):
         h.update(b"l" + struct.pack("<q", len(value)))
         for item in value:
@@ -75,10 +75,10 @@ def _feed(h: Any, value: Any) -> None:
         text = f"{type(value).__name__}:{value!r}".encode()
         h.update(b"v" + struct.pack("<q", len(text)) + text)
     else:  # an object: its type, and its repr unless that names a memory address
-        text = f"{type(value).__module__}.{type(value).__qualname__}"
+        kind = f"{type(value).__module__}.{type(value).__qualname__}"
         shown = repr(value)
-        data = (text if " at 0x" in shown else f"{text}:{shown}").encode()
-        h.update(b"x" + struct.pack("<q", len(data)) + data)
+        named = (kind if " at 0x" in shown else f"{kind}:{shown}").encode()
+        h.update(b"x" + struct.pack("<q", len(named)) + named)
 
 
 @dataclass(frozen=True, eq=False)

@@ -445,17 +445,14 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
                 )
             digests[lane] = digest
             known = merged.get(lane)
-            if known is not None and ls.next_window is None:
+            mine, theirs = ls.next_window, None if known is None else known.next_window
+            if known is not None and mine is None:
                 continue  # a rank that did not record the next window's check defers to one that did
-            if (
-                known is not None
-                and known.next_window is not None
-                and known.next_window.digest != ls.next_window.digest
-            ):
+            if mine is not None and theirs is not None and mine.digest != theirs.digest:
                 raise StateConflictError(
                     f"states disagree about the next window of lane {lane} at step {st.step} (state "
-                    f"{i} recorded {ls.next_window.digest[:16]}..., an earlier state "
-                    f"{known.next_window.digest[:16]}...): the ranks made different windows"
+                    f"{i} recorded {mine.digest[:16]}..., an earlier state {theirs.digest[:16]}...): "
+                    f"the ranks made different windows"
                 )
             merged[lane] = ls
     return LoaderState(
