@@ -231,6 +231,17 @@ def _code_objects(cls: type) -> list[types.CodeType]:
     return out
 
 
+def _nonlocal_names(code: types.CodeType) -> set[str]:
+    """Bytecode's names of ``code`` and its nested code that are not its own locals (an
+    attribute ``self.text`` of a function with a parameter ``text`` is left out)."""
+    own = set(code.co_varnames) | set(code.co_cellvars) | set(code.co_freevars)
+    names = set(code.co_names) - own
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _nonlocal_names(const)
+    return names
+
+
 def _loaded_names(owner: Any) -> set[str] | None:
     """The names a function's or class's source reads as bare names (``ast.Name``), or None
     where it has no source."""
@@ -264,7 +275,10 @@ class _Reach:
         for c in codes:
             names.update(global_names(c))
         loads = _loaded_names(owner)
-        for name in sorted(names if loads is None else names & loads):
+        free: set[str] = set()  # names not local to the code object that reads them
+        for c in codes:
+            free.update(_nonlocal_names(c))
+        for name in sorted(names if loads is None else free & loads):
             if name in namespace:
                 self.value(name, namespace[name], module, names)
 
