@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Generator, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -114,6 +117,18 @@ class _Acker:
             self._cond.notify()
 
 
+#: Clients not yet closed: closed at exit, while grpc is still whole, so that an iterator left
+#: suspended (``next(iter(client))`` at module level) does not print errors as Python tears down.
+_OPEN: weakref.WeakSet[Client] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_clients() -> None:
+    for client in list(_OPEN):
+        with contextlib.suppress(Exception):
+            client.close()
+
+
 def _check_position(rank: int, world_size: int, start_step: int) -> None:
     """Refuses a rank, world size or start step that is not a fitting integer, by name."""
     for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1), ("start_step", start_step, 0)):
@@ -215,6 +230,10 @@ class Client:
         self._status = self._method("Status", pb.StatusRequest, pb.StatusReply)
         self._acker: _Acker | None = None
         self._closed = False
+        # The iterators handed out, finished by close(): one left suspended until the
+        # interpreter exits would run its cleanup against half torn-down modules.
+        self._iterators: weakref.WeakSet[Generator[tuple[int, Any], None, None]] = weakref.WeakSet()
+        _OPEN.add(self)
         self._fan_in = self._owners_fan_in() if lane_owners else None
 
     def _owners_fan_in(self) -> OwnerFanIn:
@@ -279,6 +298,11 @@ class Client:
     def __iter__(self) -> Iterator[tuple[int, Any]]:
         if self._closed:
             raise ServiceError("this Client is closed")
+        batches = self._batches()
+        self._iterators.add(batches)
+        return batches
+
+    def _batches(self) -> Generator[tuple[int, Any], None, None]:
         if self._fan_in is not None:
             for step, batch in self._fan_in.batches(self._next_step, self.as_torch):
                 self._next_step = step + 1
@@ -318,6 +342,8 @@ class Client:
                         acker.ack(self._next_step)
                     yield step, batch
                 return
+            except GeneratorExit:  # closed: nothing to retry (and grpc may be torn down at exit)
+                raise
             except grpc.RpcError as exc:
                 if self._closed:  # closed from another thread: the call was cancelled by us
                     return
@@ -371,6 +397,10 @@ class Client:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            _OPEN.discard(self)
+            for batches in list(self._iterators):
+                with contextlib.suppress(ValueError):  # running in another thread: it sees _closed
+                    batches.close()
             if self._fan_in is not None:
                 self._fan_in.close()
             if self._acker is not None:
