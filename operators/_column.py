@@ -251,8 +251,8 @@ def _is_token_list(data_type: pa.DataType) -> bool:
 def token_rows(
     values: pa.Array, *, operator: str, path: str, unit: str, first: int, column: str
 ) -> list[Any]:
-    """The rows of an integer-list array as int32 arrays (views of one new array per call;
-    None for a null row). A null token id, or one outside int32, is refused naming its
+    """The rows of an integer-list array, each as an int32 array of its own (None for a null
+    row). A null token id, or one outside int32, is refused naming its
     row (``first`` is the unit row of ``values``' first)."""
     n = len(values)
     if pat.is_fixed_size_list(values.type):
@@ -276,8 +276,11 @@ def token_rows(
         if outside.any():
             at = int(np.flatnonzero(outside)[0])
             _refuse_id(operator, path, unit, first, column, offsets, at, int(ids[at]))
-    ids = ids.astype(np.int32)  # a new array: never a view of the file's (mapped) buffers
-    return [ids[offsets[i] : offsets[i + 1]] if rows_valid[i] else None for i in range(n)]
+    # Each row its own int32 array (astype copies): never a view of the file's (mapped)
+    # buffers, and a document a stateful operator keeps part of (Pack's open sequence) keeps
+    # only its own tokens alive, not the block's.
+    bounds = offsets.tolist()
+    return [ids[bounds[i] : bounds[i + 1]].astype(np.int32) if rows_valid[i] else None for i in range(n)]
 
 
 def _refuse_id(
