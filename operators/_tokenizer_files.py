@@ -15,11 +15,14 @@ that they are the same for every probe, so that any engine's ids plus the affixe
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from zephon_flow.core.errors import SpecError
 
 TOKENIZER_FILE = "tokenizer.json"
+#: What a Hugging Face hub id looks like (``gpt2``, ``meta-llama/Llama-3.1-8B``).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _PROBES = ("a", "Hello, world!", "  two  spaces\nand a line", "0123 ünïcödé ✓", "x" * 40)
 
 
@@ -48,6 +51,14 @@ def _hub_snapshot(folder: str) -> str | None:
 def resolve_tokenizer_path(path: str) -> str:
     """The ``tokenizer.json`` that ``path`` (a file, a ``save_pretrained`` folder or a hub
     cache folder) stands for; SpecError naming the folder and what it holds otherwise."""
+    if not os.path.exists(path) and _HUB_ID.fullmatch(path) and not path.endswith(".json"):
+        cache = "models--" + path.replace("/", "--")
+        raise SpecError(
+            f"Tokenize: {path!r} is not a file or folder here, and Tokenize does not download hub "
+            f"ids. Fetch the tokenizer once, e.g. AutoTokenizer.from_pretrained({path!r})"
+            f".save_pretrained(DIR), and pass DIR (or its tokenizer.json), or pass the local hub "
+            f"cache folder ~/.cache/huggingface/hub/{cache}"
+        )
     if not os.path.isdir(path):
         return path
     folder = _hub_snapshot(path) or path

@@ -78,6 +78,21 @@ _SAID: set[tuple[str, str]] = set()
 _CACHE = threading.RLock()
 
 
+def _not_a_path(tokenizer: object) -> str:
+    """The refusal of a tokenizer object: what to save it with, then pass the path of."""
+    kind = f"{type(tokenizer).__module__}.{type(tokenizer).__qualname__}"
+    if hasattr(tokenizer, "save_pretrained"):
+        how = "tokenizer.save_pretrained(folder), then pass the folder"
+    elif hasattr(tokenizer, "save") and hasattr(tokenizer, "to_str"):
+        how = "tokenizer.save(path), then pass the path"
+    else:
+        how = "save it as a tokenizer.json and pass its path"
+    return (
+        f"Tokenize: pass the path of a tokenizer.json (or of a folder holding one), not a {kind} "
+        f"object: {how} (the file's sha256 is part of the pipeline's fingerprint)"
+    )
+
+
 def _read(path: str, sha256: str | None = None) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -312,6 +327,8 @@ class Tokenize(beam.DoFn):  # type: ignore[misc]
             )
         if not isinstance(add_special_tokens, bool):
             raise SpecError(f"Tokenize: add_special_tokens must be True or False, got {add_special_tokens!r}")
+        if not isinstance(tokenizer, str | os.PathLike):
+            raise SpecError(_not_a_path(tokenizer))
         path = resolve_tokenizer_path(os.fspath(tokenizer))
         raw = _read(path)
         self.path = path

@@ -76,6 +76,36 @@ def test_a_missing_file_is_refused(tmp_path: Path) -> None:
         ops.Tokenize(path)
 
 
+def test_a_hub_id_is_refused_saying_nothing_is_downloaded_and_how_to_point_at_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    with pytest.raises(SpecError) as err:
+        ops.Tokenize("openai-community/gpt2")
+    assert str(err.value) == (
+        "Tokenize: 'openai-community/gpt2' is not a file or folder here, and Tokenize does not "
+        "download hub ids. Fetch the tokenizer once, e.g. AutoTokenizer.from_pretrained("
+        "'openai-community/gpt2').save_pretrained(DIR), and pass DIR (or its tokenizer.json), or "
+        "pass the local hub cache folder ~/.cache/huggingface/hub/models--openai-community--gpt2"
+    )
+    with pytest.raises(
+        SpecError, match=r"^Tokenize: 'gpt2' is not a file or folder here, and Tokenize does not"
+    ):
+        ops.Tokenize("gpt2")
+
+
+def test_a_tokenizer_object_is_refused_by_name_saying_how_to_save_it() -> None:
+    from tokenizers import Tokenizer, models
+
+    with pytest.raises(SpecError) as err:
+        ops.Tokenize(Tokenizer(models.BPE()))  # type: ignore[arg-type]
+    assert str(err.value) == (
+        "Tokenize: pass the path of a tokenizer.json (or of a folder holding one), not a "
+        "tokenizers.Tokenizer object: tokenizer.save(path), then pass the path (the file's sha256 "
+        "is part of the pipeline's fingerprint)"
+    )
+
+
 def test_a_file_that_is_not_json_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "vocab.txt"
     path.write_text("hello world\n")
