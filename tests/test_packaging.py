@@ -10,11 +10,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP = shutil.ignore_patterns(
-    ".venv", ".git", "site", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "bench"
+    ".venv", ".git", "site", "build", "dist", "*.egg-info", "__pycache__", ".*_cache", "results", ".cache"
 )
 
 
-def test_the_sdist_holds_proto_examples_and_docs(tmp_path: Path) -> None:
+def test_the_sdist_holds_proto_examples_docs_and_bench(tmp_path: Path) -> None:
     tree = tmp_path / "tree"
     shutil.copytree(ROOT, tree, ignore=SKIP, symlinks=True)
     out = subprocess.run(
@@ -54,8 +54,16 @@ def test_the_sdist_holds_proto_examples_and_docs(tmp_path: Path) -> None:
         "zephon_flow/py.typed",
         "operators/pack.py",
         "runners/deterministic.py",
+        # The docs cite the benchmarks and their report (docs/scale.md, docs/checkpoints.md).
+        "bench/README.md",
+        "bench/scale_sim.py",
+        "bench/checkpoints.py",
+        "bench/contenders/harness.py",
     ):
         assert path in names, path
+    assert not [
+        n for n in names if "__pycache__" in n or n.endswith(".pyc") or n.startswith("bench/results/")
+    ]
     assert "License-Expression: Apache-2.0" in pkg_info
     assert "Classifier: Programming Language :: Python :: 3.11" in pkg_info
     assert "Classifier: Typing :: Typed" in pkg_info
