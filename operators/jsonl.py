@@ -33,6 +33,12 @@ LINE_BUFFER = 256 * 1024
 _DECOMPRESSION_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError, indexed_gzip.ZranError)
 _CHUNK = 1 << 16
 _log = logging.getLogger("zephon_flow.sources")
+#: A compressed file without seek points is read whole by every lane that shares it. Below this
+#: many bytes (decompressed) that costs each lane well under a second, so the automatic plan
+#: says nothing about it; with an explicit ``split_bytes`` it is said whatever the size.
+QUIET_WHOLE_BYTES = 16 * 1024 * 1024
+#: The files already said to be read whole in this process (path, size): said once each.
+_said_whole: set[tuple[str, int]] = set()
 
 
 class ReadJsonl(Source):
@@ -106,7 +112,7 @@ class ReadJsonl(Source):
         for path, weight, bounds in listed:
             if bounds is None:  # compressed, no seek points: one split, shared by stride
                 splits.append(Split(path, 0, 0, weight))
-                if weight > size:  # heavier than a split should be: say what it costs, once
+                if self._worth_saying_whole(path, weight, size):
                     _log.warning(
                         "%s: %s is read whole (%s); lanes share it by stride, each decompressing all of it",
                         self.operator_name,
@@ -119,6 +125,18 @@ class ReadJsonl(Source):
                 refine = not _is_compressed(path)
                 splits.extend(Split(path, a, b) for a, b in _plan.ranges(bounds, size, refine=refine))
         return splits
+
+    def _worth_saying_whole(self, path: str, weight: int, size: int) -> bool:
+        """Whether to warn that ``path`` (``weight`` bytes, no seek points) is read whole: it is
+        heavier than a split should be, and large enough to matter or split finer on request;
+        once per file and size per process (a plan is made by every loader and rank)."""
+        if weight <= size or (self.split_bytes is None and weight < QUIET_WHOLE_BYTES):
+            return False
+        key = (path, weight)
+        if key in _said_whole:
+            return False
+        _said_whole.add(key)
+        return True
 
     def _list_file(self, path: str) -> list[tuple[str, int, list[int] | None]]:
         """``(path, weight, allowed cut points or None)``; refuses an empty file."""

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from zephon_flow.core.errors import DataError
 from zephon_flow.core.source import START, Split
+from zephon_flow.operators import jsonl as jsonl_module
 from zephon_flow.operators import seek_index
 from zephon_flow.operators.jsonl import ReadJsonl
 
@@ -200,3 +201,23 @@ def test_the_plan_is_the_same_from_a_fresh_cache(tmp_path: Path, monkeypatch: py
         source = ReadJsonl(str(tmp_path / "*.jsonl.*"))
         plans.append([source.splits(lanes) for lanes in (1, 4, 16)])
     assert plans[0] == plans[1]
+
+
+def test_a_file_read_whole_is_said_once_per_process_and_only_when_it_matters(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = jsonl(docs(500))
+    path = tmp_path / "a.jsonl.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    said = f"{path} is read whole (single-frame zstd: no seek points)"
+    # The automatic plan: a split is at least 256 KiB, so the file is one split anyway.
+    assert len(ReadJsonl(str(path), label="web").splits(4)) == 1
+    # The automatic plan of many lanes on a file below QUIET_WHOLE_BYTES: not worth a word.
+    monkeypatch.setattr(jsonl_module, "MIN_SPLIT_BYTES", 1000)
+    assert len(ReadJsonl(str(path), label="web").splits(8)) == 1
+    assert said not in caplog.text
+    # Above it: said once, however many loaders (and ranks) of this process plan it again.
+    monkeypatch.setattr(jsonl_module, "QUIET_WHOLE_BYTES", len(data))
+    for _ in range(3):
+        assert len(ReadJsonl(str(path), label="web").splits(8)) == 1
+    assert caplog.text.count(said) == 1
