@@ -330,8 +330,10 @@ def _pair_hint(pcoll: Any) -> bool:
 
 def _keying(node: AppliedPTransform) -> bool:
     """Whether ``node`` keys its elements as Beam users do before a stateful DoFn: Beam's
-    ``WithKeys``, or a ``Map`` whose function returns ``(constant, value)``."""
+    ``WithKeys``, or a ``beam.Map``/``ops.Map`` whose function returns ``(constant, value)``."""
     fn = getattr(node.transform, "fn", None)
+    if type(fn).__module__.startswith("zephon_flow.") and callable(getattr(fn, "fn", None)):
+        return makes_constant_keyed_pairs(fn.fn)  # ops.Map(lambda t: (0, t))
     if not isinstance(fn, core.CallableWrapperDoFn):
         return False
     wrapper = fn._fn
@@ -362,10 +364,10 @@ def _check_not_keyed(graph: _Graph, node: AppliedPTransform) -> None:
         return
     pcoll = node.inputs[0]
     producer = graph.producer.get(pcoll)
-    if producer is None or not _pair_hint(pcoll):
+    if producer is None:
         return
     own = type(t.fn).__module__.startswith("zephon_flow.")
-    if not own and not _keying(producer):
+    if not (own and _pair_hint(pcoll)) and not _keying(producer):
         return
     name = type(t.fn).__name__
     parent = producer.parent

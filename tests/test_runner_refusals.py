@@ -212,8 +212,13 @@ KEYED = (
 
 @pytest.mark.parametrize(
     "key",
-    [lambda: beam.Map(lambda t: (0, t)), lambda: beam.WithKeys(0), lambda: beam.Map(lambda t: (t, len(t)))],
-    ids=["map-to-constant-key", "WithKeys", "any-pair-into-Pack"],
+    [
+        lambda: beam.Map(lambda t: (0, t)),
+        lambda: beam.WithKeys(0),
+        lambda: beam.Map(lambda t: (t, len(t))),
+        lambda: beam.ParDo(ops.Map(lambda t: (0, t))),
+    ],
+    ids=["map-to-constant-key", "WithKeys", "any-pair-into-Pack", "ops.Map-to-constant-key"],
 )
 def test_a_keyed_input_to_pack_is_refused_when_the_spec_is_built(
     corpus: Corpus, key: Callable[[], beam.PTransform]
