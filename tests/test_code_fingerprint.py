@@ -394,3 +394,23 @@ def test_an_attribute_does_not_bring_a_global_of_the_same_name(tmp_path: Path, j
     fp = helper_spec(tmp_path, jsonl, source).fingerprint
     assert not any("constant text" in p for p in fp)
     assert "code cut :: constant LIMIT in module cut_dofns" in fp
+
+
+def test_a_checkpoint_from_before_helpers_were_fingerprinted_is_refused_with_that_reason(
+    tmp_path: Path, jsonl: str
+) -> None:
+    spec = helper_spec(tmp_path, jsonl, HELPER_V1)
+    state = checkpoint_at(spec, 0)
+    state["fingerprint"] = {k: v for k, v in state["fingerprint"].items() if " :: " not in k}
+    with pytest.raises(FingerprintMismatchError) as err:
+        zf.Loader(spec, state=state)
+    assert str(err.value) == (
+        "the checkpoint was written for another pipeline; these parts of the fingerprint differ: "
+        "operator cut: code changed (constant LIMIT in module cut_dofns, constant OFFSET in module "
+        "cut_helpers, helper again in module cut_dofns, helper cut in module cut_dofns) (the "
+        "checkpoint has no digests of what the code of cut reaches: it was written before "
+        "zephon-flow fingerprinted a DoFn's helpers); if the code change is deliberate (a fix or a "
+        "refactor you accept for the rest of the run), pass allow_code_change=True to zf.Loader"
+    )
+    with zf.Loader(spec, state=state, allow_code_change=True) as loader:
+        assert next(iter(loader))[0] == 1

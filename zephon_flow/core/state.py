@@ -364,6 +364,21 @@ class LoaderState:
                     f" (the checkpoint has no digest of the code of {', '.join(p[5:] for p in old)}: "
                     f"it was written before zephon-flow fingerprinted code)"
                 )
+            unreached = sorted(
+                {
+                    label
+                    for p in code
+                    for label in [p[5:].partition(" :: ")[0]]
+                    if " :: " in p
+                    and f"code {label}" in self.fingerprint
+                    and not any(q.startswith(f"code {label} :: ") for q in self.fingerprint)
+                }
+            )
+            if unreached:
+                message += (
+                    f" (the checkpoint has no digests of what the code of {', '.join(unreached)} "
+                    f"reaches: it was written before zephon-flow fingerprinted a DoFn's helpers)"
+                )
             message += (
                 "; if the code change is deliberate (a fix or a refactor you accept for the rest "
                 "of the run), pass allow_code_change=True to zf.Loader"
