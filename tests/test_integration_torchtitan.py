@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from titan_pipeline import GLOBAL_BATCH, LANES, SEQ_LEN, expected_rows, row_digest, write_data
+from titan_pipeline import GLOBAL_BATCH, LANES, SEQ_LEN, expected_rows, finite_spec, row_digest, write_data
 
 from zephon_flow.core.errors import SpecError
 from zephon_flow.integrations.torchtitan import ZephonTitanDataLoader
@@ -95,8 +95,9 @@ def test_state_has_one_key_per_lane_and_resumes_at_another_dp_degree(data: str) 
         finally:
             loader.close()
     assert [s["step"] for s in states] == [5, 5]
-    union = {"step": 5, "lane_states": {**states[0]["lane_states"], **states[1]["lane_states"]}}
-    assert sorted(union["lane_states"], key=int) == [str(lane) for lane in range(LANES)]
+    lanes = {**states[0]["lane_states"], **states[1]["lane_states"]}
+    assert sorted(lanes, key=int) == [str(lane) for lane in range(LANES)]
+    union = {"step": 5, "lane_states": lanes}
 
     resumed = build(dp_world_size=1, dp_rank=0, local_batch_size=GLOBAL_BATCH)
     template = resumed.state_dict()  # what DCP loads into: every lane's key
@@ -158,11 +159,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def train(run: Path, nproc: int, *flags: str, resume_from: Path | None = None) -> dict[int, list[str]]:
-    """Runs torchtitan's trainer in ``nproc`` gloo processes; the rows it trained on, by step."""
-    (run / "digests").mkdir(parents=True)
-    if resume_from is not None:  # torchtitan resumes from the latest step-N of its folder
-        shutil.copytree(resume_from, run / "out" / "checkpoint" / resume_from.name)
+def launch(run: Path, nproc: int, command: list[str]) -> None:
+    """Runs ``python *command`` as ranks 0..nproc-1 of a gloo world on 127.0.0.1, in ``run``;
+    each rank's output goes to ``run/rank<r>.log``. Ranks are ended by their PIDs on a timeout."""
+    (run / "digests").mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
     for rank in range(nproc):
@@ -176,20 +176,11 @@ def train(run: Path, nproc: int, *flags: str, resume_from: Path | None = None) -
             MASTER_PORT=port,
             ZEPHON_TITAN_DIGESTS=str(run / "digests"),
         )
-        args = ["--module", "titan_config", "--config", "zephon_tiny", "--dump_folder", str(run / "out")]
         log = open(run / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append(
-            (
-                subprocess.Popen(
-                    [sys.executable, str(LAUNCH), *args, *flags],
-                    cwd=run,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                ),
-                log,
-            )
+        proc = subprocess.Popen(
+            [sys.executable, *command], cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT
         )
+        procs.append((proc, log))
     try:
         for proc, _ in procs:
             proc.wait(timeout=RUN_TIMEOUT)
@@ -201,6 +192,15 @@ def train(run: Path, nproc: int, *flags: str, resume_from: Path | None = None) -
             log.close()
     for rank, (proc, _) in enumerate(procs):
         assert proc.returncode == 0, (run / f"rank{rank}.log").read_text()[-4000:]
+
+
+def train(run: Path, nproc: int, *flags: str, resume_from: Path | None = None) -> dict[int, list[str]]:
+    """Runs torchtitan's trainer in ``nproc`` gloo processes; the rows it trained on, by step."""
+    if resume_from is not None:  # torchtitan resumes from the latest step-N of its folder
+        shutil.copytree(resume_from, run / "out" / "checkpoint" / resume_from.name)
+    run.mkdir(parents=True, exist_ok=True)
+    args = ["--module", "titan_config", "--config", "zephon_tiny", "--dump_folder", str(run / "out")]
+    launch(run, nproc, [str(LAUNCH), *args, *flags])
     return recorded(run / "digests")
 
 
@@ -247,3 +247,18 @@ def test_torchtitan_trains_on_the_same_rows_after_resuming_at_another_dp_degree(
     # 2 -> 1 data-parallel rank at step 15.
     third = train(tmp_path / "dp1", 1, resume_from=tmp_path / "dp2" / "out" / "checkpoint" / "step-15")
     assert third == {s: expected[s] for s in range(15, 20)}
+
+
+@pytest.mark.slow
+def test_a_finite_pass_ends_at_one_step_on_every_rank_of_a_dp_by_tp_world(data: str, tmp_path: Path) -> None:
+    """About 15-40 s: 4 gloo processes, 2 data-parallel x 2 tensor-parallel ranks (no trainer).
+    The world (4) is larger than the data-parallel degree (2); the ranks agree on the end of
+    the pass over all of them, and every rank yields as many batches as a plain loader."""
+    expected = expected_rows(None, finite_spec())
+    run = tmp_path / "finite"
+    launch(run, 4, [str(TESTS / "titan_finite.py")])
+    got = [json.loads((run / "digests" / f"finite{rank}.json").read_text()) for rank in range(4)]
+    assert [g["dp_rank"] for g in got] == [0, 0, 1, 1]
+    assert got[0]["rows"] == got[1]["rows"] and got[2]["rows"] == got[3]["rows"]  # TP peers
+    assert len(got[0]["rows"]) == len(got[2]["rows"]) == len(expected)
+    assert [a + b for a, b in zip(got[0]["rows"], got[2]["rows"], strict=True)] == expected
