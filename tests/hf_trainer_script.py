@@ -3,7 +3,7 @@
 Run in-process by ``test_integration_hf.py`` (``run``) and under torchrun as a script::
 
     python -m torch.distributed.run --nproc_per_node 2 tests/hf_trainer_script.py \\
-        --corpus DIR --out DIR --record FILE [--resume DIR]
+        --corpus DIR --job OUT RECORD RESUME [--job OUT RECORD RESUME ...]
 
 Each rank writes ``FILE.rank<r>.npy``: the ``input_ids`` of every micro-step it trained, in
 order (int64 [micro-steps, rows, seq_len]), so a test can put the ranks' rows back together into
@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
+import torch
+from helpers import Corpus, example_spec
+from tokenizers import Tokenizer
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from helpers import Corpus, example_spec  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
-
-import zephon_flow as zf  # noqa: E402
-from zephon_flow.integrations.hf import ZephonTrainer  # noqa: E402
-from zephon_flow.torch import ZephonDataset  # noqa: E402
+import zephon_flow as zf
+from zephon_flow.integrations.hf import ZephonTrainer
+from zephon_flow.torch import ZephonDataset
 
 SEQ_LEN = 32
 GLOBAL_BATCH = 8
@@ -100,7 +97,7 @@ def run(
     *,
     steps: int = 20,
     save_steps: int = 10,
-    resume: str | None = None,
+    resume: str | bool | None = None,
     backend: str = "inline",
     workers: int = 1,
     ga: int = 1,
@@ -121,17 +118,20 @@ def _world() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--corpus", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--record", required=True)
-    parser.add_argument("--resume")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--save-steps", type=int, default=10)
-    opts = parser.parse_args()
-    seen = run(
-        corpus_at(opts.corpus), opts.out, steps=opts.steps, save_steps=opts.save_steps, resume=opts.resume
+    parser.add_argument(
+        "--job",
+        nargs=3,
+        action="append",
+        required=True,
+        metavar=("OUT", "RECORD", "RESUME"),
+        help="a training run (RESUME: a checkpoint folder, or - for none); several run in turn",
     )
+    opts = parser.parse_args()
+    corpus = corpus_at(opts.corpus)
     rank = int(os.environ.get("RANK", "0"))
-    np.save(f"{opts.record}.rank{rank}.npy", np.stack(seen))
+    for out, record, resume in opts.job:
+        seen = run(corpus, out, resume=None if resume == "-" else resume)
+        np.save(f"{record}.rank{rank}.npy", np.stack(seen))
 
 
 if __name__ == "__main__":

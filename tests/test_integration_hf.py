@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from helpers import Corpus
 from hf_trainer_script import GLOBAL_BATCH, RecordingTrainer, make_spec, run, tiny_gpt2, training_args
 
@@ -84,8 +85,10 @@ def test_with_gradient_accumulation_each_micro_step_is_one_step(
     seen = run(corpus, str(tmp_path / "a"), steps=5, save_steps=5, ga=2)
     checkpoint = tmp_path / "a" / "checkpoint-5"
     assert zf.load_state(checkpoint / DATA_STATE_NAME)["step"] == 10
-    resumed = run(corpus, str(tmp_path / "b"), steps=10, save_steps=5, ga=2, resume=str(checkpoint))
+    # resume_from_checkpoint=True: the last checkpoint of the output folder
+    resumed = run(corpus, str(tmp_path / "a"), steps=10, save_steps=5, ga=2, resume=True)
     assert digests(seen + resumed) == reference[0]
+    assert zf.load_state(tmp_path / "a" / "checkpoint-10" / DATA_STATE_NAME)["step"] == 20
 
 
 def test_a_state_at_another_step_than_the_trainers_count_is_loaded_with_a_warning(
@@ -143,6 +146,42 @@ def test_wrong_arguments_are_refused_by_name(
         RecordingTrainer(model=tiny_gpt2(corpus), args=args, train_dataset=dataset)
 
 
+def test_the_inputs_are_int64_without_provenance_unless_asked(corpus: Corpus, tmp_path: Path) -> None:
+    def first_inputs(**options: Any) -> dict[str, Any]:
+        remove = options.pop("remove_unused_columns", True)
+        args = training_args(
+            str(tmp_path), steps=2, save_steps=2, rows=GLOBAL_BATCH, remove_unused_columns=remove
+        )
+        dataset = ZephonDataset.from_loader(make_spec(corpus))
+        trainer = RecordingTrainer(model=tiny_gpt2(corpus), args=args, train_dataset=dataset, **options)
+        inputs: dict[str, Any] = next(iter(trainer.get_train_dataloader()))
+        dataset.close()
+        return inputs
+
+    plain = first_inputs()
+    assert sorted(plain) == ["input_ids", "labels", "position_ids"]
+    assert all(v.dtype == torch.int64 for v in plain.values())
+    starts = plain["position_ids"] == 0
+    assert (plain["labels"][starts] == -100).all()
+    assert (plain["labels"][~starts] == plain["input_ids"][~starts]).all()
+    kept = first_inputs(provenance=True, remove_unused_columns=False)
+    assert sorted(kept) == [
+        "documents",
+        "documents_count",
+        "input_ids",
+        "labels",
+        "position_ids",
+        "segment_ids",
+    ]
+
+
+def test_ignore_data_skip_is_turned_off(corpus: Corpus, tmp_path: Path) -> None:
+    args = training_args(str(tmp_path), steps=2, save_steps=2, rows=GLOBAL_BATCH, ignore_data_skip=True)
+    dataset = ZephonDataset.from_loader(make_spec(corpus))
+    RecordingTrainer(model=tiny_gpt2(corpus), args=args, train_dataset=dataset)
+    assert args.ignore_data_skip is False  # the resume loads the state: nothing to skip, RNG restored
+
+
 def test_a_dataset_for_another_rank_is_refused(corpus: Corpus, tmp_path: Path) -> None:
     args = training_args(str(tmp_path), steps=2, save_steps=2, rows=GLOBAL_BATCH)
     dataset = ZephonDataset.from_loader(make_spec(corpus), rank=1, world_size=2)
@@ -165,8 +204,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(corpus: Corpus, out: Path, record: Path, *extra: str) -> list[str]:
-    """Two ranks on gloo; the global batches' digests (rank 0's rows, then rank 1's)."""
+def torchrun(corpus: Corpus, *runs: tuple[Path, Path, str]) -> list[list[str]]:
+    """Two ranks on gloo, running ``runs`` (out, record, resume) in turn; per run, the global
+    batches' digests (rank 0's rows, then rank 1's)."""
     cmd = [
         sys.executable,
         "-m",
@@ -180,33 +220,31 @@ def torchrun(corpus: Corpus, out: Path, record: Path, *extra: str) -> list[str]:
         str(SCRIPT),
         "--corpus",
         str(corpus.root),
-        "--out",
-        str(out),
-        "--record",
-        str(record),
-        *extra,
     ]
+    for out, record, resume in runs:
+        cmd += ["--job", str(out), str(record), resume]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, cwd=runs[0][0].parent, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [np.load(f"{record}.rank{r}.npy") for r in range(2)]
-    return digests(list(np.concatenate(ranks, axis=1)))
+    found = []
+    for _, record, _ in runs:
+        ranks = [np.load(f"{record}.rank{r}.npy") for r in range(2)]
+        found.append(digests(list(np.concatenate(ranks, axis=1))))
+    return found
 
 
 def test_two_ranks_under_torchrun_resume_on_one_and_one_on_two(
     corpus: Corpus, reference: tuple[list[str], Path], tmp_path: Path
 ) -> None:
-    # 2 ranks from the start (the dataset is built before TrainingArguments starts torch.distributed)
-    two = torchrun(corpus, tmp_path / "two", tmp_path / "two-record")
+    # 2 ranks from the start (each builds its dataset before TrainingArguments starts
+    # torch.distributed), then the uninterrupted 1-rank run's checkpoint-10 resumed on 2 ranks
+    two, again = torchrun(
+        corpus,
+        (tmp_path / "two", tmp_path / "two-record", "-"),
+        (tmp_path / "again", tmp_path / "again-record", str(reference[1] / "checkpoint-10")),
+    )
     assert two == reference[0]
+    assert again == reference[0][10:]
+    # and the 2-rank run's checkpoint-10 resumed on 1
     one = run(corpus, str(tmp_path / "one"), resume=str(tmp_path / "two" / "checkpoint-10"))
     assert digests(one) == reference[0][10:]
-    # and the uninterrupted 1-rank run's checkpoint resumed on 2 ranks
-    again = torchrun(
-        corpus,
-        tmp_path / "again",
-        tmp_path / "again-record",
-        "--resume",
-        str(reference[1] / "checkpoint-10"),
-    )
-    assert again == reference[0][10:]
