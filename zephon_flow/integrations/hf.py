@@ -44,18 +44,15 @@ PROVENANCE = ("documents", "documents_count", "segment_ids")
 
 # -- batches ----------------------------------------------------------------------------------
 class _TrainBatches:
-    """What the Trainer iterates: the dataset's batches as model inputs, handed one at a time
-    (no read-ahead, so the batches handed out are the batches trained when a checkpoint is
-    written). ``handed`` is the step of the next batch to hand out."""
+    """What the Trainer iterates: the dataset's batches as model inputs, one per micro-step,
+    handed out when asked (no read-ahead of its own; the saved state is chosen by step anyway)."""
 
     def __init__(self, dataset: ZephonDataset, convert: Any) -> None:
         self.dataset = dataset
         self.convert = convert
-        self.handed = dataset.next_step
 
     def __iter__(self) -> Any:
-        for step, batch in self.dataset:
-            self.handed = step + 1
+        for _, batch in self.dataset:
             yield self.convert(batch)
 
 
@@ -115,12 +112,13 @@ def load_data_state(
 
 # -- the Trainer --------------------------------------------------------------------------------
 class _DataStateCallback(TrainerCallback):  # type: ignore[misc]
-    """Writes the trained step's loader state into each checkpoint folder, and checks a resumed
-    state against the Trainer's ``global_step``."""
+    """Writes the loader state of the trained step into each checkpoint folder: the state from
+    which micro-step ``base + global_step * gradient_accumulation_steps`` is next, whatever the
+    Trainer has read ahead (the dataset keeps the last ``keep_states`` steps' states)."""
 
     def __init__(self, trainer: ZephonTrainerMixin) -> None:
         self.trainer = trainer
-        self.base = 0  # the data step at global step 0
+        self.base = 0  # the data step at global step 0 (0 unless the dataset was positioned first)
 
     def _per_step(self, args: Any) -> int:
         return int(args.gradient_accumulation_steps)
@@ -165,7 +163,6 @@ class ZephonTrainerMixin:
         super().__init__(*args, **kwargs)
         self._zephon_provenance = provenance
         self._zephon_resume: str | None = None
-        self._zephon_batches: _TrainBatches | None = None
         trainer: Any = self
         if trainer.train_dataset is not None:
             self._zephon_check_args()
@@ -276,8 +273,7 @@ class ZephonTrainerMixin:
             load_data_state(
                 dataset, self._zephon_resume, expected_step=self._zephon_trained(self._zephon_resume)
             )
-        self._zephon_batches = _TrainBatches(dataset, self._zephon_inputs)
-        return self._zephon_batches
+        return _TrainBatches(dataset, self._zephon_inputs)
 
     def _zephon_trained(self, folder: str) -> int | None:
         """The micro-steps trained by the checkpoint's own count (its ``trainer_state.json``)."""
