@@ -4,8 +4,9 @@
 
 ``StatefulDataLoader.state_dict()`` stores the dataset's own ``state_dict()`` under the key
 ``"dataset_state"`` (with ``num_workers=0``, the only setting ZephonDataset accepts); that
-entry is ``{"step", "loader_state"}``, positioned after the last batch yielded. Loading the
-whole dict into a new StatefulDataLoader over a new ZephonDataset continues at that step.
+entry is ``{"step", "lane_states"}``, positioned after the last batch yielded (nothing is
+encoded until the dict is pickled, so taking it at every batch costs nothing). Loading the whole
+dict into a new StatefulDataLoader over a new ZephonDataset continues at that step.
 Self-contained: a small JSONL file written here, bytes as token ids (no tokenizer).
 """
 
