@@ -26,7 +26,6 @@ from zephon_flow.core.roles import role_of
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker, dofn_seed, is_stateful
 from zephon_flow.runners.plan import Plan, SourcePlan
 
-
 #: What a refused source is told to use instead: every zephon-flow source.
 SOURCES = (
     "ops.ReadTextFiles (a document per file), ops.ReadJsonl (a JSON object per line), "
@@ -332,8 +331,9 @@ def _keying(node: AppliedPTransform) -> bool:
     """Whether ``node`` keys its elements as Beam users do before a stateful DoFn: Beam's
     ``WithKeys``, or a ``beam.Map``/``ops.Map`` whose function returns ``(constant, value)``."""
     fn = getattr(node.transform, "fn", None)
-    if type(fn).__module__.startswith("zephon_flow.") and callable(getattr(fn, "fn", None)):
-        return makes_constant_keyed_pairs(fn.fn)  # ops.Map(lambda t: (0, t))
+    inner = getattr(fn, "fn", None)
+    if type(fn).__module__.startswith("zephon_flow.") and callable(inner):
+        return makes_constant_keyed_pairs(inner)  # ops.Map(lambda t: (0, t))
     if not isinstance(fn, core.CallableWrapperDoFn):
         return False
     wrapper = fn._fn
