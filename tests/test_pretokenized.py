@@ -215,3 +215,23 @@ def test_beams_own_runner_gives_the_reference_batches(
     materialize(spec, steps=STEPS, out=str(tmp_path / "out"), passes=2)
     got: list[Any] = [(s, batch_digest(b)) for s, b in read_materialized(str(tmp_path / "out"))]
     assert got == reference
+
+
+def test_a_save_to_disk_folder_on_a_remote_filesystem(tmp_path: Path) -> None:
+    """Through Beam's FileSystems (here ``zfmem://``, as ``gs://`` would be)."""
+    from test_files import MEMORY
+
+    docs = documents(12, seed=4)
+    local = save_to_disk(tmp_path / "hf", docs, shards=2)
+    MEMORY.clear()
+    try:
+        for f in Path(local).iterdir():
+            MEMORY[f"zfmem://bkt/hf/{f.name}"] = f.read_bytes()
+        data = ["zfmem://bkt/hf/data-00000-of-00002.arrow", "zfmem://bkt/hf/data-00001-of-00002.arrow"]
+        for pattern in ("zfmem://bkt/hf", "zfmem://bkt/hf/*"):
+            source = ops.ReadArrow(pattern, column="input_ids")
+            assert source.paths() == data
+            records = [r for s in source.splits() for _, r in source.read_split(s, -1)]
+            assert sorted(r.payload.tolist() for r in records) == sorted(docs)
+    finally:
+        MEMORY.clear()
