@@ -253,12 +253,14 @@ def test_torchtitan_trains_on_the_same_rows_after_resuming_at_another_dp_degree(
 def test_a_finite_pass_ends_at_one_step_on_every_rank_of_a_dp_by_tp_world(data: str, tmp_path: Path) -> None:
     """About 15-40 s: 4 gloo processes, 2 data-parallel x 2 tensor-parallel ranks (no trainer).
     The world (4) is larger than the data-parallel degree (2); the ranks agree on the end of
-    the pass over all of them, and every rank yields as many batches as a plain loader."""
+    the pass over their data-parallel group, and every rank yields as many batches as a plain
+    loader (before, the loader refused a world of 4 for 2 ranks)."""
     expected = expected_rows(None, finite_spec())
     run = tmp_path / "finite"
     launch(run, 4, [str(TESTS / "titan_finite.py")])
     got = [json.loads((run / "digests" / f"finite{rank}.json").read_text()) for rank in range(4)]
     assert [g["dp_rank"] for g in got] == [0, 0, 1, 1]
+    assert [g["dp_group"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # torchtitan's batch mesh
     assert got[0]["rows"] == got[1]["rows"] and got[2]["rows"] == got[3]["rows"]  # TP peers
     assert len(got[0]["rows"]) == len(got[2]["rows"]) == len(expected)
     assert [a + b for a, b in zip(got[0]["rows"], got[2]["rows"], strict=True)] == expected

@@ -3,7 +3,8 @@ pipeline through ``ZephonTitanDataLoader`` as torchtitan builds it (no trainer).
 
 Ranks are laid out as torchtitan's mesh (tensor parallel innermost: rank = dp_rank * 2 + tp);
 the world (4) is larger than the data-parallel degree (2). Writes
-``{"rank", "dp_rank", "rows": [[row digests] per batch]}`` to ``$ZEPHON_TITAN_DIGESTS/finite<rank>.json``.
+``{"rank", "dp_rank", "dp_group", "rows": [[row digests] per batch]}`` (``dp_group``: the ranks
+of the data-parallel group the loader's end agreement uses) to ``$ZEPHON_TITAN_DIGESTS/finite<rank>.json``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from titan_pipeline import SEQ_LEN, row_digest
 
-from zephon_flow.integrations.torchtitan import ZephonTitanDataLoader
+from zephon_flow.integrations.torchtitan import ZephonTitanDataLoader, data_parallel_group
 
 TP = 2
 
@@ -39,9 +40,10 @@ def main() -> None:
     for inputs, labels in loader:
         rows.append([row_digest(i.numpy(), t.numpy()) for i, t in zip(inputs["input"], labels, strict=True)])
     loader.close()
+    group = dist.get_process_group_ranks(data_parallel_group(dp_rank, dp_world_size))
     out = os.path.join(os.environ["ZEPHON_TITAN_DIGESTS"], f"finite{rank}.json")
     with open(out, "w", encoding="utf-8") as f:
-        json.dump({"rank": rank, "dp_rank": dp_rank, "rows": rows}, f)
+        json.dump({"rank": rank, "dp_rank": dp_rank, "dp_group": sorted(group), "rows": rows}, f)
     dist.destroy_process_group()
 
 

@@ -93,7 +93,7 @@ class ZephonTitanDataLoader(BaseDataLoader):  # type: ignore[misc]
             global_batch_size=self.spec.global_batch_size,
         )
         options: dict[str, Any] = {"backend": config.backend, "workers": config.workers}
-        end_sync = _end_sync(dp_world_size)
+        end_sync = _end_sync(dp_rank, dp_world_size)
         if end_sync is not None:
             options["end_sync"] = end_sync
         self.dataset = ZephonDataset.from_loader(self.spec, rank=dp_rank, world_size=dp_world_size, **options)
@@ -188,13 +188,40 @@ def _check_geometry(spec: LoaderSpec, *, dp_world_size: int, local_batch_size: i
         )
 
 
-def _end_sync(dp_world_size: int) -> TorchEndSync | None:
-    """How the ranks agree on the last step of a finite pass. With tensor, context or pipeline
-    parallelism torch.distributed's world is larger than the data-parallel degree; an all-reduce
-    (MAX) over every rank gives the data-parallel answer, as peers of a data-parallel rank hold
-    its lanes. Made here, while every rank builds its dataloader (a new group is collective)."""
+def _end_sync(dp_rank: int, dp_world_size: int) -> TorchEndSync | None:
+    """How the ranks of a finite pass agree on its last step: over the data-parallel group
+    when torch.distributed's world is larger than the data-parallel degree (tensor, context or
+    pipeline parallelism); else the loader's own default (the world, or none for one rank)."""
     if dp_world_size == 1 or not (dist.is_available() and dist.is_initialized()):
         return None
     if dist.get_world_size() == dp_world_size:
-        return None  # the loader's own default: torch.distributed's world
-    return TorchEndSync()
+        return None
+    return TorchEndSync(group=data_parallel_group(dp_rank, dp_world_size))
+
+
+def data_parallel_group(dp_rank: int, dp_world_size: int) -> Any:
+    """A gloo group holding this rank and one rank of each other data-parallel rank: with
+    torchtitan's layout, this rank's group of its "batch" mesh (which the trainer does not hand
+    its dataloader). Found from what every rank says its data-parallel rank is (one all-gather
+    over the world) while every rank builds its dataloader, as making a group is collective;
+    the ranks must agree on the degree and each data-parallel rank must have as many peers."""
+    world = dist.get_world_size()
+    told: list[Any] = [None] * world
+    dist.all_gather_object(told, (dp_rank, dp_world_size))
+    degrees = sorted({size for _, size in told})
+    if degrees != [dp_world_size]:
+        raise SpecError(
+            f"{WHO}: the ranks were built with data-parallel degrees {degrees}; every rank's "
+            f"dataloader must be built with the same dp_world_size"
+        )
+    ranks_of = [[r for r, (d, _) in enumerate(told) if d == dp] for dp in range(dp_world_size)]
+    peers = world // dp_world_size
+    uneven = {dp: ranks for dp, ranks in enumerate(ranks_of) if len(ranks) != peers}
+    if world % dp_world_size or uneven:
+        raise SpecError(
+            f"{WHO}: {world} ranks cannot be {dp_world_size} data-parallel ranks of {peers} peers "
+            f"each: torch.distributed ranks per data-parallel rank {dict(enumerate(ranks_of))}"
+        )
+    layout = [[ranks_of[dp][k] for dp in range(dp_world_size)] for k in range(peers)]
+    group, _ = dist.new_subgroups_by_enumeration(layout, backend="gloo")
+    return group
