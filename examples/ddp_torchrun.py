@@ -71,7 +71,7 @@ def main() -> None:
     for step, batch in DataLoader(ds, batch_size=None, num_workers=0):
         loss = model(batch["input_ids"])
         optim.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward()
         optim.step()
         digest = global_digest(batch)
         if digest is not None:
