@@ -64,11 +64,27 @@ def _size_option(name: str, value: Any) -> tuple[int, int] | None:
     return int(pair[0]), int(pair[1])
 
 
+def _any_case(element: Mapping[Any, Any], fields: tuple[str, ...], name: str) -> str | None:
+    """The key of ``element`` equal to one of ``fields`` but for case (the first field that has
+    one), None if none; two such keys for one field are refused by name."""
+    for f in fields:
+        keys = sorted(k for k in element if isinstance(k, str) and k.lower() == f.lower())
+        if len(keys) > 1:
+            raise DataError(
+                f"DecodeImage: {name} has fields {keys}, which differ only in case; which is {f!r}?"
+            )
+        if keys:
+            return keys[0]
+    return None
+
+
 class DecodeImage(beam.DoFn):  # type: ignore[misc]
     """Decodes ``element[field]`` (bytes) and stores the pixels under ``element[output]``.
 
     ``field`` may list several names (by default ``IMAGE_FIELDS``: ``"jpg"``, ``"jpeg"``,
-    ``"png"``, ``"webp"``): the first one the sample has is decoded.
+    ``"png"``, ``"webp"``): the first one the sample has is decoded. A name the sample lacks is
+    also looked up whatever its case (``"jpg"`` finds a WebDataset sample's ``"JPG"``); two
+    keys that differ only in case are refused by name.
 
     The element is a dict (e.g. a WebDataset sample ``{"__key__", "jpg", "txt"}``); the output
     is a new dict without ``field`` (unless ``keep_input``) and with ``output`` holding a
@@ -161,7 +177,7 @@ class DecodeImage(beam.DoFn):  # type: ignore[misc]
                 f"got {type(element).__name__}"
             )
         name = sample_name(element)
-        field = next((f for f in self.fields if f in element), None)
+        field = next((f for f in self.fields if f in element), None) or _any_case(element, self.fields, name)
         if field is None:
             raise DataError(
                 f"DecodeImage: {name} has no field {wanted} (it has {sorted(element)}); "

@@ -24,14 +24,15 @@ _COMPRESSED_MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "
 def member_key(name: str) -> tuple[str, str] | None:
     """``(key, extension)`` of a member name by the WebDataset convention, or None without one.
 
-    The key is the path up to the first dot of the basename; the extension is the rest, lower-
-    cased: ``"a/b/000017.seg.png"`` -> ``("a/b/000017", "seg.png")``.
+    The key is the path up to the first dot of the basename; the extension is the rest, as
+    written (as the webdataset package keeps it): ``"a/b/000017.seg.PNG"`` ->
+    ``("a/b/000017", "seg.PNG")``.
     """
     directory, _, base = name.rpartition("/")
     stem, dot, ext = base.partition(".")
     if not (stem and dot and ext):
         return None
-    return (f"{directory}/{stem}" if directory else stem), ext.lower()
+    return (f"{directory}/{stem}" if directory else stem), ext
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,12 @@ class ReadWebDataset(Source):
     """Samples of WebDataset tar shards: consecutive members sharing a key form one sample.
 
     ``fields`` are the extensions every sample must have; ``"jpg;png"`` accepts either (the
-    first one listed that the sample has). The element is a dict ``{"__key__": key, ext: value}``
-    with one entry per field, keyed by the extension found. Values are the member's bytes,
+    first one listed that the sample has). A field matches a member's extension whatever their
+    case (``"jpg"`` finds ``x.JPG``); a sample with two members that differ only in case for one
+    field (``x.jpg`` and ``x.JPG``) is refused by name. The element is a dict
+    ``{"__key__": key, ext: value}`` with one entry per field, keyed by the extension found,
+    as written in the shard (``"JPG"`` for ``x.JPG``, as the webdataset package keys it;
+    ``DecodeImage`` finds its fields whatever their case). Values are the member's bytes,
     except for ``text_fields`` (default ``("txt",)``), decoded as UTF-8 to ``str`` so that a
     caption can go straight to ``Tokenize``. Members no field asks for are not read; members
     that are not regular files (directories, links) or whose basename has no extension are
@@ -246,7 +251,7 @@ class ReadWebDataset(Source):
 
     def _read_member(self, fh: IO[bytes], path: str, member: _Member) -> tuple[str, str, bytes | None]:
         name, ext, info = member
-        if ext not in self._wanted:
+        if ext.lower() not in self._wanted:
             return name, ext, None
         fh.seek(info.offset_data)
         data = fh.read(info.size)
@@ -265,8 +270,8 @@ class ReadWebDataset(Source):
         sample: TarSample = record.payload
         where = f"{record.path} at {record.where}"
         element: dict[str, Any] = {"__key__": sample.key}
-        for alternatives in self.fields:
-            present = [m for m in sample.members if m[1] in alternatives]
+        for alternatives in self.fields:  # lower case; a member's extension as written
+            present = [m for m in sample.members if m[1].lower() in alternatives]
             if not present:
                 has = ", ".join(repr(ext) for _, ext, _ in sample.members) or "no members"
                 wanted = " or ".join(repr(ext) for ext in alternatives)
@@ -274,14 +279,17 @@ class ReadWebDataset(Source):
                     f"{operator}: {where} has no {wanted} member (it has {has}); "
                     f"every sample needs {', '.join(repr(';'.join(a)) for a in self.fields)}"
                 )
-            ext = next(e for e in alternatives if any(m[1] == e for m in present))
-            chosen = [m for m in present if m[1] == ext]
+            field = next(e for e in alternatives if any(m[1].lower() == e for m in present))
+            chosen = [m for m in present if m[1].lower() == field]
             if len(chosen) > 1:
                 names = ", ".join(repr(m[0]) for m in chosen)
-                raise DataError(f"{operator}: {where} has {len(chosen)} {ext!r} members ({names})")
-            name, _, data = chosen[0]
+                raise DataError(
+                    f"{operator}: {where} has {len(chosen)} {field!r} members ({names}); a field "
+                    f"matches extensions whatever their case"
+                )
+            name, ext, data = chosen[0]
             assert data is not None
-            element[ext] = self._text(data, name, where, operator) if ext in self.text_fields else data
+            element[ext] = self._text(data, name, where, operator) if field in self.text_fields else data
         return [element]
 
     @staticmethod

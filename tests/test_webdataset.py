@@ -74,7 +74,7 @@ def header_offsets(path: str) -> dict[str, int]:
     ("name", "expected"),
     [
         ("000017.jpg", ("000017", "jpg")),
-        ("a/b/000017.seg.PNG", ("a/b/000017", "seg.png")),
+        ("a/b/000017.seg.PNG", ("a/b/000017", "seg.PNG")),  # the case as written, as webdataset keeps it
         ("a.b/c.txt", ("a.b/c", "txt")),
         ("README", None),
         ("dir/.hidden", None),
@@ -220,6 +220,42 @@ def test_alternative_extensions_take_the_first_listed_that_is_present(tmp_path: 
     path = write_tar(tmp_path / "s.tar", members)
     got = elements(ReadWebDataset(path, fields=("JPG;png", "txt")))
     assert got == [{"__key__": "a", "png": b"p", "txt": "x"}, {"__key__": "b", "jpg": b"j", "txt": "y"}]
+
+
+def test_fields_match_any_case_and_the_element_keeps_the_extension_as_written(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from zephon_flow.operators.image_decode import DecodeImage
+
+    jpeg = io.BytesIO()
+    Image.new("RGB", (4, 2), (200, 10, 10)).save(jpeg, format="JPEG")
+    members = [("a.JPG", jpeg.getvalue()), ("a.TXT", b"x"), ("b.jpg", jpeg.getvalue()), ("b.txt", b"y")]
+    path = write_tar(tmp_path / "s.tar", members)
+    got = elements(ReadWebDataset(path, fields=("jpg", "txt")))
+    assert got == [
+        {"__key__": "a", "JPG": jpeg.getvalue(), "TXT": "x"},  # TXT still decoded: a text field
+        {"__key__": "b", "jpg": jpeg.getvalue(), "txt": "y"},
+    ]
+    decoded = [next(iter(DecodeImage().process(e))) for e in got]  # its default fields find "JPG"
+    assert [sorted(d) for d in decoded] == [["TXT", "__key__", "image"], ["__key__", "image", "txt"]]
+    assert decoded[0]["image"].tobytes() == decoded[1]["image"].tobytes()
+    assert decoded[0]["image"].shape == (2, 4, 3)
+    with pytest.raises(DataError) as err:
+        next(iter(DecodeImage().process({"__key__": "c", "Jpg": b"", "JPG": b""})))
+    assert (
+        str(err.value)
+        == "DecodeImage: sample 'c' has fields ['JPG', 'Jpg'], which differ only in case; which is 'jpg'?"
+    )
+
+
+def test_two_members_that_differ_only_in_case_are_refused_by_name(tmp_path: Path) -> None:
+    path = write_tar(tmp_path / "s.tar", [("a.jpg", b"1"), ("a.JPG", b"2"), ("a.txt", b"x")])
+    with pytest.raises(DataError) as err:
+        elements(ReadWebDataset(path))
+    assert str(err.value) == (
+        f"{OP}: {path} at sample 0 (key 'a') has 2 'jpg' members ('a.jpg', 'a.JPG'); a field matches "
+        "extensions whatever their case"
+    )
 
 
 def test_several_shards_and_a_shard_without_samples(tmp_path: Path) -> None:
