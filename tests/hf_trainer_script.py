@@ -107,7 +107,13 @@ def run(
     dataset = ZephonDataset.from_loader(spec, backend=backend, workers=workers)  # before the args
     args = training_args(out, steps=steps, save_steps=save_steps, rows=GLOBAL_BATCH // _world(), ga=ga)
     trainer = RecordingTrainer(model=tiny_gpt2(corpus), args=args, train_dataset=dataset)
-    trainer.train(resume_from_checkpoint=resume)
+    # One intra-op thread: a model this small only loses time to threads on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        torch.set_num_threads(threads)
     return trainer.seen
 
 
