@@ -223,5 +223,5 @@ def data_parallel_group(dp_rank: int, dp_world_size: int) -> Any:
             f"each: torch.distributed ranks per data-parallel rank {dict(enumerate(ranks_of))}"
         )
     layout = [[ranks_of[dp][k] for dp in range(dp_world_size)] for k in range(peers)]
-    group, _ = dist.new_subgroups_by_enumeration(layout, backend="gloo")
+    group, _ = dist.new_subgroups_by_enumeration(layout, backend="gloo")  # type: ignore[no-untyped-call]
     return group
