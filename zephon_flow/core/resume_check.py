@@ -264,13 +264,15 @@ class MadeWindow:
 class PendingChecks:
     """The checks that complete a state taken at a window close: they are known only once the
     lanes made their next windows, which the producer does ahead of the consumer. ``fill``
-    gives them (once); ``wait`` returns them, or None if the producer stops first."""
+    gives them (once); ``wait`` returns them, or None if the producer stops first. ``alive``
+    says whether the producer may still fill them (default: no, never wait)."""
 
-    __slots__ = ("_event", "_made")
+    __slots__ = ("_alive", "_event", "_made")
 
-    def __init__(self) -> None:
+    def __init__(self, alive: Callable[[], bool] | None = None) -> None:
         self._event = threading.Event()
         self._made: dict[int, MadeWindow | WindowCheck] = {}
+        self._alive = alive
 
     def fill(self, made: Mapping[int, MadeWindow | WindowCheck | None]) -> None:
         """The lanes' next windows (a lane with None stays unchecked); only the first call counts."""
@@ -286,11 +288,19 @@ class PendingChecks:
     def filled(self) -> bool:
         return self._event.is_set()
 
-    def wait(self, alive: Callable[[], bool], poll: float = 0.05) -> dict[int, WindowCheck] | None:
-        """The checks by lane once filled; None if ``alive()`` turns False before."""
-        while not self._event.wait(poll):
+    def wait(
+        self, alive: Callable[[], bool] | None = None, poll: float = 0.05
+    ) -> dict[int, WindowCheck] | None:
+        """The checks by lane once filled; None if ``alive()`` (default: the one given at
+        construction) turns False before."""
+        alive = alive or self._alive or _never
+        while not self._event.wait(0.0 if self._event.is_set() else poll):
             if not alive():
                 if self._event.is_set():
                     break
                 return None
         return {lane: m.check() if isinstance(m, MadeWindow) else m for lane, m in self._made.items()}
+
+
+def _never() -> bool:
+    return False

@@ -243,15 +243,17 @@ class LoaderState:
     recipe: bool = False
     checks: PendingChecks | None = field(default=None, repr=False, compare=False)
 
-    def completed(self, alive: Callable[[], bool]) -> LoaderState:
+    def completed(self, alive: Callable[[], bool] | None = None) -> LoaderState:
         """This state with each lane's ``next_window`` check, once its lanes made their next
-        windows (waits for them while ``alive()``: at most the making of one window, usually
-        not at all, as the producer runs ahead); unchanged if they will never be made."""
+        windows (waits for them while ``alive()``, by default while the loader that took the
+        state is producing: at most the making of one window, usually not at all, as the
+        producer runs ahead); unchanged if they will never be made. Writing, encoding,
+        merging and ``to_plain`` complete a state first."""
         if self.checks is None:
             return self
         found = self.checks.wait(alive)
         if not found:
-            return self
+            return replace(self, checks=None)
         lanes = {
             lane: ls if lane not in found else replace(ls, next_window=found[lane])
             for lane, ls in self.lane_states.items()
@@ -259,6 +261,11 @@ class LoaderState:
         return replace(self, lane_states=lanes, checks=None)
 
     def to_plain(self) -> dict[str, Any]:
+        if self.checks is not None:
+            return self.completed()._plain()
+        return self._plain()
+
+    def _plain(self) -> dict[str, Any]:
         return {
             "kind": RECIPE_KIND if self.recipe else STATE_KIND,
             "format_version": codec.FORMAT_VERSION,
@@ -476,9 +483,10 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
 
 
 def to_loader_state(state: Any) -> LoaderState:
-    """Accepts a ``LoaderState``, its plain form, or encoded checkpoint bytes."""
+    """Accepts a ``LoaderState``, its plain form, or encoded checkpoint bytes (a state whose
+    next-window checks are still pending is completed first)."""
     if isinstance(state, LoaderState):
-        return state
+        return state if state.checks is None else state.completed()
     if isinstance(state, bytes | bytearray | memoryview):
         state = decode_state(bytes(state))
     elif isinstance(state, str | os.PathLike):

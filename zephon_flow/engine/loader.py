@@ -6,8 +6,9 @@ import contextlib
 import logging
 import queue
 import threading
+import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -231,7 +232,12 @@ class Loader:
     def _state(self, step: int, lanes: dict[int, LaneState]) -> LoaderState:
         """The state at ``step``; its lanes' next windows complete it (``checks``) once made."""
         return LoaderState(
-            step, self.spec.lanes, self._fingerprint, lanes, list(self._mix_history), checks=PendingChecks()
+            step,
+            self.spec.lanes,
+            self._fingerprint,
+            lanes,
+            list(self._mix_history),
+            checks=PendingChecks(alive=_producing(self)),
         )
 
     def _on_skip(self, source: int, message: str) -> None:
@@ -389,8 +395,7 @@ class Loader:
     def _completed(self, state: LoaderState) -> LoaderState:
         """``state`` with its lanes' next-window checks (``LoaderState.completed``): waits only
         while the producer is still making those windows, at most one window's time."""
-        thread = self._thread
-        return state.completed(lambda: thread is not None and thread.is_alive() and not self._closed)
+        return state.completed(_producing(self))
 
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """Plain data: ``state(step)``, this rank's lanes positioned so that ``step`` is the
@@ -488,6 +493,19 @@ def restore_lanes(
         loaded = recipe.from_recipes(plan, loaded, spec.lanes, lane_ids, submit)
     loaded = resume_checks(loaded, lane_ids, verify=verify, quiet=quiet)
     return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
+
+
+def _producing(loader: Loader) -> Callable[[], bool]:
+    """Whether ``loader``'s producer may still make windows (held weakly: a state kept by a
+    trainer does not keep its loader alive)."""
+    ref = weakref.ref(loader)
+
+    def alive() -> bool:
+        ld = ref()
+        thread = None if ld is None else ld._thread
+        return ld is not None and thread is not None and thread.is_alive() and not ld._closed
+
+    return alive
 
 
 _said_unverified: set[tuple[int, str]] = set()

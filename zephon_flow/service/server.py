@@ -164,7 +164,7 @@ class BatchServer:
                 verify_resume=verify_resume,
             )
         self._loader = loader
-        first = loader.state()
+        first = self._state_now()
         self._held = _hold(
             first, ahead=ahead, keep=keep, held_bytes=held_bytes, checkpoint_every=checkpoint_every
         )
@@ -172,6 +172,13 @@ class BatchServer:
         self._set_up_streams(stream_timeout, chunk_bytes)
         self._server = self._grpc_server(token, max_streams)
         self.host, self.port = host, self._listen(host, port, tls)
+
+    def _state_now(self) -> LoaderState:
+        """The loader's state after its last batch, as held: the embedded Loader's
+        ``snapshot()``, whose next-window checks are computed only if it is saved (a state
+        is completed when written), else ``state()``."""
+        snapshot = getattr(self._loader, "snapshot", None)
+        return snapshot() if callable(snapshot) else self._loader.state()
 
     def _set_up_checkpoints(
         self, directory: str | None, every: int | None, keep: int, first_step: int
@@ -264,7 +271,7 @@ class BatchServer:
                 if item is None:
                     self._held.finish()
                     return
-                self._held.add(item[1], self._loader.state())
+                self._held.add(item[1], self._state_now())
         except BaseException as exc:  # carried to every stream as INTERNAL
             self._fail(exc)
 
