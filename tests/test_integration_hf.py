@@ -182,6 +182,14 @@ def test_ignore_data_skip_is_turned_off(corpus: Corpus, tmp_path: Path) -> None:
     assert args.ignore_data_skip is False  # the resume loads the state: nothing to skip, RNG restored
 
 
+def test_a_train_dataset_that_is_not_a_zephon_dataset_is_refused(corpus: Corpus, tmp_path: Path) -> None:
+    args = training_args(str(tmp_path), steps=2, save_steps=2, rows=GLOBAL_BATCH)
+    with pytest.raises(
+        zf.SpecError, match=r"train_dataset must be a zephon_flow\.torch\.ZephonDataset .*got list"
+    ):
+        RecordingTrainer(model=tiny_gpt2(corpus), args=args, train_dataset=[{"input_ids": [1, 2]}])
+
+
 def test_a_dataset_for_another_rank_is_refused(corpus: Corpus, tmp_path: Path) -> None:
     args = training_args(str(tmp_path), steps=2, save_steps=2, rows=GLOBAL_BATCH)
     dataset = ZephonDataset.from_loader(make_spec(corpus), rank=1, world_size=2)
