@@ -185,7 +185,10 @@ def _installed_dirs() -> tuple[str, ...]:
 def is_user_module(name: str) -> bool:
     """Whether module ``name`` is the user's code: not the standard library, Beam, zephon-flow
     or an installed package (a file under the interpreter's or an environment's library or
-    site-packages folders), and loaded from a file (``__main__`` included)."""
+    site-packages folders), and loaded from a file; ``__main__`` always (a script, or a
+    notebook's cells, which have no file)."""
+    if name == "__main__":
+        return True
     if not name or _is_library(name):
         return False
     module = sys.modules.get(name)
