@@ -152,6 +152,12 @@ class ZephonTrainerMixin:
     bypass accelerate's dataloader (no ``dispatch_batches``, ``split_batches`` or read-ahead);
     ``provenance=True`` keeps ``documents``, ``documents_count`` and ``segment_ids`` in the
     inputs (with ``remove_unused_columns=False``, for a ``compute_loss`` that reads them).
+
+    A resume compares the checkpoint's data step with ``global_step *
+    gradient_accumulation_steps`` from its ``trainer_state.json`` and warns
+    (``StepMismatchWarning``) when they differ: after a change of
+    ``gradient_accumulation_steps``, or when the first run's dataset did not start at step 0.
+    The data always continues from the checkpoint's state.
     """
 
     def __init__(self, *args: Any, provenance: bool = False, **kwargs: Any) -> None:
