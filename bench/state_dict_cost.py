@@ -65,6 +65,10 @@ def run(spec: zf.LoaderSpec, warm: int, steps: int, **options: Any) -> tuple[lis
     t = time.perf_counter()
     torch.save(state, io.BytesIO())
     serialise = (time.perf_counter() - t) * 1e3
+    if hasattr(ds, "local_state"):  # the same state encoded whole, once more (for comparison)
+        t = time.perf_counter()
+        ds.local_state()
+        print(f"  encoding this rank's state whole: {(time.perf_counter() - t) * 1e3:.1f} ms")
     ds.close()
     return calls, serialise, per_batch
 
