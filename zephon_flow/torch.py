@@ -215,6 +215,11 @@ class ZephonDataset(IterableDataset[Item]):
         return cls(connect=connect, rank=rank, world_size=world_size, group=group, keep_states=keep_states)
 
     @property
+    def spec(self) -> LoaderSpec | None:
+        """The pipeline an embedded dataset runs (None over a service ``Client``)."""
+        return self._spec
+
+    @property
     def served(self) -> bool:
         """True for a dataset over a service ``Client``, False for an embedded ``Loader``."""
         return self._connect is not None
