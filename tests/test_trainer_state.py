@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from helpers import Corpus, example_spec
 
 import zephon_flow as zf
-from zephon_flow.core.errors import StateError
+from zephon_flow.core.errors import SpecError, StateError
 from zephon_flow.engine.simulate import global_batches, global_digests
 from zephon_flow.torch import LaneBytes, StepMismatchWarning, ZephonDataset, gather_states, to_hf_inputs
 
@@ -191,6 +191,16 @@ def test_to_hf_inputs_gives_causal_lm_fields(corpus: Corpus) -> None:
     np.testing.assert_array_equal(hf["labels"].numpy(), np.where(starts, -100, whole["input_ids"]))
     kept = to_hf_inputs(batch, keep=("documents",), labels=False)
     assert sorted(kept) == ["documents", "input_ids", "position_ids"]
+
+
+def test_a_group_without_torch_distributed_is_refused_when_iterating(corpus: Corpus) -> None:
+    ds = ZephonDataset.from_loader(spec_of(corpus), group=object())  # resolved later: accepted now
+    with pytest.raises(
+        SpecError,
+        match=r"^ZephonDataset: built with group=, but torch.distributed is not initialised; "
+        r"initialise it before iterating, or pass rank= and world_size=$",
+    ):
+        next(iter(ds))
 
 
 # -- torch.distributed (gloo on 127.0.0.1, spawned processes) -------------------------------------
