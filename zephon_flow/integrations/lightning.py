@@ -39,7 +39,7 @@ FORMAT = "zephon_flow.lightning/1"
 _KEYS = ("format", "data", "trained_batches")
 
 
-class ZephonDataModule(pl.LightningDataModule):
+class ZephonDataModule(pl.LightningDataModule):  # type: ignore[misc]
     """A ``LightningDataModule`` over ``ZephonDataset.from_loader(spec, ...)``.
 
     ``training_step`` receives ``(step, batch)`` (a ``StepBatch``): this rank's rows of global
@@ -165,7 +165,7 @@ def _processed(trainer: pl.Trainer) -> int:
 
 
 # -- the guard against a ZephonDataset given to Lightning without the data module ----------------
-class ZephonGuard(Callback):
+class ZephonGuard(Callback):  # type: ignore[misc]
     """Makes a ``ZephonDataset`` given to Lightning without ``ZephonDataModule`` resume exactly,
     or refuses the resume by name.
 
