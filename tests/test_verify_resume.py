@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import apache_beam as beam
+import numpy as np
 import pytest
 from helpers import Corpus, DocKey, chain_spec, make_corpus, tagged_texts, train_tokenizer, write_jsonl
 
@@ -25,6 +26,7 @@ STEPS, CUT = 7, 3
 
 PIPELINE = """
 import apache_beam as beam
+import numpy as np
 import zephon_flow as zf
 from zephon_flow import operators as ops
 
@@ -328,3 +330,41 @@ def test_a_recipe_checkpoint_records_and_verifies_the_same_checks(own: Corpus) -
     edit_in_place(own.web_jsonl, offset)
     with pytest.raises(ResumeMismatchError, match=rf"^lane {lane}, step {CUT}: "):
         global_digests(make_spec(own), steps=1, state=final[0])
+
+
+def test_what_a_difference_names() -> None:
+    """The words for each kind of difference, on checks made by hand."""
+    from zephon_flow.core.resume_check import GROUPS, WindowCheck, difference
+
+    def name(doc: tuple[int, int, int]) -> str:
+        return f"record {doc}"
+
+    tokens = [np.arange(5, dtype=np.int32)]
+    fed = [((0, 0, 10), tokens), ((0, 0, 20), tokens)]
+    samples = [{"input_ids": np.arange(4, dtype=np.int32)}]
+    base = WindowCheck.of(samples, fed)
+    assert difference(base, WindowCheck.of(samples, fed), fed, name) is None
+    moved = [((0, 0, 10), tokens), ((0, 1, 0), tokens)]
+    assert difference(base, WindowCheck.of(samples, moved), moved, name) == (
+        "the lane now reads record (0, 1, 0) where the checkpoint recorded record (0, 0, 20): "
+        "records were added, removed or moved in the data before it (or a file was replaced)"
+    )
+    other = [((0, 0, 10), tokens), ((0, 0, 20), [np.arange(6, dtype=np.int32)])]
+    assert difference(base, WindowCheck.of(samples, other), other, name).startswith(
+        "record (0, 0, 20) gives other values than when the checkpoint was saved"
+    )
+    more = [*fed, ((0, 0, 30), tokens)]
+    assert "read 3 record(s) to make the window where the checkpoint recorded 2" in str(
+        difference(base, WindowCheck.of(samples, more), more, name)
+    )
+    changed = [{"input_ids": np.arange(1, 5, dtype=np.int32)}]
+    assert "the records the lane read are the same, but the window's 1 sample(s) differ" in str(
+        difference(base, WindowCheck.of(changed, fed), fed, name)
+    )
+    # many records: runs of them, the changed one named with its run
+    many = [((0, 0, i), tokens) for i in range(3 * GROUPS)]
+    edited = [*many[:7], ((0, 0, 7), [np.arange(6, dtype=np.int32)]), *many[8:]]
+    found = difference(WindowCheck.of(samples, many), WindowCheck.of(samples, edited), edited, name)
+    assert str(found).startswith("one of the records from record (0, 0, 6) to record (0, 0, 8) (3 records)")
+    # a check survives its plain form
+    assert WindowCheck.from_plain(base.to_plain(), "test") == base

@@ -128,6 +128,19 @@ class WindowCheck:
         h.update(self.run_digests)
         return h.hexdigest()[: 2 * WINDOW_BYTES]
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, WindowCheck):
+            return NotImplemented
+        return (
+            self.samples == other.samples
+            and self.window == other.window
+            and self.records == other.records
+            and np.array_equal(self.runs, other.runs)
+            and self.run_digests == other.run_digests
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
     def run_digest(self, g: int) -> bytes:
         return self.run_digests[g * RUN_BYTES : (g + 1) * RUN_BYTES]
 
@@ -189,13 +202,7 @@ def difference(
 ) -> str | None:
     """What differs between the check a checkpoint recorded and the one of the window made now
     (``fed``: the records read for it), in words; None when they agree."""
-    if (
-        recorded.samples == found.samples
-        and recorded.window == found.window
-        and recorded.records == found.records
-        and np.array_equal(recorded.runs, found.runs)
-        and recorded.run_digests == found.run_digests
-    ):
+    if recorded == found:
         return None
     bounds = run_bounds(found.records)
     same_runs = recorded.records == found.records
