@@ -368,3 +368,11 @@ def test_what_a_difference_names() -> None:
     assert str(found).startswith("one of the records from record (0, 0, 6) to record (0, 0, 8) (3 records)")
     # a check survives its plain form
     assert WindowCheck.from_plain(base.to_plain(), "test") == base
+
+
+def test_a_change_accepted_with_allow_mix_change_is_not_refused(own: Corpus) -> None:
+    state = state_at(make_spec(own), CUT)
+    text = PIPELINE.format(web=own.web_jsonl, code=own.code_parquet, tok=own.tokenizer_json)
+    namespace: dict[str, Any] = {}
+    exec(text.replace("weights=[0.6, 0.4]", "weights=[0.2, 0.8]"), namespace)
+    assert len(global_digests(namespace["spec"], steps=2, state=state, allow_mix_change=True)) == 2
