@@ -1,0 +1,185 @@
+"""A video file's index read by demuxing, never decoding: every frame's timestamp and the key frames.
+
+``ReadVideo`` plans its clips from it and ``DecodeVideo`` seeks with it. Demuxing reads packet
+headers only (a two-hour file's index is read in seconds and then cached on disk by
+``_file_cache``, keyed by the file's path, size, mtime and ends), so listing costs no decode.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.operators import _file_cache
+
+#: The cached index's kind and version: bumped when what it holds or how it is read changes.
+LISTING = "video-index 1"
+#: The container extensions ``ReadVideo`` is meant for (the glob decides what is read).
+EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov")
+
+
+@dataclass(frozen=True)
+class VideoIndex:
+    """What a clip plan needs of one video stream, read from packet headers."""
+
+    #: The stream's time base as (numerator, denominator): a pts times it is seconds.
+    time_base: tuple[int, int]
+    #: Every frame's presentation timestamp, ascending (presentation order).
+    pts: tuple[int, ...]
+    #: The key frames' presentation timestamps, ascending: where a decode may start.
+    keys: tuple[int, ...]
+    width: int
+    height: int
+    codec: str
+
+    def seconds(self, pts: int) -> float:
+        """``pts`` in seconds from the stream's first frame."""
+        num, den = self.time_base
+        return float(Fraction((pts - self.pts[0]) * num, den))
+
+    def key_before(self, pts: int) -> int:
+        """The last key frame at or before ``pts`` (the first key frame if none is)."""
+        i = bisect.bisect_right(self.keys, pts) - 1
+        return self.keys[max(i, 0)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "time_base": list(self.time_base),
+            "pts": list(self.pts),
+            "keys": list(self.keys),
+            "width": self.width,
+            "height": self.height,
+            "codec": self.codec,
+        }
+
+    @classmethod
+    def from_json(cls, value: Any) -> VideoIndex | None:
+        """The index stored by ``to_json``, or None for anything else (a stale cache entry)."""
+        try:
+            num, den = value["time_base"]
+            index = cls(
+                (int(num), int(den)),
+                tuple(int(p) for p in value["pts"]),
+                tuple(int(p) for p in value["keys"]),
+                int(value["width"]),
+                int(value["height"]),
+                str(value["codec"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        return index if index.pts and index.keys else None
+
+
+def pyav() -> Any:
+    """The ``av`` module (PyAV, an optional dependency: imported when a video is first opened,
+    so ``zephon_flow.operators`` imports without it)."""
+    try:
+        import av  # optional: the ``video`` extra
+    except ImportError as exc:
+        raise SpecError(
+            "the video operators need PyAV: pip install 'zephon-flow[video]' (av==18.1.0)"
+        ) from exc
+    return av
+
+
+@contextlib.contextmanager
+def open_container(path: str, operator: str) -> Iterator[Any]:
+    """The file opened by PyAV (local paths directly, others through Beam's ``FileSystems``);
+    FFmpeg's refusal to open it is a ``DataError`` naming the file."""
+    with contextlib.ExitStack() as stack:
+        source: Any = files.local_path(path) if files.is_local(path) else None
+        if source is None:
+            source = stack.enter_context(files.open_binary(path, operator=operator))
+        av = pyav()
+        try:
+            container = av.open(source, mode="r")
+        except av.error.FFmpegError as exc:
+            raise DataError(
+                f"{operator}: {path} is not a video container FFmpeg can read (truncated or "
+                f"damaged?): {_reason(exc)}"
+            ) from exc
+        stack.callback(container.close)
+        yield container
+
+
+def video_stream(container: Any, path: str, operator: str, max_pixels: int) -> Any:
+    """The file's first video stream, refused by name if there is none, if FFmpeg has no
+    decoder for its codec, or if its frames have more than ``max_pixels`` pixels."""
+    if not container.streams.video:
+        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+        raise DataError(f"{operator}: {path} has no video stream (it has {', '.join(kinds)})")
+    stream = container.streams.video[0]
+    ctx = stream.codec_context
+    name = getattr(ctx, "name", None) if ctx is not None else None
+    if not name:
+        raise DataError(f"{operator}: {path} has a video stream in a codec FFmpeg cannot decode")
+    width, height = int(ctx.width), int(ctx.height)
+    if width < 1 or height < 1 or width * height > max_pixels:
+        raise DataError(
+            f"{operator}: {path} has {width}x{height} frames, outside 1..max_pixels={max_pixels} "
+            f"pixels; raise max_pixels= if such videos are expected"
+        )
+    return stream
+
+
+def read_index(path: str, *, operator: str, max_pixels: int) -> VideoIndex:
+    """The index of ``path``'s first video stream, from the disk cache or by demuxing it."""
+    info = files.stat(path, operator=operator)
+    if info.size == 0:
+        raise DataError(f"{operator}: {path} is empty (0 bytes), not a video; remove it or narrow the glob")
+    name = f"video-index-{_file_cache.key(path, info, LISTING, operator=operator)}.json"
+    index = VideoIndex.from_json(_file_cache.load_json(name))
+    if index is None:
+        index = _demux(path, operator, max_pixels)
+        _file_cache.store_json(name, index.to_json())
+    elif index.width * index.height > max_pixels:
+        raise DataError(
+            f"{operator}: {path} has {index.width}x{index.height} frames, outside "
+            f"1..max_pixels={max_pixels} pixels; raise max_pixels= if such videos are expected"
+        )
+    return index
+
+
+def _demux(path: str, operator: str, max_pixels: int) -> VideoIndex:
+    av = pyav()
+    with open_container(path, operator) as container:
+        stream = video_stream(container, path, operator, max_pixels)
+        stamps: set[int] = set()
+        keys: set[int] = set()
+        try:
+            for packet in container.demux(stream):
+                if packet.size == 0:
+                    continue  # the demuxer's end-of-stream marker
+                pts = packet.pts if packet.pts is not None else packet.dts
+                if pts is None:
+                    raise DataError(f"{operator}: {path} has video packets without timestamps")
+                stamps.add(int(pts))
+                if packet.is_keyframe:
+                    keys.add(int(pts))
+        except av.error.FFmpegError as exc:
+            raise DataError(f"{operator}: {path} cannot be demuxed (damaged?): {_reason(exc)}") from exc
+        if not stamps or not keys:
+            raise DataError(
+                f"{operator}: {path} has no video frames" + ("" if not stamps else " (no key frame)")
+            )
+        tb = stream.time_base
+        ctx = stream.codec_context
+        return VideoIndex(
+            (tb.numerator, tb.denominator),
+            tuple(sorted(stamps)),
+            tuple(sorted(keys)),
+            int(ctx.width),
+            int(ctx.height),
+            str(ctx.name),
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    text = getattr(exc, "strerror", None) or str(exc)
+    return str(text).rstrip(".")

@@ -1,0 +1,154 @@
+"""``DecodeVideo``: one planned clip to ``T x H x W x 3`` uint8 frames with PyAV, by seeking (stateless)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import apache_beam as beam
+import numpy as np
+
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.operators._video_index import open_container, pyav, video_stream
+from zephon_flow.operators.image_resize import ResizeImage
+from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
+
+
+class DecodeVideo(beam.DoFn):  # type: ignore[misc]
+    """Decodes the clip a ``ReadVideo`` element plans and stores its frames under ``output``.
+
+    The decoder seeks to the key frame the plan names, decodes forward and keeps the planned
+    frames: a clip costs at most a group of pictures of decoding, never the video before it,
+    and only one clip's frames are held. With ``size`` each frame is resized as it is decoded
+    (``ResizeImage``'s ``mode``, ``resample``: the image path's crop and pad), so no clip is
+    held at full resolution. The output is a C-contiguous ``uint8 [T, H, W, 3]`` array; the
+    plan field is dropped. A frame whose stream carries a display rotation (phone videos) is
+    turned upright first (multiples of 90 degrees).
+
+    **Bytes**: the frames are a pure function of the file, the plan and the options for one
+    FFmpeg build. A clip is always decoded from the same key frame (the plan's), whichever
+    lane, worker or resume point decodes it, and the decoder runs single-threaded
+    (``thread_type="NONE"``, one thread): frame-threaded H.264 and VP9 decoding is exact too,
+    but error concealment on damaged streams is not, and a thread pool per worker process
+    would oversubscribe the cores the backend already fills. FFmpeg's conversion to RGB and
+    its decoders may change between releases: PyAV (which bundles FFmpeg) is pinned by the
+    ``video`` extra; its version is not in the fingerprint, like Pillow's.
+
+    **Errors** (``DataError`` naming the file and the clip): a file FFmpeg cannot open or
+    demux, a decode error, a clip whose planned frames the decoder does not give (a truncated
+    or changed file). With the source's ``on_error="skip"`` the runner drops that clip.
+    """
+
+    def __init__(
+        self,
+        *,
+        size: int | tuple[int, int] | None = None,
+        mode: str = "center_crop",
+        resample: str = "bilinear",
+        output: str = "frames",
+        max_pixels: int = 16_000_000,
+        rotate: bool = True,
+    ) -> None:
+        super().__init__()
+        if not isinstance(output, str) or not output:
+            raise SpecError(f"DecodeVideo: output must be a non-empty string, got {output!r}")
+        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+            raise SpecError(f"DecodeVideo: max_pixels must be a positive integer, got {max_pixels!r}")
+        self.resizer = None if size is None else ResizeImage(size, mode=mode, resample=resample)
+        self.output = output
+        self.max_pixels = max_pixels
+        self.rotate = bool(rotate)
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "resize": None if self.resizer is None else self.resizer.params(),
+            "output": self.output,
+            "max_pixels": self.max_pixels,
+            "rotate": self.rotate,
+        }
+
+    def process(self, element: Any) -> Iterator[dict[str, Any]]:
+        if not isinstance(element, Mapping) or not isinstance(element.get(PLAN_FIELD), ClipPlan):
+            got = sorted(element) if isinstance(element, Mapping) else type(element).__name__
+            raise DataError(
+                f"DecodeVideo: expected a ReadVideo clip (a dict with {PLAN_FIELD!r}), got {got}; "
+                f"put DecodeVideo right after ReadVideo"
+            )
+        out = {k: v for k, v in element.items() if k != PLAN_FIELD}
+        out[self.output] = self.decode(str(element["video"]), element[PLAN_FIELD])
+        yield out
+
+    def decode(self, path: str, plan: ClipPlan) -> np.ndarray:
+        """The planned frames of one clip of ``path``, stacked ``[T, H, W, 3]``."""
+        where = f"clip {plan.clip} ({plan.start:.3f}s to {plan.end:.3f}s)"
+        operator = f"DecodeVideo: {where} of"
+        wanted = set(plan.pts)
+        got: dict[int, np.ndarray] = {}
+        with open_container(path, operator) as container:
+            stream = video_stream(container, path, operator, self.max_pixels)
+            stream.codec_context.thread_type = "NONE"
+            stream.codec_context.thread_count = 1
+            # From the plan's key frame; if the demuxer lands after the clip's first frame (an
+            # index coarser than the packets'), from the start: either way a function of the file.
+            for seek in (plan.seek, None):
+                if self._pass(container, stream, seek, wanted, got, path, where) or seek is None:
+                    break
+                got.clear()
+        missing = sorted(wanted - set(got))
+        if missing:
+            raise DataError(
+                f"DecodeVideo: {path} did not give {len(missing)} of the {len(wanted)} frames of "
+                f"{where} (the first missing at pts {missing[0]}): truncated or damaged, or changed "
+                "since it was listed?"
+            )
+        frames = [got[p] for p in plan.pts]
+        shapes = {f.shape for f in frames}
+        if len(shapes) > 1:
+            raise DataError(
+                f"DecodeVideo: {where} of {path} changes frame size mid-clip ({sorted(shapes)}); "
+                "give DecodeVideo(size=...) to resize every frame"
+            )
+        return np.ascontiguousarray(np.stack(frames))
+
+    def _pass(
+        self,
+        container: Any,
+        stream: Any,
+        seek: int | None,
+        wanted: set[int],
+        got: dict[int, np.ndarray],
+        path: str,
+        where: str,
+    ) -> bool:
+        """Decodes from key frame ``seek`` (None: the stream's start) until the last wanted frame;
+        False if the first frame decoded comes after the first wanted one."""
+        last, first = max(wanted), min(wanted)
+        try:
+            if seek is None:
+                container.seek(0, backward=True, any_frame=False)
+            else:
+                container.seek(seek, stream=stream, backward=True, any_frame=False)
+            started = False
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    continue
+                if not started:
+                    started = True
+                    if frame.pts > first and seek is not None:
+                        return False
+                if frame.pts in wanted:
+                    got[frame.pts] = self._pixels(frame, path, where)
+                if frame.pts >= last:
+                    break
+        except pyav().error.FFmpegError as exc:
+            raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {exc}") from exc
+        return True
+
+    def _pixels(self, frame: Any, path: str, where: str) -> np.ndarray:
+        arr = frame.to_ndarray(format="rgb24")
+        turns = (round(frame.rotation / 90) % 4) if self.rotate and frame.rotation else 0
+        if turns:
+            arr = np.rot90(arr, k=turns)
+        if self.resizer is not None:
+            return self.resizer.resize(np.ascontiguousarray(arr), f"{where} of {path}")
+        return np.ascontiguousarray(arr)

@@ -1,0 +1,261 @@
+"""ReadVideo: a source of clips of video files, planned from the containers' indexes (no decoding)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zephon_flow.core import files
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START, Record, Source, Split
+from zephon_flow.operators import _plan
+from zephon_flow.operators._video_index import VideoIndex, read_index
+
+#: The fewest clips an automatic plan puts in a split.
+MIN_SPLIT_CLIPS = 4
+#: The field of ``ReadVideo``'s elements holding the clip's decode plan (``DecodeVideo`` reads it).
+PLAN_FIELD = "clip_plan"
+
+
+@dataclass(frozen=True)
+class ClipPlan:
+    """How to decode one clip: seek to key frame ``seek``, keep the frames at ``pts`` (in order;
+    a timestamp listed twice gives the frame twice). Timestamps are in ``time_base``."""
+
+    clip: int
+    seek: int
+    pts: tuple[int, ...]
+    time_base: tuple[int, int]
+    start: float
+    end: float
+
+
+def _positive(name: str, value: Any, kind: type = int) -> Any:
+    ok = isinstance(value, int | float) if kind is float else isinstance(value, int)
+    if value is not None and (isinstance(value, bool) or not ok or value <= 0):
+        raise SpecError(f"ReadVideo: {name} must be a positive {kind.__name__} or None, got {value!r}")
+    return value
+
+
+class ReadVideo(Source):
+    """Clips of the video files matching ``pattern`` (``.mp4``, ``.mkv``, ``.webm``, ``.mov``; any
+    container FFmpeg opens): a long video gives many clips, each one sample.
+
+    A clip is ``clip_frames`` consecutive frames (presentation order) or the frames shown in
+    ``clip_seconds`` (from the first frame's timestamp; variable frame rates are read from the
+    timestamps); consecutive clips start ``stride`` frames or seconds apart (default: the clip's
+    length). Only whole clips are planned. From each clip, ``frames=K`` frames uniformly by
+    index, or by timestamp at ``fps`` (the frame on screen at each ``1/fps`` tick), or all.
+
+    - **Splits**: runs of consecutive clips of one video, ``Split(path, first, stop)`` counting
+      clips, weighted by the frames their decode goes through. Listing demuxes each file once
+      (packet headers only, no decoding) and caches its index on disk (``ZEPHON_CACHE_DIR``).
+    - **Positions**: the number of the next clip of the video; a record's ``offset`` is its
+      clip number, so resuming in the middle of a long video costs one clip, not a replay.
+    - **Elements**: ``{"__key__": "<relative path>#<clip>", "video": path, "clip": i, "start":
+      s, "end": s, "clip_plan": ClipPlan}`` (plus ``"txt"``, the sibling caption file's text,
+      with ``caption_ext="txt"``); ``DecodeVideo`` turns the plan into frames.
+    - **Errors** (``DataError`` naming the file and this operator): at listing, a zero-byte
+      file, one FFmpeg cannot open or demux, no video stream, an unknown codec, frames over
+      ``max_pixels``, or no whole clip. With ``on_error="skip"`` such a file is left out with a
+      warning naming it (the same on every topology: listing is global).
+    """
+
+    rereads_offsets = True
+
+    def __init__(
+        self,
+        pattern: str,
+        *,
+        clip_frames: int | None = None,
+        clip_seconds: float | None = None,
+        stride: float | None = None,
+        frames: int | None = None,
+        fps: float | None = None,
+        caption_ext: str | None = None,
+        max_pixels: int = 16_000_000,
+        clips_per_split: int | None = None,
+        epochs: int | None = None,
+        on_error: str = "raise",
+        label: str | None = None,
+    ) -> None:
+        super().__init__(pattern, epochs=epochs, on_error=on_error, label=label)
+        if (clip_frames is None) == (clip_seconds is None):
+            raise SpecError("ReadVideo: give exactly one of clip_frames= and clip_seconds=")
+        if frames is not None and fps is not None:
+            raise SpecError(
+                "ReadVideo: give at most one of frames= (uniform by index) and fps= (by timestamp)"
+            )
+        self.clip_frames = _positive("clip_frames", clip_frames)
+        self.clip_seconds = _positive("clip_seconds", clip_seconds, float)
+        self.stride = _positive("stride", stride, float if clip_seconds is not None else int)
+        self.frames = _positive("frames", frames)
+        self.fps = _positive("fps", fps, float)
+        self.max_pixels = _positive("max_pixels", max_pixels)
+        self.clips_per_split = _positive("clips_per_split", clips_per_split)
+        if caption_ext is not None and (not isinstance(caption_ext, str) or not caption_ext.strip(".")):
+            raise SpecError(f"ReadVideo: caption_ext must be an extension such as 'txt', got {caption_ext!r}")
+        self.caption_ext = caption_ext.strip(".") if caption_ext else None
+        self.skipped_files: list[str] = []
+        self._plans: dict[str, list[ClipPlan]] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {
+            **super().params(),
+            "clip_frames": self.clip_frames,
+            "clip_seconds": self.clip_seconds,
+            "stride": self.stride,
+            "frames": self.frames,
+            "fps": self.fps,
+            "caption_ext": self.caption_ext,
+            "max_pixels": self.max_pixels,
+            "clips_per_split": self.clips_per_split,
+            "split_plan": _plan.PLAN_VERSION,
+        }
+
+    # -- planning ------------------------------------------------------------------------
+    def clips(self, path: str) -> list[ClipPlan]:
+        """The clips of one video, planned from its index (kept per process)."""
+        plans = self._plans.get(path)
+        if plans is None:
+            index = read_index(path, operator=self.operator_name, max_pixels=self.max_pixels)
+            plans = self.plan(index)
+            if not plans:
+                what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
+                raise DataError(
+                    f"{self.operator_name}: {path} has {len(index.pts)} frames, not one whole "
+                    f"clip of {what}; remove it or shorten the clips"
+                )
+            self._plans = {**self._plans, path: plans}  # assigned whole: feeds list concurrently
+        return plans
+
+    def plan(self, index: VideoIndex) -> list[ClipPlan]:
+        """Every whole clip of a video, with the frames to keep, by this source's options."""
+        pts, out = index.pts, []
+        windows: list[tuple[int, int, float, float]] = []  # first frame, stop frame, start s, end s
+        if self.clip_frames is not None:
+            step = int(self.stride or self.clip_frames)
+            for a in range(0, len(pts) - self.clip_frames + 1, step):
+                b = a + self.clip_frames
+                end = index.seconds(pts[b]) if b < len(pts) else _end(index)
+                windows.append((a, b, index.seconds(pts[a]), end))
+        else:
+            length, step_s = float(self.clip_seconds or 0), float(self.stride or self.clip_seconds or 0)
+            times = [index.seconds(p) for p in pts]
+            total, k = _end(index), 0
+            while k * step_s + length <= total + 1e-9:
+                t0, t1 = k * step_s, k * step_s + length
+                a = _first_at_or_after(times, t0)
+                b = _first_at_or_after(times, t1 - 1e-9)
+                if b > a:
+                    windows.append((a, b, t0, t1))
+                k += 1
+        for clip, (a, b, t0, t1) in enumerate(windows):
+            keep = self._sample(index, a, b, t0, t1)
+            out.append(ClipPlan(clip, index.key_before(min(keep)), keep, index.time_base, t0, t1))
+        return out
+
+    def _sample(self, index: VideoIndex, a: int, b: int, t0: float, t1: float) -> tuple[int, ...]:
+        n = b - a
+        if self.frames is not None:  # uniform by index: the middle of each of K equal parts
+            return tuple(index.pts[a + (2 * j + 1) * n // (2 * self.frames)] for j in range(self.frames))
+        if self.fps is not None:  # by timestamp: the frame on screen at each tick
+            times = [index.seconds(index.pts[i]) for i in range(a, b)]
+            ticks = int((t1 - t0) * self.fps + 1e-9)
+            picks = [max(0, _first_at_or_after(times, t0 + j / self.fps + 1e-9) - 1) for j in range(ticks)]
+            return tuple(index.pts[a + i] for i in picks)
+        return index.pts[a:b]
+
+    # -- listing and reading -------------------------------------------------------------
+    def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
+        skipped: list[str] = []
+        listed = files.list_each(
+            paths,
+            lambda p: [(p, self.clips(p))],
+            on_error=self.on_error,
+            operator=self.operator_name,
+            skipped=skipped,
+        )
+        self.skipped_files = skipped
+        step = self.clips_per_split or _plan.target(sum(len(c) for _, c in listed), lanes, MIN_SPLIT_CLIPS)
+        splits: list[Split] = []
+        for path, plans in listed:
+            n = len(plans)
+            runs = (
+                [(a, min(a + step, n)) for a in range(0, n, step)]
+                if self.clips_per_split
+                else _plan.ranges([0, n], step, refine=True)
+            )
+            splits.extend(Split(path, a, b, weight=_decoded(plans[a:b])) for a, b in runs)
+        return splits
+
+    def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
+        first = split.start if position == START else position
+        if not split.start <= first <= split.stop:
+            raise DataError(
+                f"{self.operator_name}: cannot resume clips [{split.start}, {split.stop}) of "
+                f"{split.path} at clip {first}; did the video change since the checkpoint?"
+            )
+        plans = self.clips(split.path)
+        if split.stop > len(plans):
+            raise DataError(
+                f"{self.operator_name}: {split.path} has {len(plans)} clips, not the {split.stop} "
+                "its split was listed with; did the video change since the splits were listed?"
+            )
+        return self._records(split.path, plans, first, split.stop)
+
+    @staticmethod
+    def _records(path: str, plans: list[ClipPlan], first: int, stop: int) -> Iterator[tuple[int, Record]]:
+        for k in range(first, stop):
+            p = plans[k]
+            yield k + 1, Record(p, path, f"clip {k} ({p.start:.3f}s to {p.end:.3f}s)", k)
+
+    # -- decoding (runs in workers): the clip's descriptor; DecodeVideo decodes it ---------
+    def decode(self, record: Record, operator: str) -> list[Any]:
+        plan: ClipPlan = record.payload
+        element: dict[str, Any] = {
+            "__key__": f"{files.relative_name(record.path, self.pattern)}#{plan.clip}",
+            "video": record.path,
+            "clip": plan.clip,
+            "start": plan.start,
+            "end": plan.end,
+            PLAN_FIELD: plan,
+        }
+        if self.caption_ext:
+            element["txt"] = _caption(record.path, self.caption_ext, operator)
+        return [element]
+
+
+def _end(index: VideoIndex) -> float:
+    """The video's length in seconds: the last frame's time plus one typical frame duration."""
+    pts = index.pts
+    step = (pts[-1] - pts[0]) / (len(pts) - 1) if len(pts) > 1 else 0
+    num, den = index.time_base
+    return index.seconds(pts[-1]) + step * num / den
+
+
+def _first_at_or_after(times: list[float], t: float) -> int:
+    lo, hi = 0, len(times)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if times[mid] < t:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _decoded(plans: list[ClipPlan]) -> int:
+    """What a run of clips costs: about the frames decoded, counted as timestamps spanned."""
+    return max(1, sum(len(p.pts) for p in plans))
+
+
+def _caption(path: str, ext: str, operator: str) -> str:
+    sibling = f"{os.path.splitext(path)[0]}.{ext}"
+    try:
+        with files.open_binary(sibling, operator=operator) as fh:
+            return fh.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{operator}: cannot read the caption {sibling} of {path}: {exc}") from exc

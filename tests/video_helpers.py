@@ -1,0 +1,98 @@
+"""Test-only helpers for the video operators: tiny synthesized videos (never committed) and a spec."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from pathlib import Path
+
+import apache_beam as beam
+import av
+import numpy as np
+
+import zephon_flow as zf
+from zephon_flow import operators as ops
+
+#: Encoders PyAV 18.1.0's wheels carry here, by container.
+CODECS = {".mp4": "libx264", ".mkv": "libx264", ".webm": "libvpx-vp9", ".mov": "mpeg4"}
+
+
+def picture(i: int, width: int, height: int, *, seed: int = 0) -> np.ndarray:
+    """Frame ``i``: a gradient moving with ``i`` plus a bar, different per frame and seed."""
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([(x * 4 + i * 9 + seed * 31) % 256, (y * 5 + i * 3) % 256, (x + y + seed * 7) % 256], -1)
+    rgb[:, (i * 3) % width] = 255
+    return rgb.astype(np.uint8)
+
+
+def make_video(
+    path: Path,
+    frames: int,
+    *,
+    width: int = 64,
+    height: int = 48,
+    fps: int = 8,
+    gop: int = 8,
+    seed: int = 0,
+    codec: str | None = None,
+    rotation: int = 0,
+    times: Sequence[float] | None = None,
+) -> Path:
+    """Writes a small video; ``times`` (seconds, ascending) gives a variable frame rate."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec or CODECS[path.suffix], rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.gop_size = gop
+        stream.codec_context.thread_count = 1
+        if stream.codec_context.name == "libx264":
+            stream.codec_context.options = {"bf": "2", "sc_threshold": "0", "keyint_min": str(gop)}
+        if times is not None:
+            stream.codec_context.time_base = Fraction(1, 1000)
+        if rotation:
+            stream.set_display_rotation(rotation)
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(picture(i, width, height, seed=seed), format="rgb24")
+            if times is not None:
+                frame.pts, frame.time_base = round(times[i] * 1000), Fraction(1, 1000)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def write_videos(root: Path, n: int, *, frames: int = 24, ext: str = ".mp4", captions: bool = True) -> str:
+    """``n`` videos of varied lengths with sibling captions; returns their glob."""
+    for i in range(n):
+        make_video(root / f"v{i:03d}{ext}", frames + 8 * (i % 3), seed=i)
+        if captions:
+            (root / f"v{i:03d}.txt").write_text(f"video {i} " + "word " * (1 + i % 4))
+    return str(root / f"*{ext}")
+
+
+def video_spec(
+    pattern: str,
+    tokenizer_json: str,
+    *,
+    lanes: int = 4,
+    seed: int = 0,
+    global_batch_size: int = 4,
+    frames: int = 2,
+    size: int = 8,
+    seq_len: int = 24,
+    max_clips: int = 2,
+    epochs: int | None = None,
+    on_error: str = "raise",
+) -> zf.LoaderSpec:
+    """``ReadVideo -> DecodeVideo(size) -> TokenizeField -> PackVideo``."""
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        clips = p | "videos" >> ops.ReadVideo(
+            pattern, clip_frames=8, frames=frames, caption_ext="txt", epochs=epochs, on_error=on_error
+        )
+        decoded = clips | "decode" >> beam.ParDo(ops.DecodeVideo(size=size))
+        tokens = decoded | "caption" >> beam.ParDo(ops.TokenizeField(tokenizer_json, field="txt"))
+        return tokens | "pack" >> beam.ParDo(
+            ops.PackVideo(seq_len, video_token_id=1, tokens_per_frame=2, frames=frames, max_clips=max_clips)
+        )
+
+    return zf.LoaderSpec(build, lanes=lanes, seed=seed, global_batch_size=global_batch_size)
