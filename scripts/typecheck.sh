@@ -17,9 +17,12 @@ ln -s "$PWD/runners" "$tree/zephon_flow/runners"
 ln -s "$PWD/bench" "$tree/bench"
 ln -s "$PWD/examples" "$tree/examples"
 ln -s "$PWD/tests" "$tree/tests"
+ln -s "$PWD/_zephon_flow_lightning.py" "$tree/_zephon_flow_lightning.py"
 cd "$tree"
 mypy=(../../.venv/bin/python -m mypy --config-file ../../pyproject.toml)
 "${mypy[@]}" -p zephon_flow
+# Lightning's entry point, a top-level module so that it imports nothing of the package.
+"${mypy[@]}" -m _zephon_flow_lightning
 # bench/ is a folder of modules (python -m bench.run).
 "${mypy[@]}" -p bench
 # The examples are scripts that import each other by file name: checked as top-level modules.

@@ -27,6 +27,7 @@ from helpers import Corpus, example_spec
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 import zephon_flow as zf
+from _zephon_flow_lightning import LazyZephonGuard
 from zephon_flow.integrations.lightning import ZephonDataModule, ZephonGuard
 
 LANES, GLOBAL_BATCH, SEQ_LEN, VOCAB = 4, 8, 16, 300
@@ -106,7 +107,7 @@ def fit(
     model = TinyLM()
     run = trainer(out, steps=steps, devices=devices)
     if not guard:
-        run.callbacks[:] = [cb for cb in run.callbacks if not isinstance(cb, ZephonGuard)]
+        run.callbacks[:] = [cb for cb in run.callbacks if not isinstance(cb, LazyZephonGuard | ZephonGuard)]
     run.fit(model, train_dataloaders=loader, datamodule=datamodule, ckpt_path=resume)
     return model
 

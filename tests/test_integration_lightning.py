@@ -18,9 +18,10 @@ from lightning_script import EVERY, GLOBAL_BATCH, fit, make_spec
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from _zephon_flow_lightning import LazyZephonGuard
 from zephon_flow.core.errors import CorruptStateError, StateError
 from zephon_flow.engine.simulate import global_batches
-from zephon_flow.integrations.lightning import FORMAT, ZephonDataModule, ZephonGuard
+from zephon_flow.integrations.lightning import FORMAT, ZephonDataModule
 from zephon_flow.torch import StepMismatchWarning, ZephonDataset
 
 SCRIPT = Path(__file__).resolve().parent / "lightning_script.py"
@@ -175,7 +176,18 @@ def test_a_read_ahead_state_saved_without_the_guard_is_refused(corpus: Corpus, t
 def test_every_trainer_gets_the_guard_from_the_entry_point(tmp_path: Path) -> None:
     from lightning_script import trainer
 
-    assert sum(isinstance(cb, ZephonGuard) for cb in trainer(tmp_path, steps=1).callbacks) == 1
+    assert sum(isinstance(cb, LazyZephonGuard) for cb in trainer(tmp_path, steps=1).callbacks) == 1
+
+
+def test_the_entry_point_loads_nothing_of_zephon_flow_for_a_trainer_that_is_not_ours() -> None:
+    # Every Lightning Trainer in an environment with zephon-flow calls the entry point.
+    code = (
+        "import sys, lightning.pytorch as pl\n"
+        "pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('zephon_flow'))\n"
+        "assert loaded == [], loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=120)
 
 
 def test_a_checkpoint_without_the_data_modules_state_is_refused(corpus: Corpus, tmp_path: Path) -> None:
