@@ -102,7 +102,7 @@ def open_container(path: str, operator: str) -> Iterator[Any]:
         except av.error.FFmpegError as exc:
             raise DataError(
                 f"{operator}: {path} is not a video container FFmpeg can read (truncated or "
-                f"damaged?): {_reason(exc)}"
+                f"damaged?): {ffmpeg_reason(exc)}"
             ) from exc
         stack.callback(container.close)
         yield container
@@ -163,14 +163,14 @@ def _demux(path: str, operator: str, max_pixels: int) -> VideoIndex:
                 if packet.is_keyframe:
                     keys.add(int(pts))
         except av.error.FFmpegError as exc:
-            raise DataError(f"{operator}: {path} cannot be demuxed (damaged?): {_reason(exc)}") from exc
+            raise DataError(f"{operator}: {path} cannot be demuxed (damaged?): {ffmpeg_reason(exc)}") from exc
         if not stamps or not keys:
             raise DataError(
                 f"{operator}: {path} has no video frames" + ("" if not stamps else " (no key frame)")
             )
         tb = stream.time_base
         ctx = stream.codec_context
-        return VideoIndex(
+        index = VideoIndex(
             (tb.numerator, tb.denominator),
             tuple(sorted(stamps)),
             tuple(sorted(keys)),
@@ -178,8 +178,25 @@ def _demux(path: str, operator: str, max_pixels: int) -> VideoIndex:
             int(ctx.height),
             str(ctx.name),
         )
+        _check_length(index, container.duration, path, operator)
+        return index
 
 
-def _reason(exc: BaseException) -> str:
+def _check_length(index: VideoIndex, duration_us: int | None, path: str, operator: str) -> None:
+    """Refuses a file whose frames end well before the length its header declares: a cut
+    download or copy, whose missing tail would otherwise just quietly be fewer clips."""
+    if not duration_us:
+        return
+    declared = duration_us / 1_000_000
+    step = index.seconds(index.pts[-1]) / max(1, len(index.pts) - 1)
+    seen = index.seconds(index.pts[-1]) + step
+    if declared - seen > max(2 * step, 0.02 * declared):
+        raise DataError(
+            f"{operator}: {path} is truncated: its header says {declared:.3f} s but its video "
+            f"frames end at {seen:.3f} s"
+        )
+
+
+def ffmpeg_reason(exc: BaseException) -> str:
     text = getattr(exc, "strerror", None) or str(exc)
     return str(text).rstrip(".")

@@ -9,7 +9,7 @@ import apache_beam as beam
 import numpy as np
 
 from zephon_flow.core.errors import DataError, SpecError
-from zephon_flow.operators._video_index import open_container, pyav, video_stream
+from zephon_flow.operators._video_index import ffmpeg_reason, open_container, pyav, video_stream
 from zephon_flow.operators.image_resize import ResizeImage
 from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
 
@@ -35,7 +35,8 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     ``video`` extra; its version is not in the fingerprint, like Pillow's.
 
     **Errors** (``DataError`` naming the file and the clip): a file FFmpeg cannot open or
-    demux, a decode error, a clip whose planned frames the decoder does not give (a truncated
+    demux, a decode error (damaged data raises, ``err_detect=explode``, rather than being
+    concealed with made-up pixels; so does a frame the decoder flags corrupt), a clip whose planned frames the decoder does not give (a truncated
     or changed file). With the source's ``on_error="skip"`` the runner drops that clip.
     """
 
@@ -81,13 +82,15 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     def decode(self, path: str, plan: ClipPlan) -> np.ndarray:
         """The planned frames of one clip of ``path``, stacked ``[T, H, W, 3]``."""
         where = f"clip {plan.clip} ({plan.start:.3f}s to {plan.end:.3f}s)"
-        operator = f"DecodeVideo: {where} of"
+        operator = f"DecodeVideo [{where}]"
         wanted = set(plan.pts)
         got: dict[int, np.ndarray] = {}
         with open_container(path, operator) as container:
             stream = video_stream(container, path, operator, self.max_pixels)
-            stream.codec_context.thread_type = "NONE"
-            stream.codec_context.thread_count = 1
+            ctx = stream.codec_context
+            ctx.thread_type = "NONE"
+            ctx.thread_count = 1
+            ctx.options = {"err_detect": "explode"}  # damage raises instead of being concealed
             # From the plan's key frame; if the demuxer lands after the clip's first frame (an
             # index coarser than the packets'), from the start: either way a function of the file.
             for seek in (plan.seek, None):
@@ -136,12 +139,17 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                     started = True
                     if frame.pts > first and seek is not None:
                         return False
+                if frame.is_corrupt:
+                    raise DataError(
+                        f"DecodeVideo: {path} is damaged: the frame at pts {frame.pts} of {where} "
+                        "decodes corrupt"
+                    )
                 if frame.pts in wanted:
                     got[frame.pts] = self._pixels(frame, path, where)
                 if frame.pts >= last:
                     break
         except pyav().error.FFmpegError as exc:
-            raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {exc}") from exc
+            raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {ffmpeg_reason(exc)}") from exc
         return True
 
     def _pixels(self, frame: Any, path: str, where: str) -> np.ndarray:

@@ -1,0 +1,240 @@
+"""ReadVideo, DecodeVideo, PackVideo: clip plans, seeking decodes, sampling, rotation, resume, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+from video_helpers import make_video
+
+from zephon_flow import operators as ops
+from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.source import START
+from zephon_flow.operators import _video_index
+from zephon_flow.operators._video_index import read_index
+from zephon_flow.operators.video_source import ClipPlan
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def linear(path: Path) -> dict[int, np.ndarray]:
+    """Every frame of the file decoded front to back, by pts."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_type = "NONE"
+        return {f.pts: f.to_ndarray(format="rgb24") for f in container.decode(stream)}
+
+
+def elements(source: ops.ReadVideo, lanes: int = 1, position: int = START) -> list[dict[str, Any]]:
+    out = []
+    for split in source.splits(lanes):
+        for _, record in source.read_split(split, position):
+            out.extend(source.decode(record, source.operator_name))
+    return out
+
+
+@pytest.mark.parametrize("ext", [".mp4", ".mkv", ".webm", ".mov"])
+def test_each_clip_decoded_by_seeking_equals_the_linear_decode(tmp_path: Path, ext: str) -> None:
+    path = make_video(tmp_path / f"a{ext}", 40)
+    source = ops.ReadVideo(str(path), clip_frames=8)
+    clips = elements(source)
+    assert [c["clip"] for c in clips] == [0, 1, 2, 3, 4]
+    assert [(c["start"], c["end"]) for c in clips] == [(i * 1.0, i * 1.0 + 1.0) for i in range(5)]
+    whole = linear(path)
+    order = sorted(whole)
+    for c in reversed(clips):  # any order: each clip from its own key frame
+        frames = next(ops.DecodeVideo().process(c))["frames"]
+        assert frames.shape == (8, 48, 64, 3) and frames.dtype == np.uint8
+        expected = np.stack([whole[p] for p in order[8 * c["clip"] : 8 * c["clip"] + 8]])
+        assert np.array_equal(frames, expected)
+
+
+def test_uniform_sampling_by_index_and_resize_per_frame(tmp_path: Path) -> None:
+    path = make_video(tmp_path / "a.mp4", 24)
+    source = ops.ReadVideo(str(path), clip_frames=8, frames=3)
+    pts = read_index(str(path), operator="t", max_pixels=10**6).pts
+    clips = elements(source)
+    assert [c["clip_plan"].pts for c in clips] == [tuple(pts[8 * k + i] for i in (1, 4, 6)) for k in range(3)]
+    out = next(ops.DecodeVideo(size=(16, 12), mode="pad").process(clips[1]))
+    assert out["frames"].shape == (3, 16, 12, 3)
+    assert "clip_plan" not in out and out["__key__"] == "a.mp4#1"
+    resize = ops.ResizeImage((16, 12), mode="pad", resample="bilinear")
+    whole = linear(path)
+    expected = [resize.resize(whole[p], "x") for p in clips[1]["clip_plan"].pts]
+    assert np.array_equal(out["frames"], np.stack(expected))
+
+
+def test_fps_sampling_follows_the_timestamps_of_a_variable_frame_rate(tmp_path: Path) -> None:
+    times = [0, 0.1, 0.15, 0.5, 0.55, 0.6, 1.0, 1.01, 1.3, 1.9, 2.0, 2.1]
+    path = make_video(tmp_path / "vfr.mkv", len(times), times=times)
+    source = ops.ReadVideo(str(path), clip_seconds=1.0, fps=4)
+    plans = [c["clip_plan"] for c in elements(source)]
+    # The frame on screen at each quarter second: 0 -> 0, .25 -> .15, .5 -> .5, .75 -> .6, ...
+    assert [p.pts for p in plans] == [(0, 150, 500, 600), (1000, 1010, 1300, 1300)]
+    frames = ops.DecodeVideo().decode(str(path), plans[1])
+    assert np.array_equal(frames[2], frames[3]) and not np.array_equal(frames[0], frames[1])
+
+
+def test_clip_seconds_with_a_stride_overlaps_clips(tmp_path: Path) -> None:
+    path = make_video(tmp_path / "a.webm", 24)  # 3 s at 8 fps
+    source = ops.ReadVideo(str(path), clip_seconds=1.0, stride=0.5, frames=2)
+    clips = elements(source)
+    assert [(c["start"], c["end"]) for c in clips] == [(k / 2, k / 2 + 1) for k in range(5)]
+
+
+def test_rotation_metadata_turns_frames_upright(tmp_path: Path) -> None:
+    plain = make_video(tmp_path / "plain.mp4", 8)
+    turned = make_video(tmp_path / "turned.mp4", 8, rotation=90)
+    a, b = (elements(ops.ReadVideo(str(p), clip_frames=8))[0] for p in (plain, turned))
+    upright = next(ops.DecodeVideo().process(b))["frames"]
+    assert upright.shape == (8, 64, 48, 3)
+    assert np.array_equal(upright, np.rot90(next(ops.DecodeVideo().process(a))["frames"], k=1, axes=(1, 2)))
+    assert next(ops.DecodeVideo(rotate=False).process(b))["frames"].shape == (8, 48, 64, 3)
+
+
+def test_resume_inside_a_long_video_reads_from_the_clip(tmp_path: Path) -> None:
+    path = make_video(tmp_path / "long.mkv", 96)
+    source = ops.ReadVideo(str(path), clip_frames=8, clips_per_split=12)
+    (split,) = source.splits(1)
+    records = list(source.read_split(split, 7))
+    assert [(pos, r.offset) for pos, r in records] == [(k + 1, k) for k in range(7, 12)]
+    assert records[0][1].where == "clip 7 (7.000s to 8.000s)"
+    fresh = elements(source)[7]
+    resumed = source.decode(records[0][1], source.operator_name)[0]
+    decode = ops.DecodeVideo(size=8)
+    assert np.array_equal(next(decode.process(fresh))["frames"], next(decode.process(resumed))["frames"])
+    with pytest.raises(DataError, match=r"cannot resume clips \[0, 12\) of .*long.mkv at clip 13"):
+        list(source.read_split(split, 13))
+
+
+def test_splits_are_runs_of_clips_and_the_index_is_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for i in range(3):
+        make_video(tmp_path / f"v{i}.mp4", 16 + 16 * i)
+    source = ops.ReadVideo(str(tmp_path / "*.mp4"), clip_frames=8)
+    splits = source.splits(2)
+    assert [(Path(s.path).name, s.start, s.stop) for s in splits] == [
+        ("v0.mp4", 0, 2), ("v1.mp4", 0, 4), ("v2.mp4", 0, 3), ("v2.mp4", 3, 6)
+    ]  # fmt: skip
+    assert [s.weight for s in splits] == [16, 32, 24, 24]  # frames decoded
+
+    def no_demux(*args: Any) -> Any:
+        raise AssertionError("demuxed again")
+
+    monkeypatch.setattr(_video_index, "_demux", no_demux)
+    again = ops.ReadVideo(str(tmp_path / "*.mp4"), clip_frames=8)
+    assert again.splits(2) == splits
+
+
+def test_pack_video_lays_out_placeholders_then_caption(tmp_path: Path) -> None:
+    pack = ops.PackVideo(16, video_token_id=1, tokens_per_frame=2, frames=2, max_clips=2)
+    clip = {
+        "__key__": "k",
+        "text_ids": np.asarray([7, 8], np.int32),
+        "frames": np.ones((2, 4, 4, 3), np.uint8),
+    }
+
+    class State:
+        value: Any = None
+
+        def read(self) -> Any:
+            return self.value
+
+        def write(self, v: Any) -> None:
+            self.value = v
+
+    class Timer:
+        def set(self, _: Any) -> None:
+            pass
+
+    state = State()
+    assert list(pack.process((0, clip), state, Timer(), None)) == []
+    (out,) = list(pack.process((0, clip), state, Timer(), None))
+    assert out["input_ids"].tolist() == [1, 1, 1, 1, 7, 8] * 2 + [0] * 4
+    assert out["segment_ids"].tolist() == [0] * 6 + [1] * 6 + [-1] * 4
+    assert out["videos"].shape == (2, 2, 4, 4, 3) and int(out["video_count"]) == 2
+    bad = {**clip, "frames": np.ones((3, 4, 4, 3), np.uint8)}
+    with pytest.raises(
+        DataError, match=r"PackVideo: field 'frames' of sample 'k' is uint8\[3, 4, 4, 3\]; expected 2 frames"
+    ):
+        list(pack.process((0, bad), State(), Timer(), None))
+    with pytest.raises(SpecError, match="do not fit in seq_len=4"):
+        ops.PackVideo(4, video_token_id=1, tokens_per_frame=2, frames=4, max_clips=1)
+
+
+# -- bad input -------------------------------------------------------------------------------
+def audio_only(path: Path) -> Path:
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=8000)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    return path
+
+
+def test_bad_files_are_refused_by_name_at_listing(tmp_path: Path) -> None:
+    good = make_video(tmp_path / "good.mkv", 40).read_bytes()
+    (tmp_path / "empty.mp4").write_bytes(b"")
+    (tmp_path / "text.mp4").write_bytes(b"not a video at all\n" * 20)
+    (tmp_path / "cut.mkv").write_bytes(good[: len(good) * 6 // 10])
+    audio_only(tmp_path / "sound.mkv")
+    make_video(tmp_path / "short.mp4", 4)
+    make_video(tmp_path / "huge.mp4", 8, width=64, height=64)
+    expected = {
+        "empty.mp4": "is empty (0 bytes), not a video; remove it or narrow the glob",
+        "text.mp4": "is not a video container FFmpeg can read (truncated or damaged?): Invalid data found",
+        "cut.mkv": "is truncated: its header says 5.000 s but its video frames end at",
+        "sound.mkv": "has no video stream (it has audio)",
+        "short.mp4": "has 4 frames, not one whole clip of 8 frames; remove it or shorten the clips",
+        "huge.mp4": "has 64x64 frames, outside 1..max_pixels=4000 pixels; raise max_pixels=",
+    }
+    for name, message in expected.items():
+        source = ops.ReadVideo(str(tmp_path / name), clip_frames=8, max_pixels=4000)
+        with pytest.raises(DataError) as info:
+            source.splits(1)
+        assert str(info.value).startswith(f"ReadVideo('ReadVideo'): {tmp_path / name} ")
+        assert message in str(info.value)
+    skipping = ops.ReadVideo(str(tmp_path / "*.m*"), clip_frames=8, max_pixels=4000, on_error="skip")
+    assert {Path(s.path).name for s in skipping.splits(1)} == {"good.mkv"}
+    assert sorted(Path(p).name for p in skipping.skipped_files) == sorted(expected)
+
+
+def test_damage_inside_a_clip_is_a_data_error_naming_file_and_clip(tmp_path: Path) -> None:
+    path = make_video(tmp_path / "a.mkv", 40)
+    plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 300):
+        data[i] = (data[i] * 7 + 13) % 256
+    path.write_bytes(bytes(data))  # damaged after listing
+    failed = []
+    for plan in plans:
+        try:
+            ops.DecodeVideo().decode(str(path), plan)
+        except DataError as exc:
+            failed.append(str(exc))
+    assert failed and all(f.startswith("DecodeVideo: ") and str(path) in f for f in failed)
+    assert any("clip 2 (2.000s to 3.000s)" in f for f in failed)
+
+
+def test_a_plan_the_file_does_not_have_is_refused(tmp_path: Path) -> None:
+    path = make_video(tmp_path / "a.mp4", 16)
+    plan = ClipPlan(0, 0, (0, 999_999), (1, 16384), 0.0, 1.0)
+    with pytest.raises(DataError, match=r"did not give 1 of the 2 frames of clip 0 \(0.000s to 1.000s\)"):
+        ops.DecodeVideo().decode(str(path), plan)
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(SpecError, match="give exactly one of clip_frames= and clip_seconds="):
+        ops.ReadVideo("x/*.mp4")
+    with pytest.raises(SpecError, match="at most one of frames="):
+        ops.ReadVideo("x/*.mp4", clip_frames=8, frames=2, fps=2)
+    with pytest.raises(SpecError, match="clip_frames must be a positive int"):
+        ops.ReadVideo("x/*.mp4", clip_frames=0)
