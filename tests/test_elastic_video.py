@@ -5,6 +5,8 @@ Every run is compared, digest by digest, with one uninterrupted single-rank inli
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from elastic import BATCH, Segment, any_topology_test, reference_fixture, resume_test, world_sizes_test
 from helpers import Corpus
@@ -42,3 +44,28 @@ def test_two_seeds_give_different_batches(
     other = video_spec(videos, corpus.tokenizer_json, lanes=LANES, global_batch_size=BATCH, seed=1)
     digests = global_digests(other, steps=STEPS)
     assert all(a != b for a, b in zip(digests, reference, strict=True))
+
+
+def damaged_videos(root: Path) -> str:
+    """Four videos, the second with bytes garbled in the middle of its frame data: listing
+    (packet headers) accepts it, decoding two of its clips fails."""
+    pattern = write_videos(root, 4)
+    path = root / "v001.mp4"
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 200):
+        data[i] = (data[i] * 7 + 13) % 256
+    path.write_bytes(bytes(data))
+    return pattern
+
+
+def test_damaged_clips_are_skipped_alike_on_every_topology(tmp_path: Path, corpus: Corpus) -> None:
+    pattern = damaged_videos(tmp_path)
+    skipping = video_spec(
+        pattern, corpus.tokenizer_json, lanes=LANES, global_batch_size=BATCH, on_error="skip"
+    )
+    first = global_digests(skipping, steps=3)
+    assert global_digests(skipping, steps=3, world_size=3, backend="threads", workers=2) == first
+    assert global_digests(skipping, steps=3, world_size=2, backend="processes", workers=2) == first
+    raising = video_spec(pattern, corpus.tokenizer_json, lanes=LANES, global_batch_size=BATCH)
+    with pytest.raises(zf.ZephonError, match=r"DecodeVideo: cannot decode clip \d \(.*\) of .*v001.mp4"):
+        global_digests(raising, steps=3)
