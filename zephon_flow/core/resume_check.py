@@ -150,7 +150,7 @@ class WindowCheck:
             "samples": self.samples,
             "window": self.window,
             "records": self.records,
-            "runs": self.runs,
+            "runs": self.runs.tolist(),  # lists, so plain states compare with ==
             "run_digests": self.run_digests,
         }
 
@@ -168,7 +168,10 @@ class WindowCheck:
         if plain["version"] != CHECK_VERSION:
             return None
         samples, records, window = plain["samples"], plain["records"], plain["window"]
-        runs = np.asarray(plain["runs"])
+        try:
+            runs = np.asarray(plain["runs"], dtype=np.int64).reshape(-1, 3)
+        except (TypeError, ValueError) as exc:
+            raise CorruptStateError(f"{where}: its record runs are malformed ({exc})") from exc
         digests = plain["run_digests"]
         if (
             not all(
