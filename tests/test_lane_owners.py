@@ -322,7 +322,7 @@ def test_served_owners_give_clients_the_loaders_bytes_through_a_sigkill(
         server.stop()
 
 
-def test_serve_with_ray_needs_the_world_size_and_refuses_tokens(
+def test_serve_with_ray_needs_the_world_size_and_refuses_held_bytes(
     corpus: Corpus, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from service_helpers import write_pipeline
@@ -335,11 +335,17 @@ def test_serve_with_ray_needs_the_world_size_and_refuses_tokens(
         "zephon serve --lane-owners needs --world-size (the trainer ranks), got None"
         in capsys.readouterr().err
     )
+    argv = ["serve", target, "--ray", "--world-size", "2", "--port", "0", "--held-bytes", "1MiB"]
+    assert main(argv) == 1
+    assert (
+        "zephon serve --ray does not support --held-bytes: each owner holds --ahead"
+        in capsys.readouterr().err
+    )
     token = tmp_path / "token"
-    token.write_text("secret\n")
+    token.write_text("\n")
     argv = ["serve", target, "--ray", "--world-size", "2", "--port", "0", "--token-file", str(token)]
     assert main(argv) == 1
-    assert "zephon serve --ray does not support --token-file yet" in capsys.readouterr().err
+    assert f"zephon serve: --token-file {token} is empty" in capsys.readouterr().err
     assert main(["serve", target, "--ray", "--lane-owners", "7", "--world-size", "2", "--port", "0"]) == 1
     assert "lane_owners must be an integer in [1, lanes=6]" in capsys.readouterr().err
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerOptions, OwnerRows
-from zephon_flow.cluster.serving import OwnerServer
+from zephon_flow.cluster.serving import OwnerServer, Serving
 from zephon_flow.core.batches import Batch
+from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.spec import LoaderSpec
@@ -23,6 +24,8 @@ FEATURE = "lane owners (lane_owners=N, zephon serve --lane-owners)"
 OWNER_CONCURRENCY = 64
 #: How long one owner call waits for a step before the caller asks again (seconds).
 CALL_WAIT = 2.0
+#: How long an owner reported dead has to answer a ping to count as alive (not replaced).
+ALIVE_WAIT = 10.0
 
 
 class OwnerActor:
@@ -36,10 +39,10 @@ class OwnerActor:
         readers: dict[int, int],
         options: OwnerOptions,
         name: str,
-        serve_host: str | None = None,
+        serving: Serving | None = None,
     ) -> None:
         self._owner = LaneOwner(spec, lanes, state=state, readers=readers, options=options, name=name).start()
-        self._server = None if serve_host is None else OwnerServer(self._owner, host=serve_host)
+        self._server = None if serving is None else OwnerServer(self._owner, serving)
 
     def address(self) -> str:
         """Where its gRPC ``StreamRows`` listens ("" when it does not serve); an owner listening
@@ -85,11 +88,11 @@ def _ray() -> Any:
 
 
 def owner_launcher(
-    spec: LoaderSpec, options: OwnerOptions, owner_cpus: float, serve_host: str | None = None
+    spec: LoaderSpec, options: OwnerOptions, owner_cpus: float, serving: Serving | None = None
 ) -> Any:
     """A ``Launch`` that starts an owner as a Ray actor (spread over the cluster's nodes) and
-    waits until it has built its lanes, so a failure to start is raised here. With
-    ``serve_host`` the owner also serves its rows over gRPC there ("node": its node's address)."""
+    waits until it has built its lanes, so a failure to start is raised here. With ``serving``
+    the owner also serves its rows over gRPC on ``serving.host``, guarded as ``serving`` says."""
     ray = _ray()
     actor = ray.remote(OwnerActor)
 
@@ -98,7 +101,7 @@ def owner_launcher(
     ) -> Any:
         handle = actor.options(
             num_cpus=owner_cpus, max_concurrency=OWNER_CONCURRENCY, scheduling_strategy="SPREAD"
-        ).remote(spec, lanes, state, readers, options, name, serve_host)
+        ).remote(spec, lanes, state, readers, options, name, serving)
         ray.get(handle.pid.remote())
         return handle
 
@@ -114,6 +117,16 @@ def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
     """An owner's lane snapshots at ``step`` (None while it does not hold that step)."""
     result: Mapping[int, LaneState] | None = _ray().get(handle.snapshot.remote(step), timeout=60)
     return result
+
+
+def owner_alive(handle: Any) -> bool:
+    """Whether an owner answers a ping within ``ALIVE_WAIT`` seconds (one that does not is
+    dead or stuck: either way it is replaced)."""
+    try:
+        _ray().get(handle.pid.remote(), timeout=ALIVE_WAIT)
+    except Exception:
+        return False
+    return True
 
 
 def stop_owner(handle: Any) -> None:
@@ -136,16 +149,18 @@ class CoordinatorActor:
         owner_cpus: float,
         snapshot_every: int,
         max_replacements: int,
-        serve_host: str | None = None,
+        serving: Serving | None = None,
     ) -> None:
+        self._owners = owners
         self._coordinator = Coordinator(
             spec,
             owners=owners,
             world_size=world_size,
             state=state,
-            launch=owner_launcher(spec, options, owner_cpus, serve_host),
+            launch=owner_launcher(spec, options, owner_cpus, serving),
             gather=gather_snapshot,
-            address_of=owner_address if serve_host is not None else None,
+            address_of=owner_address if serving is not None else None,
+            alive=owner_alive,
             stop=stop_owner,
             snapshot_every=snapshot_every,
             max_replacements=max_replacements,
@@ -155,6 +170,16 @@ class CoordinatorActor:
 
     def join(self, rank: int, world_size: int, first_step: int) -> OwnerTable:
         return self._coordinator.join(rank, world_size, first_step)
+
+    def describe(self) -> dict[str, Any]:
+        """What this run is: its pipeline's fingerprint, owner count, world size, first step."""
+        coordinator = self._coordinator
+        return {
+            "fingerprint": coordinator.spec.fingerprint["total"],
+            "owners": self._owners,
+            "world_size": coordinator.world_size,
+            "first_step": coordinator.first_step,
+        }
 
     def table(self) -> OwnerTable:
         return self._coordinator.table()
@@ -210,13 +235,28 @@ def coordinator_handle(
     owner_cpus: float,
     snapshot_every: int,
     max_replacements: int,
-    serve_host: str | None = None,
+    serving: Serving | None = None,
 ) -> Any:
     """The coordinator actor named ``name``: the running one, or a new one with these options
-    (every rank calls this; the first creates it)."""
+    (every rank calls this; the first creates it). A running one of another pipeline (another
+    fingerprint: data, code, seed, lanes or batch size) or another owner count is refused by
+    name: its batches are not this rank's."""
     ray = _ray()
     ship_user_code(spec)
     actor = ray.remote(CoordinatorActor)
-    return actor.options(name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY).remote(
-        spec, owners, world_size, state, options, owner_cpus, snapshot_every, max_replacements, serve_host
-    )
+    handle = actor.options(
+        name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY
+    ).remote(spec, owners, world_size, state, options, owner_cpus, snapshot_every, max_replacements, serving)
+    try:
+        run = ray.get(handle.describe.remote(), timeout=600)
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
+        return handle  # it failed to start: the caller's first call says why
+    mine = spec.fingerprint["total"]
+    if run["fingerprint"] != mine or run["owners"] != owners:
+        raise SpecError(
+            f"lane owners: the run named {name!r} runs pipeline fingerprint {run['fingerprint']} on "
+            f"{run['owners']} owners, but this rank asks for fingerprint {mine} on {owners} owners: "
+            f"every rank of a run passes the same spec (data, seed, lanes, batch size) and "
+            f"lane_owners; give another run another name="
+        )
+    return handle

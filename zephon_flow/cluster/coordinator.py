@@ -96,9 +96,10 @@ Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
 class Coordinator:
     """Coordinates ``owners`` lane owners of ``spec`` for trainer ranks of ``world_size``,
     starting from ``state`` (None: the start). ``launch`` starts an owner, ``gather`` asks one
-    for snapshots, ``stop`` ends one and ``address_of`` says where one serves (the Ray ones are
-    in ``actors``).
-    At most ``max_replacements`` dead owners are replaced over the run."""
+    for snapshots, ``stop`` ends one, ``address_of`` says where one serves and ``alive`` whether
+    one still answers (the Ray ones are in ``actors``).
+    At most ``max_replacements`` dead owners are replaced over the run; an owner reported dead
+    that still answers (``alive``) is not replaced, and counts for nothing."""
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class Coordinator:
         gather: Gather,
         stop: Callable[[Any], None] = lambda handle: None,
         address_of: Callable[[Any], str] | None = None,
+        alive: Callable[[Any], bool] | None = None,
         snapshot_every: int = 8,
         max_replacements: int = 3,
         allow_mix_change: bool = False,
@@ -135,7 +137,7 @@ class Coordinator:
         self.first_step = start.step
         self._mix_history = [] if start.mixture is None else start.mixture.history()
         self._launch, self._gather, self._stop = launch, gather, stop
-        self._address_of = address_of
+        self._address_of, self._alive = address_of, alive
         self._addresses = [""] * owners
         self._snapshot_every, self._max_replacements = snapshot_every, max_replacements
         self._lock = threading.RLock()
@@ -250,9 +252,18 @@ class Coordinator:
     def replace(self, index: int, generation: int) -> OwnerTable:
         """Owner ``index`` of ``generation`` died: starts a new one from its lanes' last
         snapshot (it catches up to the ranks' steps by recomputing, so the bytes are the same).
-        A replacement already made for that generation is returned as it is."""
+        A replacement already made for that generation is returned as it is, and so is the
+        table when the owner still answers (``alive``: a broken stream, not a dead owner)."""
         with self._lock:
             self.messages += 1
+            if not isinstance(index, int) or not 0 <= index < len(self._groups):
+                raise SpecError(f"no lane owner {index!r}: this run's owners are 0..{len(self._groups) - 1}")
+            if self._generations[index] != generation:
+                return self.table()
+            handle = self._handles[index]
+        if self._alive is not None and self._alive(handle):
+            return self.table()
+        with self._lock:
             if self._generations[index] != generation:
                 return self.table()
             lanes, step = self._groups[index], min(self._at)

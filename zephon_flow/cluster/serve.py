@@ -5,6 +5,12 @@ and its N owners (each listening for ``StreamRows`` on ``--host``, port chosen f
 listens itself on ``--host:--port`` for the coordinator's calls (``Table``, ``Replace``,
 ``Progress``, ``Checkpoint``). Trainer ranks connect with ``zf.Client(address, rank,
 world_size, lane_owners=True)``; their rows never pass through this process.
+
+It is as guarded as ``zephon serve``: ``--token-file`` (or ``$ZEPHON_TOKEN``) and ``--tls-cert``/
+``--tls-key`` hold on the coordinator's endpoint and on every owner's; requests are checked
+against the run before any work (``serving.py``). When the run cannot go on (an owner lost past
+``max_replacements``, the coordinator gone), health turns NOT_SERVING and the process exits
+with status 3 (``EXIT_PIPELINE_FAILED``), for a supervisor to restart it with ``--resume``.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from typing import Any
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerOptions
-from zephon_flow.cluster.serving import CoordinatorServer
+from zephon_flow.cluster.serving import CoordinatorServer, Serving
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.state import load_state, to_loader_state
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
+from zephon_flow.service import auth
+from zephon_flow.service.server import EXIT_PIPELINE_FAILED, FAILURE_NOTICE_SECONDS
 
 
 class OwnersServer:
@@ -49,6 +57,12 @@ class OwnersServer:
         max_replacements: int = 3,
         owner_cpus: float = 0.0,
         verify_resume: bool = True,
+        token: str | None = None,
+        tls: tuple[str, str] | None = None,
+        stream_timeout: float = 300.0,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
+        max_client_calls: int = 16,
     ) -> None:
         # Phases: check, connect to Ray, start the coordinator and its owners, listen.
         if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -56,6 +70,18 @@ class OwnersServer:
                 f"zephon serve --lane-owners needs --world-size (the trainer ranks), got {world_size!r}"
             )
         plan_owners(spec.lanes, owners)  # refused here, before Ray starts
+        if checkpoint_every is not None and checkpoint_dir is None:
+            raise SpecError("zephon serve: --checkpoint-every needs --checkpoint-dir (where to write them)")
+        cert, key = (None, None) if tls is None else auth.read_tls(*tls)
+        serving = Serving(
+            host=host,
+            world_size=world_size,
+            token=None if token is None else auth.clean_token(token, "zephon serve"),
+            tls_cert=cert,
+            tls_key=key,
+            stream_timeout=stream_timeout,
+            max_client_calls=max_client_calls,
+        )
         self.spec = spec
         state = None if resume is None else to_loader_state(load_state(resume))
         self._ray = require_ray(actors.FEATURE)
@@ -73,27 +99,43 @@ class OwnersServer:
             owner_cpus=owner_cpus,
             snapshot_every=snapshot_every,
             max_replacements=max_replacements,
-            serve_host=host,
+            serving=serving,
         )
         try:
             self._ray.get(self._coordinator.table.remote())  # the owners are up
         except self._ray.exceptions.RayTaskError as exc:
             self._shutdown()
             raise getattr(exc, "cause", exc) from None
-        self._server = CoordinatorServer(
-            spec,
-            self._coordinator,
-            world_size=world_size,
-            host=host,
-            port=port,
-            checkpoint_dir=checkpoint_dir,
-        )
+        try:
+            self._server = CoordinatorServer(
+                spec,
+                self._coordinator,
+                owners=owners,
+                serving=serving,
+                port=port,
+                checkpoint_dir=checkpoint_dir,
+                checkpoint_every=checkpoint_every,
+                keep_checkpoints=keep_checkpoints,
+            )
+        except BaseException:
+            self._shutdown()
+            raise
         self.host, self.port = host, self._server.port
 
     def table(self) -> OwnerTable:
         """Which owner runs which lanes, and each owner's generation (bumped per replacement)."""
         table: OwnerTable = self._ray.get(self._coordinator.table.remote())
         return table
+
+    @property
+    def failed(self) -> str | None:
+        """Why the run cannot go on (None while it can)."""
+        return self._server.failed
+
+    def poll(self) -> str | None:
+        """Checks the coordinator still answers; returns ``failed``."""
+        self._server.poll()
+        return self._server.failed
 
     def owner_pids(self) -> list[int]:
         """The process id of each owner (for fault tests and monitoring)."""
@@ -110,18 +152,21 @@ class OwnersServer:
         self._shutdown()
 
 
+#: How often ``serve`` checks that the coordinator still answers (seconds).
+POLL_SECONDS = 5.0
+
+
 def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
-    """Runs ``OwnersServer`` from ``zephon serve``'s arguments until SIGTERM or SIGINT."""
-    refused = [
-        name
-        for name in ("tls_cert", "token_file", "checkpoint_every", "held_bytes")
-        if getattr(args, name, None)
-    ]
-    if refused:
+    """Runs ``OwnersServer`` from ``zephon serve``'s arguments until SIGTERM or SIGINT (status
+    0), or until the run cannot go on (status ``EXIT_PIPELINE_FAILED``)."""
+    if getattr(args, "held_bytes", None):
         raise SpecError(
-            f"zephon serve --ray does not support --{refused[0].replace('_', '-')} yet: drop it, or "
-            f"serve without --ray"
+            "zephon serve --ray does not support --held-bytes: each owner holds --ahead steps past its "
+            "slowest reader and --keep behind it; bound memory with those"
         )
+    if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
+        raise SpecError("zephon serve: --tls-cert and --tls-key go together")
+    token = auth.read_token(getattr(args, "token_file", None))
     server = OwnersServer(
         spec,
         owners=args.lane_owners,
@@ -136,6 +181,11 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         ahead=args.ahead,
         keep=args.keep,
         verify_resume=not getattr(args, "no_verify_resume", False),
+        token=token,
+        tls=(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None,
+        stream_timeout=getattr(args, "stream_timeout", 300.0),
+        checkpoint_every=getattr(args, "checkpoint_every", None),
+        keep_checkpoints=getattr(args, "keep_checkpoints", 3),
     )
     done = threading.Event()
 
@@ -151,7 +201,20 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         file=sys.stderr,
         flush=True,
     )
+    ticks = 0
     while not done.wait(0.2):
-        pass
+        ticks += 1
+        failed = server.poll() if ticks % int(POLL_SECONDS / 0.2) == 0 else server.failed
+        if failed is not None:
+            print(
+                f"zephon serve: error: the run cannot go on: {failed}\n"
+                f"zephon serve: exiting with status {EXIT_PIPELINE_FAILED}; restart with --resume "
+                f"from the last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            done.wait(FAILURE_NOTICE_SECONDS)
+            server.stop()
+            return EXIT_PIPELINE_FAILED
     server.stop()
     return 0

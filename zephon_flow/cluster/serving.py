@@ -5,16 +5,26 @@ that lie on the owner's lanes, as the batch service's ``BatchChunk`` messages (`
 client concatenates the owners' shares in lane order (``zephon_flow.service.fanin``). The
 coordinator's endpoint (in the ``zephon serve --ray`` process) answers ``Table``, ``Replace``
 and ``Checkpoint`` by asking the coordinator actor. Nothing here holds a batch for long.
+
+Every endpoint is as guarded as ``zephon serve``'s (``Serving``): the shared token on every
+call but health checks, TLS, and each request checked against the run before any work (the
+pipeline's fingerprint, the run's world size, the rank, a start step the owner holds or can
+reach), with a bound on the calls one client connection may hold open at once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.cluster.coordinator import OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
@@ -22,6 +32,7 @@ from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import save_state
 from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
 from zephon_flow.service.rpc import unary_handler
@@ -37,30 +48,137 @@ def _abort(context: grpc.ServicerContext, code: str, message: str) -> NoReturn:
     raise AssertionError("grpc's abort returned")
 
 
-def _server(host: str, port: int, handlers: dict[str, Any], max_streams: int) -> tuple[grpc.Server, int]:
+#: Steps past a rank's last asked step that it may ask for: its prefetch (4), the stride of its
+#: progress reports (8, what a replacement owner knows of it) and some slack, beyond ``ahead``.
+ASK_SLACK = 24
+#: Requests are small; a larger one is refused before it is read.
+MAX_REQUEST_BYTES = 64 << 10
+
+
+@dataclass(frozen=True)
+class Serving:
+    """How the lane owners' gRPC endpoints serve (``zephon serve --ray``'s options): where
+    (``host``), for which ``world_size``, the shared ``token`` (None: none), TLS as PEM bytes
+    (``tls_cert``, ``tls_key``: shipped to the owners, which may run on other nodes), how long
+    a call waits for its step (``stream_timeout``) and how many calls one client connection may
+    hold open at once (``max_client_calls``; more are refused with ``RESOURCE_EXHAUSTED``,
+    which clients retry)."""
+
+    host: str = "127.0.0.1"
+    world_size: int = 1
+    token: str | None = None
+    tls_cert: bytes | None = None
+    tls_key: bytes | None = None
+    stream_timeout: float = 300.0
+    max_client_calls: int = 16
+    max_calls: int = 256
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise SpecError("zephon serve: --tls-cert and --tls-key go together")
+        if not isinstance(self.stream_timeout, int | float) or not self.stream_timeout > 0:
+            raise SpecError(
+                f"zephon serve: --stream-timeout must be > 0 seconds, got {self.stream_timeout!r}"
+            )
+        for name in ("world_size", "max_client_calls", "max_calls"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpecError(f"lane owners: {name} must be a positive integer, got {value!r}")
+
+
+class _CallLimit:
+    """Counts the calls each client connection (its peer address) holds open."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._open, self._lock = limit, Counter[str](), threading.Lock()
+
+    @contextlib.contextmanager
+    def enter(self, context: grpc.ServicerContext, what: str) -> Iterator[None]:
+        peer = str(context.peer())
+        with self._lock:
+            full = self._open[peer] >= self._limit
+            if not full:
+                self._open[peer] += 1
+        if full:
+            _abort(
+                context,
+                "RESOURCE_EXHAUSTED",
+                f"{what}: this client already holds {self._limit} open calls (the limit per client "
+                f"connection); retry once some have ended",
+            )
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[peer] -= 1
+                if not self._open[peer]:
+                    del self._open[peer]
+
+
+def _server(
+    host: str, port: int, handlers: dict[str, Any], serving: Serving, max_calls: int
+) -> tuple[grpc.Server, int, health.HealthServicer]:
+    """A started gRPC server of ``handlers`` with health, the token check and TLS of ``serving``."""
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_streams + 4, thread_name_prefix="zephon-owners"),
+        futures.ThreadPoolExecutor(max_workers=max_calls + 4, thread_name_prefix="zephon-owners"),
         handlers=[grpc.method_handlers_generic_handler(SERVICE, handlers)],
-        maximum_concurrent_rpcs=max_streams,
-        options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)],
+        interceptors=[auth.TokenInterceptor(serving.token)] if serving.token else [],
+        maximum_concurrent_rpcs=max_calls,
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+            ("grpc.so_reuseport", 0),
+        ],
     )
-    bound = server.add_insecure_port(f"{host}:{port}")
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    address = f"{host}:{port}"
+    try:
+        if serving.tls_cert is not None and serving.tls_key is not None:
+            creds = grpc.ssl_server_credentials([(serving.tls_key, serving.tls_cert)])
+            bound = server.add_secure_port(address, creds)
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise ZephonError(f"lane owners: cannot listen on {address}: {exc}") from exc
     if not bound:
-        raise ZephonError(f"lane owners: cannot listen on {host}:{port} (in use?)")
+        raise ZephonError(f"lane owners: cannot listen on {address} (in use?)")
     server.start()
-    return server, bound
+    for name in ("", SERVICE):
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, servicer
+
+
+def _check_run(
+    context: grpc.ServicerContext, fingerprint: str, sent: str, world_size: int, sent_world_size: int
+) -> None:
+    """Refuses a call for another pipeline or another world size than the run's, by name."""
+    if sent and sent != fingerprint:
+        _abort(
+            context,
+            "FAILED_PRECONDITION",
+            f"the client was built for pipeline fingerprint {sent}, but these lane owners run "
+            f"fingerprint {fingerprint}: connect to the server of that pipeline",
+        )
+    if sent_world_size != world_size:
+        _abort(
+            context,
+            "FAILED_PRECONDITION",
+            f"these lane owners serve world_size={world_size}, not {sent_world_size}: restart zephon "
+            f"serve --ray with --world-size {sent_world_size} (and --resume from a checkpoint)",
+        )
 
 
 class OwnerServer:
-    """Serves one ``LaneOwner``'s rows over gRPC on ``host`` (port 0: any free one)."""
+    """Serves one ``LaneOwner``'s rows over gRPC as ``serving`` says (port 0: any free one)."""
 
-    def __init__(
-        self, owner: LaneOwner, *, host: str = "127.0.0.1", port: int = 0, max_streams: int = 256
-    ) -> None:
+    def __init__(self, owner: LaneOwner, serving: Serving | None = None, *, port: int = 0) -> None:
         self._owner = owner
+        self._serving = serving = Serving() if serving is None else serving
         self._fingerprint = owner.spec.fingerprint["total"]
-        self._server, bound = _server(
-            host,
+        self._limit = _CallLimit(serving.max_client_calls)
+        self._server, bound, self._health = _server(
+            serving.host,
             port,
             {
                 "StreamRows": grpc.unary_stream_rpc_method_handler(
@@ -68,19 +186,24 @@ class OwnerServer:
                 ),
                 "Live": unary_handler(self._live, lo.LiveRequest, lo.LiveReply),
             },
-            max_streams,
+            serving,
+            serving.max_calls,
         )
-        self.address = f"{host}:{bound}"
+        self.address = f"{serving.host}:{bound}"
 
-    def _stream(self, request: lo.RowsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        owner = self._owner
-        if request.fingerprint and request.fingerprint != self._fingerprint:
-            _abort(
-                context,
-                "FAILED_PRECONDITION",
-                f"the client was built for pipeline fingerprint {request.fingerprint}, but this lane "
-                f"owner runs fingerprint {self._fingerprint}",
-            )
+    def _fail(self, context: grpc.ServicerContext, exc: OwnerError) -> NoReturn:
+        """The owner's pipeline failed (or lost a step): health says so, the call gets it."""
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        _abort(context, "INTERNAL", str(exc))
+
+    def _rank_slice(self, request: lo.RowsRequest, context: grpc.ServicerContext) -> RankSlice:
+        """The caller's rank slice, refused (before any work) unless it is a rank of the run
+        with rows on this owner's lanes."""
+        owner, serving = self._owner, self._serving
+        _check_run(
+            context, self._fingerprint, request.fingerprint, serving.world_size, int(request.world_size)
+        )
         spec = owner.spec
         try:
             rs = RankSlice(
@@ -98,28 +221,94 @@ class OwnerServer:
                 f"rank {rs.rank} of {rs.world_size} has no rows on this owner's lanes {owner.lanes} "
                 f"(its rows are on lanes {list(rs.lane_ids)}): ask the coordinator's Table",
             )
+        return rs
+
+    def _check_step(self, rank: int, step: int, context: grpc.ServicerContext) -> None:
+        """Refuses a step the owner no longer holds, or one further past where ``rank`` is than
+        a rank asks ahead (``ASK_SLACK`` beyond the owner's ``ahead``): it would move the
+        rank's position there, releasing steps the rank still needs."""
+        status = self._owner.status()
+        low, produced = int(status["low"]), int(status["produced"])
+        name = f"{self._owner.name} (lanes {self._owner.lanes})"
+        if step < low:
+            _abort(
+                context,
+                "OUT_OF_RANGE",
+                f"step {step} is no longer held: {name} holds steps [{low}, {produced}); resume from "
+                f"a checkpoint to go back further",
+            )
+        at = status["positions"].get(rank, status["expected"].get(rank, produced))
+        reach = self._owner.options.ahead + ASK_SLACK
+        if step > int(at) + reach:
+            _abort(
+                context,
+                "OUT_OF_RANGE",
+                f"step {step} is too far ahead: rank {rank} is at step {at} on {name}, and a rank may "
+                f"ask at most {reach} steps past it; to start at step {step}, restart zephon serve "
+                f"--ray with --resume from a checkpoint of that step",
+            )
+
+    def _stream(self, request: lo.RowsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        owner = self._owner
+        rs = self._rank_slice(request, context)
         step, stop = int(request.start_step), int(request.stop_step) or None
-        while context.is_active() and (stop is None or step < stop):
-            try:
-                part = owner.share(rs, step, timeout=POLL)
-            except OwnerError as exc:
-                _abort(context, "INTERNAL", str(exc))
-            if part is None:
-                continue
-            yield from encode_step(step, part, ahead=owner.options.ahead)
-            step += 1
+        self._check_step(rs.rank, step, context)
+        with self._limit.enter(context, f"rank {rs.rank}'s rows of step {step}"):
+            waited = 0.0
+            while context.is_active() and (stop is None or step < stop):
+                try:
+                    part = owner.share(rs, step, timeout=POLL)
+                except OwnerError as exc:
+                    if "no longer held" in str(exc):
+                        _abort(context, "OUT_OF_RANGE", str(exc))
+                    self._fail(context, exc)
+                if part is None:
+                    waited += POLL
+                    if waited >= self._serving.stream_timeout:
+                        _abort(
+                            context,
+                            "DEADLINE_EXCEEDED",
+                            f"{owner.name} (lanes {owner.lanes}) did not make step {step} within "
+                            f"{self._serving.stream_timeout:g} s (--stream-timeout): another rank reading "
+                            f"these lanes has stopped taking steps (the owner runs at most "
+                            f"{owner.options.ahead} steps past its slowest reader)",
+                        )
+                    continue
+                waited = 0.0
+                yield from encode_step(step, part, ahead=owner.options.ahead)
+                step += 1
 
     def _live(self, request: lo.LiveRequest, context: grpc.ServicerContext) -> lo.LiveReply:
-        while context.is_active():
-            try:
-                live = self._owner.live(int(request.step), timeout=POLL)
-            except OwnerError as exc:
-                _abort(context, "INTERNAL", str(exc))
-            if live is not None:
-                return lo.LiveReply(live=live)
-        _abort(context, "CANCELLED", "the client went away")
+        step = int(request.step)
+        status = self._owner.status()
+        known = [*status["positions"].values(), *status["expected"].values(), int(status["produced"])]
+        reach = self._owner.options.ahead + ASK_SLACK
+        if step > max(known) + reach:
+            _abort(
+                context,
+                "OUT_OF_RANGE",
+                f"Live(step={step}) is too far ahead: the ranks reading {self._owner.name} are at most "
+                f"at step {max(known)}, and a rank may ask at most {reach} steps past it",
+            )
+        with self._limit.enter(context, f"Live(step={step})"):
+            waited = 0.0
+            while context.is_active() and waited < self._serving.stream_timeout:
+                try:
+                    live = self._owner.live(step, timeout=POLL)
+                except OwnerError as exc:
+                    self._fail(context, exc)
+                if live is not None:
+                    return lo.LiveReply(live=live)
+                waited += POLL
+        _abort(
+            context,
+            "DEADLINE_EXCEEDED" if context.is_active() else "CANCELLED",
+            f"{self._owner.name} did not reach step {step} within {self._serving.stream_timeout:g} s "
+            f"(--stream-timeout)",
+        )
 
     def stop(self) -> None:
+        self._health.enter_graceful_shutdown()
         self._server.stop(1.0).wait()
 
 
@@ -138,27 +327,37 @@ def table_reply(spec: LoaderSpec, table: OwnerTable, addresses: list[str]) -> lo
 
 class CoordinatorServer:
     """The coordinator's gRPC endpoint: ``Table``, ``Replace``, ``Progress`` and ``Checkpoint``
-    (written to ``checkpoint_dir`` as ``step-<step>.zfstate``), answered by ``coordinator`` (a
-    Ray actor handle of ``actors.CoordinatorActor``) for ranks of ``world_size``."""
+    (written to ``checkpoint_dir`` as ``step-<step>.zfstate``; with ``checkpoint_every`` N, also
+    each time the slowest rank has moved N steps on, keeping the newest ``keep_checkpoints``),
+    answered by ``coordinator`` (a Ray actor handle of ``actors.CoordinatorActor``) for the
+    ranks of ``serving.world_size``. ``failed`` is set (and health turns NOT_SERVING) once the
+    run cannot go on: an owner lost past its replacements, or the coordinator gone."""
 
     def __init__(
         self,
         spec: LoaderSpec,
         coordinator: Any,
         *,
-        world_size: int,
-        host: str = "127.0.0.1",
+        owners: int,
+        serving: Serving,
         port: int = 0,
         checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        keep_checkpoints: int = 3,
     ) -> None:
         from zephon_flow.runners.ray_env import require_ray
 
         self._ray = require_ray("zephon serve --ray")
         self.spec, self._coordinator, self._checkpoint_dir = spec, coordinator, checkpoint_dir
         self.fingerprint = spec.fingerprint["total"]
-        self.world_size = world_size
-        self._server, self.port = _server(
-            host,
+        self.world_size, self.owners, self._serving = serving.world_size, owners, serving
+        self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
+        self._last_checkpoint: int | None = None
+        self._checkpointing = threading.Lock()
+        #: Why the run cannot go on (None while it can).
+        self.failed: str | None = None
+        self._server, self.port, self._health = _server(
+            serving.host,
             port,
             {
                 "Table": unary_handler(self._table, lo.TableRequest, lo.TableReply),
@@ -166,44 +365,105 @@ class CoordinatorServer:
                 "Checkpoint": unary_handler(self._checkpoint, pb.CheckpointRequest, pb.CheckpointReply),
                 "Progress": unary_handler(self._progress, pb.AckRequest, pb.AckReply),
             },
+            serving,
             64,
         )
-        self.host = host
+        self.host = serving.host
+
+    def fail(self, why: str) -> None:
+        """The run cannot go on: health turns NOT_SERVING (``zephon serve`` exits with 3)."""
+        if self.failed is None:
+            self.failed = why
+        for name in ("", SERVICE):
+            self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def poll(self, timeout: float = 30.0) -> None:
+        """Checks that the coordinator actor still answers (else ``fail``)."""
+        try:
+            self._ray.get(self._coordinator.table.remote(), timeout=timeout)
+        except self._ray.exceptions.RayActorError as exc:
+            self.fail(f"the lane owners' coordinator died: {exc}")
 
     def _reply(self, ref: Any, context: grpc.ServicerContext) -> lo.TableReply:
+        from zephon_flow.cluster.coordinator import OwnerLostError
+
         try:
             table, addresses = self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", exc)
+            if isinstance(cause, OwnerLostError):
+                self.fail(str(cause))
+            if isinstance(cause, SpecError):
+                _abort(context, "INVALID_ARGUMENT", str(cause))
             _abort(context, "UNAVAILABLE" if isinstance(cause, ZephonError) else "INTERNAL", str(cause))
+        except self._ray.exceptions.RayActorError as exc:
+            self.fail(f"the lane owners' coordinator died: {exc}")
+            _abort(context, "UNAVAILABLE", f"the lane owners' coordinator died: {exc}")
         return table_reply(self.spec, table, addresses)
 
+    def _check_fingerprint(self, sent: str, context: grpc.ServicerContext) -> None:
+        _check_run(context, self.fingerprint, sent, self.world_size, self.world_size)
+
     def _table(self, request: lo.TableRequest, context: grpc.ServicerContext) -> lo.TableReply:
-        if request.fingerprint and request.fingerprint != self.fingerprint:
-            _abort(
-                context,
-                "FAILED_PRECONDITION",
-                f"the client was built for pipeline fingerprint {request.fingerprint}, but these lane "
-                f"owners run fingerprint {self.fingerprint}",
-            )
+        self._check_fingerprint(request.fingerprint, context)
         return self._reply(self._coordinator.served_table.remote(), context)
 
     def _replace(self, request: lo.ReplaceRequest, context: grpc.ServicerContext) -> lo.TableReply:
-        ref = self._coordinator.replace_served.remote(int(request.owner), int(request.generation))
+        index = int(request.owner)
+        if not 0 <= index < self.owners:
+            _abort(
+                context,
+                "INVALID_ARGUMENT",
+                f"Replace(owner={index}): no such lane owner; this run's owners are 0..{self.owners - 1}",
+            )
+        ref = self._coordinator.replace_served.remote(index, int(request.generation))
         return self._reply(ref, context)
 
     def _progress(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
-        if int(request.world_size) != self.world_size:
-            _abort(
-                context,
-                "FAILED_PRECONDITION",
-                f"these lane owners serve world_size={self.world_size}, not {request.world_size}: "
-                f"restart zephon serve with --world-size {request.world_size} (and --resume)",
-            )
-        self._coordinator.progress.remote(int(request.rank), int(request.step))
+        self._check_fingerprint(request.fingerprint, context)
+        rank, world_size = int(request.rank), int(request.world_size)
+        _check_run(context, self.fingerprint, "", self.world_size, world_size)
+        if not 0 <= rank < world_size:
+            _abort(context, "INVALID_ARGUMENT", f"rank must be in [0, {world_size}), got {rank}")
+        self._coordinator.progress.remote(rank, int(request.step))
+        self._maybe_checkpoint()
         return pb.AckReply()
 
+    def _maybe_checkpoint(self) -> None:
+        """With ``checkpoint_every`` N: writes the state at the slowest rank's step once it has
+        moved N steps past the last one written, then keeps the newest ``keep_checkpoints``."""
+        if self._checkpoint_every is None or self._checkpoint_dir is None or self.failed is not None:
+            return
+        if not self._checkpointing.acquire(blocking=False):
+            return  # one is being written
+        try:
+            positions = self._ray.get(self._coordinator.positions.remote(), timeout=60)
+            step = min(positions.values())
+            last = self._last_checkpoint
+            if last is None:
+                last = self._last_checkpoint = step
+            if step < last + self._checkpoint_every:
+                return
+            from zephon_flow.service.server import prune_checkpoints
+
+            self._write(step)
+            prune_checkpoints(self._checkpoint_dir, self._keep_checkpoints)
+            self._last_checkpoint = step
+        except Exception:  # best effort: the next report brings another chance
+            return
+        finally:
+            self._checkpointing.release()
+
+    def _write(self, step: int) -> str:
+        assert self._checkpoint_dir is not None
+        state = self._ray.get(self._coordinator.checkpoint.remote(step))
+        os.makedirs(self._checkpoint_dir, exist_ok=True)
+        path = os.path.join(self._checkpoint_dir, f"step-{step}.zfstate")
+        save_state(state, path)
+        return os.path.abspath(path)
+
     def _checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointReply:
+        self._check_fingerprint(request.fingerprint, context)
         if self._checkpoint_dir is None:
             _abort(
                 context,
@@ -212,12 +472,13 @@ class CoordinatorServer:
             )
         step = int(request.step)
         try:
-            state = self._ray.get(self._coordinator.checkpoint.remote(step))
+            path = self._write(step)
         except self._ray.exceptions.RayTaskError as exc:
             _abort(context, "INTERNAL", str(getattr(exc, "cause", exc)))
-        path = os.path.join(self._checkpoint_dir, f"step-{step}.zfstate")
-        save_state(state, path)
-        return pb.CheckpointReply(step=step, path=os.path.abspath(path))
+        except OSError as exc:
+            _abort(context, "INTERNAL", f"cannot write the checkpoint of step {step}: {exc}")
+        return pb.CheckpointReply(step=step, path=path)
 
     def stop(self) -> None:
+        self._health.enter_graceful_shutdown()
         self._server.stop(1.0).wait()

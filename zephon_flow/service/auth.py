@@ -96,13 +96,19 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         return continuation(handler_call_details)
 
 
-def server_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
-    """TLS credentials from PEM files (certificate chain and private key)."""
-    blobs = []
+def read_tls(cert_path: str, key_path: str) -> tuple[bytes, bytes]:
+    """The PEM bytes of ``cert_path`` (certificate chain) and ``key_path`` (private key)."""
+    blobs: dict[str, bytes] = {}
     for option, path in (("--tls-key", key_path), ("--tls-cert", cert_path)):
         try:
             with open(path, "rb") as f:
-                blobs.append(f.read())
+                blobs[option] = f.read()
         except OSError as exc:
             raise SpecError(f"zephon serve: cannot read {option} {path}: {exc.strerror}") from exc
-    return grpc.ssl_server_credentials([(blobs[0], blobs[1])])
+    return blobs["--tls-cert"], blobs["--tls-key"]
+
+
+def server_credentials(cert_path: str, key_path: str) -> grpc.ServerCredentials:
+    """TLS credentials from PEM files (certificate chain and private key)."""
+    cert, key = read_tls(cert_path, key_path)
+    return grpc.ssl_server_credentials([(key, cert)])

@@ -177,7 +177,8 @@ class Client:
     pipeline; ``token`` defaults to ``$ZEPHON_TOKEN``; ``root_certificates``
     (PEM bytes) switches to TLS. ``lane_owners=True`` reads from ``zephon serve --ray
     --lane-owners N`` (``address`` is its coordinator): this rank's rows come straight from the
-    owners of its lanes, merged in lane order (plaintext; a lost owner is replaced).
+    owners of its lanes, merged in lane order (token and TLS as with ``zephon serve``; a lost
+    owner is replaced; an owner that does not send a step within ``timeout`` raises).
     ``clock`` paces the retries (tests pass a ``ManualClock``).
     """
 
@@ -200,11 +201,6 @@ class Client:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         _check_position(rank, world_size, start_step)
-        if lane_owners and root_certificates is not None:
-            raise SpecError(
-                "Client: lane_owners=True reads the owners in plaintext; TLS (root_certificates) is not "
-                "supported there yet: serve without --ray for TLS"
-            )
         if not isinstance(retries, int) or retries < 0 or backoff <= 0 or max_backoff < backoff:
             raise SpecError(
                 f"Client: retries must be >= 0 and 0 < backoff <= max_backoff, got "
@@ -216,6 +212,7 @@ class Client:
         token = auth.clean_token(token, "Client") if token is not None else auth.env_token("Client")
         self._metadata = auth.bearer(token) if token else ()
         self._tls = root_certificates is not None
+        self._root_certificates = root_certificates
         self._retries, self._backoff, self._max_backoff = retries, backoff, max_backoff
         self._timeout = timeout
         self._clock = clock
@@ -249,6 +246,9 @@ class Client:
             timeout=self._timeout,
             retries=self._retries,
             backoff=self._backoff,
+            max_backoff=self._max_backoff,
+            root_certificates=self._root_certificates,
+            clock=self._clock,
         )
 
     def _method(self, method: str, request: Any, reply: Any) -> grpc.UnaryUnaryMultiCallable:

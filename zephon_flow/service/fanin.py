@@ -6,10 +6,17 @@ streams this rank its share of every step (``StreamRows``), and the shares, conc
 lane order, are exactly the rank's slice. An owner whose stream breaks is reported to the
 coordinator (``Replace``), which starts a replacement from its lanes' last snapshot; the stream
 is reopened there at the step this rank is at, so nothing is lost or repeated.
+
+Every call has a deadline (``Client(timeout=)``): an owner that does not send a step in time
+(a peer rank reading the same lanes has stopped, so the owner runs no further) ends the
+iteration with a ``ServiceError`` naming the step and the owner. A full owner
+(``RESOURCE_EXHAUSTED``) is retried with the client's backoff. ``close()`` from another thread
+ends a blocked iteration cleanly.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -20,6 +27,7 @@ import grpc
 import numpy as np
 
 from zephon_flow.core.batches import VALID_FIELD
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.service._proto import batch_service_pb2 as pb
@@ -32,6 +40,22 @@ _METHOD = "/zephon.v1.LaneOwners/"
 _OWNER_LOST = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED, grpc.StatusCode.UNKNOWN}
 )
+#: Worth another try after a pause, without reporting the owner: it has no room for the call now.
+_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class _Closed(Exception):
+    """The fan-in was closed (from another thread) while a call was under way."""
+
+
+def open_channel(
+    address: str, root_certificates: bytes | None, options: list[tuple[str, Any]]
+) -> grpc.Channel:
+    """A channel to ``address``: TLS with ``root_certificates`` (PEM bytes), else plaintext."""
+    if root_certificates is None:
+        return grpc.insecure_channel(address, options=options)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return grpc.secure_channel(address, creds, options=options)
 
 
 @dataclass(frozen=True)
@@ -48,33 +72,46 @@ class _OwnerStream:
 
     def __init__(self, fan: OwnerFanIn, owner: _Owner, step: int, prefetch: int) -> None:
         self.owner, self._fan, self._prefetch = owner, fan, prefetch
-        self._channel = grpc.insecure_channel(owner.address, options=fan.channel_options)
+        self._channel = open_channel(owner.address, fan.root_certificates, fan.channel_options)
         self._method = self._channel.unary_stream(
             _METHOD + "StreamRows", request_serializer=lo.RowsRequest.SerializeToString
         )
-        self._calls: deque[tuple[int, Any]] = deque()
+        self._calls: deque[tuple[int, float, Any]] = deque()
         self._asked = step
 
-    def _ask(self) -> None:
+    def _call(self, step: int) -> Any:
         fan = self._fan
         request = lo.RowsRequest(
             fingerprint=fan.fingerprint,
             rank=fan.rank,
             world_size=fan.world_size,
-            start_step=self._asked,
-            stop_step=self._asked + 1,
+            start_step=step,
+            stop_step=step + 1,
         )
-        self._calls.append((self._asked, self._method(request, metadata=fan.metadata)))
+        return self._method(request, metadata=fan.metadata, timeout=fan.timeout)
+
+    def _ask(self) -> None:
+        self._calls.append((self._asked, time.monotonic(), self._call(self._asked)))
         self._asked += 1
 
     def next(self, step: int) -> dict[str, Any]:
         while len(self._calls) < self._prefetch:
             self._ask()
-        asked, call = self._calls.popleft()
+        asked, since, call = self._calls.popleft()
         if asked != step:
             raise ServiceError(
                 f"rank {self._fan.rank} asked lane owner {self.owner.index} for step {asked}, expected {step}"
             )
+        waiting = time.monotonic()
+        try:
+            return self._read(call, step)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED or waiting - since < 0.5:
+                raise
+        # Asked ahead, its deadline ran partly while this rank was busy: one full wait more.
+        return self._read(self._call(step), step)
+
+    def _read(self, call: Any, step: int) -> dict[str, Any]:
         assembler = StepAssembler()
         for raw in call:
             got = assembler.feed(raw)
@@ -90,7 +127,7 @@ class _OwnerStream:
         )
 
     def close(self) -> None:
-        for _, call in self._calls:
+        for _, _, call in self._calls:
             call.cancel()
         self._calls.clear()
         self._channel.close()
@@ -112,14 +149,21 @@ class OwnerFanIn:
         timeout: float,
         retries: int,
         backoff: float,
+        max_backoff: float = 5.0,
+        root_certificates: bytes | None = None,
+        clock: Clock = SYSTEM_CLOCK,
         progress_every: int = 8,
         prefetch: int = 4,
     ) -> None:
         self.address, self.rank, self.world_size = address, rank, world_size
         self.fingerprint, self.metadata, self.channel_options = fingerprint, tuple(metadata), channel_options
+        self.root_certificates, self.timeout = root_certificates, timeout
         self._timeout, self._retries, self._backoff = timeout, retries, backoff
+        self._max_backoff, self._clock = max_backoff, clock
         self._progress_every, self._prefetch = progress_every, prefetch
-        self._channel = grpc.insecure_channel(address, options=channel_options)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._channel = open_channel(address, root_certificates, channel_options)
         self._table_call = unary_call(self._channel, _METHOD + "Table", lo.TableRequest, lo.TableReply)
         self._replace_call = unary_call(self._channel, _METHOD + "Replace", lo.ReplaceRequest, lo.TableReply)
         self._progress_call = unary_call(self._channel, _METHOD + "Progress", pb.AckRequest, pb.AckReply)
@@ -130,18 +174,24 @@ class OwnerFanIn:
         self._reply: lo.TableReply | None = None
 
     # -- the table -----------------------------------------------------------------------------
-    def _unary(self, call: Any, request: Any, what: str) -> Any:
+    def _pause(self, attempt: int) -> None:
+        """The client's backoff before another try: doubling from ``backoff``, at most ``max_backoff``."""
+        self._clock.sleep(min(self._max_backoff, self._backoff * 2**attempt))
+
+    def _unary(self, call: Any, request: Any, what: str, where: str | None = None) -> Any:
         for attempt in range(self._retries + 1):
             try:
                 return call(request, metadata=self.metadata, timeout=self._timeout)
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt == self._retries:
+                if self._closed:
+                    raise _Closed from None
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, _BUSY) or attempt == self._retries:
                     raise ServiceError(
-                        f"{what} from the lane owners' coordinator at {self.address} failed: "
+                        f"{what} from {where or f'the lane owners coordinator at {self.address}'} failed: "
                         f"{exc.code().name}: {exc.details()}",
                         code=exc.code().name,
                     ) from None
-                time.sleep(min(5.0, self._backoff * 2**attempt))
+                self._pause(attempt)
         raise AssertionError("unreachable")
 
     def _owners(self, reply: lo.TableReply) -> list[_Owner]:
@@ -167,7 +217,8 @@ class OwnerFanIn:
         return self._reply
 
     def _replace(self, owner: _Owner, step: int, exc: grpc.RpcError) -> _Owner:
-        """Reports ``owner`` dead; returns its replacement (the coordinator makes one once)."""
+        """Reports ``owner`` dead; returns its replacement (the coordinator makes one once; an
+        owner that still answers is kept, and the same owner is returned)."""
         try:
             self._reply = self._replace_call(
                 lo.ReplaceRequest(owner=owner.index, generation=owner.generation),
@@ -175,6 +226,8 @@ class OwnerFanIn:
                 timeout=self._timeout,
             )
         except grpc.RpcError as err:
+            if self._closed:
+                raise _Closed from None
             raise ServiceError(
                 f"rank {self.rank} lost lane owner {owner.index} (lanes {list(owner.lanes)}) at step "
                 f"{step} ({exc.code().name}: {exc.details()}), and the coordinator could not replace it: "
@@ -187,35 +240,65 @@ class OwnerFanIn:
     def _share(self, owner: _Owner, step: int) -> tuple[_Owner, dict[str, Any]]:
         """``owner``'s share of step ``step``, replacing the owner (and retrying) if it is lost."""
         for attempt in range(self._retries + 1):
-            stream = self._streams.get(owner.index)
-            if stream is None or stream.owner != owner:
-                stream = self._streams[owner.index] = _OwnerStream(self, owner, step, self._prefetch)
+            with self._lock:
+                if self._closed:
+                    raise _Closed
+                stream = self._streams.get(owner.index)
+                if stream is None or stream.owner != owner:
+                    stream = self._streams[owner.index] = _OwnerStream(self, owner, step, self._prefetch)
             try:
                 return owner, stream.next(step)
+            except ValueError:  # grpc: the channel was closed under the call
+                if self._closed:
+                    raise _Closed from None
+                raise
             except grpc.RpcError as exc:
                 stream.close()
-                del self._streams[owner.index]
-                if exc.code() not in _OWNER_LOST or attempt == self._retries:
+                with self._lock:
+                    if self._closed:
+                        raise _Closed from None
+                    if self._streams.get(owner.index) is stream:
+                        del self._streams[owner.index]
+                code = exc.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise ServiceError(
+                        f"rank {self.rank} waited more than {self._timeout:g} s (Client(timeout=)) for "
+                        f"step {step} from lane owner {owner.index} (lanes {list(owner.lanes)}) at "
+                        f"{owner.address}: another rank reading those lanes has stopped taking steps (an "
+                        f"owner runs only a few steps past its slowest reader), or the owner is stuck",
+                        code=code.name,
+                    ) from None
+                if (code not in _OWNER_LOST and code != _BUSY) or attempt == self._retries:
                     raise ServiceError(
                         f"rank {self.rank}'s rows of step {step} from lane owner {owner.index} (lanes "
-                        f"{list(owner.lanes)}) at {owner.address} failed: {exc.code().name}: {exc.details()}",
-                        code=exc.code().name,
+                        f"{list(owner.lanes)}) at {owner.address} failed: {code.name}: {exc.details()}",
+                        code=code.name,
                     ) from None
-                time.sleep(min(5.0, self._backoff * 2**attempt))
-                owner = self._replace(owner, step, exc)
+                self._pause(attempt)
+                if code != _BUSY:
+                    owner = self._replace(owner, step, exc)
         raise AssertionError("unreachable")
 
     def _live(self, step: int) -> bool:
         """Whether any owner's lanes have a real sample at ``step`` (a finite pass goes on)."""
         reply = self.table()
         for entry in reply.owners:
-            with grpc.insecure_channel(entry.address, options=self.channel_options) as channel:
+            with open_channel(entry.address, self.root_certificates, self.channel_options) as channel:
                 call = unary_call(channel, _METHOD + "Live", lo.LiveRequest, lo.LiveReply)
-                if call(lo.LiveRequest(step=step), metadata=self.metadata, timeout=self._timeout).live:
+                if self._unary(
+                    call, lo.LiveRequest(step=step), f"Live(step={step})", f"lane owner at {entry.address}"
+                ).live:
                     return True
         return False
 
     def batches(self, start_step: int, as_torch: bool) -> Iterator[tuple[int, Any]]:
+        """This rank's batches from ``start_step``; ends when the data ends or at ``close()``."""
+        try:
+            yield from self._batches(start_step, as_torch)
+        except _Closed:
+            return
+
+    def _batches(self, start_step: int, as_torch: bool) -> Iterator[tuple[int, Any]]:
         owners = self._owners(self.table())
         finite = bool(self.table().finite)
         step = start_step
@@ -252,7 +335,10 @@ class OwnerFanIn:
         return str(reply.path)
 
     def close(self) -> None:
-        for stream in self._streams.values():
+        """Ends every call; an iteration blocked in another thread ends cleanly."""
+        with self._lock:
+            self._closed = True
+            streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
             stream.close()
-        self._streams.clear()
         self._channel.close()
