@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -85,18 +87,17 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         operator = f"DecodeVideo [{where}]"
         wanted = set(plan.pts)
         got: dict[int, np.ndarray] = {}
-        with open_container(path, operator) as container:
-            stream = video_stream(container, path, operator, self.max_pixels)
-            ctx = stream.codec_context
-            ctx.thread_type = "NONE"
-            ctx.thread_count = 1
-            ctx.options = {"err_detect": "explode"}  # damage raises instead of being concealed
+        container, stream = self._opened(path, operator)
+        try:
             # From the plan's key frame; if the demuxer lands after the clip's first frame (an
             # index coarser than the packets'), from the start: either way a function of the file.
             for seek in (plan.seek, None):
                 if self._pass(container, stream, seek, wanted, got, path, where) or seek is None:
                     break
                 got.clear()
+        except BaseException:
+            self._close_held()  # the next clip opens the file afresh
+            raise
         missing = sorted(wanted - set(got))
         if missing:
             raise DataError(
@@ -112,6 +113,47 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                 "give DecodeVideo(size=...) to resize every frame"
             )
         return np.ascontiguousarray(np.stack(frames))
+
+    def _opened(self, path: str, operator: str) -> tuple[Any, Any]:
+        """``path``'s container and video stream, opened once per thread and kept while the
+        thread's clips come from that file (a split is a run of clips of one video): opening
+        parses the container's index, which for a long ``.mp4`` costs more than a clip. Every
+        clip seeks, which flushes the decoder, so a kept container gives the bytes a fresh one
+        does."""
+        local = self.__dict__.get("_held")
+        if local is None:
+            local = self._held = threading.local()
+        held = getattr(local, "video", None)
+        if held is not None and held[0] == path:
+            return held[2], held[3]
+        self._close_held()
+        stack = contextlib.ExitStack()
+        try:
+            container = stack.enter_context(open_container(path, operator))
+            stream = video_stream(container, path, operator, self.max_pixels)
+            ctx = stream.codec_context
+            ctx.thread_type = "NONE"
+            ctx.thread_count = 1
+            ctx.options = {"err_detect": "explode"}  # damage raises instead of being concealed
+        except BaseException:
+            stack.close()
+            raise
+        local.video = (path, stack, container, stream)
+        return container, stream
+
+    def _close_held(self) -> None:
+        local = self.__dict__.get("_held")
+        held = getattr(local, "video", None) if local is not None else None
+        if held is not None:
+            local.video = None
+            held[1].close()
+
+    def teardown(self) -> None:
+        self._close_held()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The open containers stay with the thread that opened them.
+        return {k: v for k, v in self.__dict__.items() if k != "_held"}
 
     def _pass(
         self,

@@ -55,6 +55,16 @@ def test_each_clip_decoded_by_seeking_equals_the_linear_decode(tmp_path: Path, e
         assert np.array_equal(frames, expected)
 
 
+def test_a_kept_container_gives_the_bytes_of_a_fresh_one_in_any_clip_order(tmp_path: Path) -> None:
+    a, b = make_video(tmp_path / "a.mp4", 40), make_video(tmp_path / "b.webm", 24, seed=3)
+    plans = {p: ops.ReadVideo(str(p), clip_frames=8, frames=5).clips(str(p)) for p in (a, b)}
+    kept = ops.DecodeVideo(size=16)
+    for path, clip in [(a, 3), (a, 0), (a, 4), (b, 2), (a, 1), (a, 1), (b, 0), (a, 2)]:
+        fresh = ops.DecodeVideo(size=16).decode(str(path), plans[path][clip])
+        assert np.array_equal(kept.decode(str(path), plans[path][clip]), fresh), (path, clip)
+    kept.teardown()
+
+
 def test_uniform_sampling_by_index_and_resize_per_frame(tmp_path: Path) -> None:
     path = make_video(tmp_path / "a.mp4", 24)
     source = ops.ReadVideo(str(path), clip_frames=8, frames=3)
