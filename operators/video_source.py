@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_flow.core import files
+from zephon_flow.core import rng as rng_lib
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.source import START, Record, Source, Split
 from zephon_flow.operators import _plan
@@ -15,6 +16,10 @@ from zephon_flow.operators._video_index import VideoIndex, read_index
 
 #: The fewest clips an automatic plan puts in a split.
 MIN_SPLIT_CLIPS = 4
+#: ``"all"``: every whole clip; ``"random"``: one clip per video, at a place drawn from the seed.
+WINDOWS = ("all", "random")
+#: The random stream of ``window="random"`` (``zephon_flow.core.rng``'s streams are 0..2).
+VIDEO_WINDOW = 16
 #: The field of ``ReadVideo``'s elements holding the clip's decode plan (``DecodeVideo`` reads it).
 PLAN_FIELD = "clip_plan"
 
@@ -46,7 +51,10 @@ class ReadVideo(Source):
     A clip is ``clip_frames`` consecutive frames (presentation order) or the frames shown in
     ``clip_seconds`` (from the first frame's timestamp; variable frame rates are read from the
     timestamps); consecutive clips start ``stride`` frames or seconds apart (default: the clip's
-    length). Only whole clips are planned. From each clip, ``frames=K`` frames uniformly by
+    length). Only whole clips are planned. ``window="random"`` plans one clip per video instead,
+    starting at a frame (or time) drawn from ``seed`` and the video's relative name: the same
+    window on every topology and resume, and in every pass (the source is not told its pass).
+    From each clip, ``frames=K`` frames uniformly by
     index, or by timestamp at ``fps`` (the frame on screen at each ``1/fps`` tick), or all.
 
     - **Splits**: runs of consecutive clips of one video, ``Split(path, first, stop)`` counting
@@ -75,6 +83,8 @@ class ReadVideo(Source):
         frames: int | None = None,
         fps: float | None = None,
         caption_ext: str | None = None,
+        window: str = "all",
+        seed: int = 0,
         max_pixels: int = 16_000_000,
         clips_per_split: int | None = None,
         epochs: int | None = None,
@@ -95,6 +105,11 @@ class ReadVideo(Source):
         self.fps = _positive("fps", fps, float)
         self.max_pixels = _positive("max_pixels", max_pixels)
         self.clips_per_split = _positive("clips_per_split", clips_per_split)
+        if window not in WINDOWS:
+            raise SpecError(f"ReadVideo: window must be one of {WINDOWS}, got {window!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise SpecError(f"ReadVideo: seed must be a non-negative integer, got {seed!r}")
+        self.window, self.seed = window, seed
         if caption_ext is not None and (not isinstance(caption_ext, str) or not caption_ext.strip(".")):
             raise SpecError(f"ReadVideo: caption_ext must be an extension such as 'txt', got {caption_ext!r}")
         self.caption_ext = caption_ext.strip(".") if caption_ext else None
@@ -110,6 +125,8 @@ class ReadVideo(Source):
             "frames": self.frames,
             "fps": self.fps,
             "caption_ext": self.caption_ext,
+            "window": self.window,
+            "seed": self.seed,
             "max_pixels": self.max_pixels,
             "clips_per_split": self.clips_per_split,
             "split_plan": _plan.PLAN_VERSION,
@@ -121,7 +138,7 @@ class ReadVideo(Source):
         plans = self._plans.get(path)
         if plans is None:
             index = read_index(path, operator=self.operator_name, max_pixels=self.max_pixels)
-            plans = self.plan(index)
+            plans = self.plan(index, files.relative_name(path, self.pattern))
             if not plans:
                 what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
                 raise DataError(
@@ -131,11 +148,14 @@ class ReadVideo(Source):
             self._plans = {**self._plans, path: plans}  # assigned whole: feeds list concurrently
         return plans
 
-    def plan(self, index: VideoIndex) -> list[ClipPlan]:
-        """Every whole clip of a video, with the frames to keep, by this source's options."""
+    def plan(self, index: VideoIndex, name: str = "") -> list[ClipPlan]:
+        """Every whole clip of a video (``window="all"``) or one at a random place
+        (``"random"``, drawn from ``seed`` and the video's ``name``), with the frames to keep."""
         pts, out = index.pts, []
         windows: list[tuple[int, int, float, float]] = []  # first frame, stop frame, start s, end s
-        if self.clip_frames is not None:
+        if self.window == "random":
+            windows = self._random_window(index, name)
+        elif self.clip_frames is not None:
             step = int(self.stride or self.clip_frames)
             for a in range(0, len(pts) - self.clip_frames + 1, step):
                 b = a + self.clip_frames
@@ -156,6 +176,25 @@ class ReadVideo(Source):
             keep = self._sample(index, a, b, t0, t1)
             out.append(ClipPlan(clip, index.key_before(min(keep)), keep, index.time_base, t0, t1))
         return out
+
+    def _random_window(self, index: VideoIndex, name: str) -> list[tuple[int, int, float, float]]:
+        rng = rng_lib.generator(self.seed, VIDEO_WINDOW, rng_lib.stable_hash(name))
+        pts = index.pts
+        if self.clip_frames is not None:
+            room = len(pts) - self.clip_frames
+            if room < 0:
+                return []
+            a = int(rng.integers(0, room + 1))
+            b = a + self.clip_frames
+            return [(a, b, index.seconds(pts[a]), index.seconds(pts[b]) if b < len(pts) else _end(index))]
+        length = float(self.clip_seconds or 0)
+        room_s = _end(index) - length
+        if room_s < -1e-9:
+            return []
+        t0 = round(float(rng.random()) * max(0.0, room_s), 6)
+        times = [index.seconds(p) for p in pts]
+        a, b = _first_at_or_after(times, t0), _first_at_or_after(times, t0 + length - 1e-9)
+        return [(a, b, t0, t0 + length)] if b > a else []
 
     def _sample(self, index: VideoIndex, a: int, b: int, t0: float, t1: float) -> tuple[int, ...]:
         n = b - a

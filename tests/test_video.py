@@ -248,3 +248,22 @@ def test_options_are_checked() -> None:
         ops.ReadVideo("x/*.mp4", clip_frames=8, frames=2, fps=2)
     with pytest.raises(SpecError, match="clip_frames must be a positive int"):
         ops.ReadVideo("x/*.mp4", clip_frames=0)
+
+
+def test_a_random_window_per_video_is_a_pure_function_of_seed_and_name(tmp_path: Path) -> None:
+    for i in range(4):
+        make_video(tmp_path / f"v{i}.mkv", 40, seed=i)
+    pattern = str(tmp_path / "*.mkv")
+
+    def starts(seed: int, **clip: Any) -> list[tuple[str, float]]:
+        source = ops.ReadVideo(pattern, window="random", seed=seed, frames=2, **clip)
+        return [(c["__key__"], c["start"]) for c in elements(source, lanes=3)]
+
+    first = starts(7, clip_frames=8)
+    assert [k for k, _ in first] == [f"v{i}.mkv#0" for i in range(4)]  # one clip per video
+    assert all(0 <= s <= 4.0 for _, s in first) and len({s for _, s in first}) > 1
+    assert starts(7, clip_frames=8) == first and starts(8, clip_frames=8) != first
+    timed = starts(7, clip_seconds=1.5)
+    assert all(0 <= s <= 3.5 for _, s in timed) and timed == starts(7, clip_seconds=1.5)
+    with pytest.raises(SpecError, match="window must be one of"):
+        ops.ReadVideo(pattern, clip_frames=8, window="middle")
