@@ -20,6 +20,9 @@ MIN_SPLIT_CLIPS = 4
 WINDOWS = ("all", "random")
 #: The random stream of ``window="random"`` (``zephon_flow.core.rng``'s streams are 0..2).
 VIDEO_WINDOW = 16
+#: Videos whose clip plans a process keeps in memory; others are planned again from the
+#: index cached on disk when a split of theirs is read.
+KEPT_PLANS = 4
 #: The field of ``ReadVideo``'s elements holding the clip's decode plan (``DecodeVideo`` reads it).
 PLAN_FIELD = "clip_plan"
 
@@ -58,8 +61,9 @@ class ReadVideo(Source):
     index, or by timestamp at ``fps`` (the frame on screen at each ``1/fps`` tick), or all.
 
     - **Splits**: runs of consecutive clips of one video, ``Split(path, first, stop)`` counting
-      clips, weighted by the frames their decode goes through. Listing demuxes each file once
-      (packet headers only, no decoding) and caches its index on disk (``ZEPHON_CACHE_DIR``).
+      clips, weighted by the frames kept. Listing demuxes each file once (packet headers only,
+      no decoding) and caches its index on disk (``ZEPHON_CACHE_DIR``); a process keeps the
+      plans of its last ``KEPT_PLANS`` videos and re-plans others from that cache.
     - **Positions**: the number of the next clip of the video; a record's ``offset`` is its
       clip number, so resuming in the middle of a long video costs one clip, not a replay.
     - **Elements**: ``{"__key__": "<relative path>#<clip>", "video": path, "clip": i, "start":
@@ -145,7 +149,10 @@ class ReadVideo(Source):
                     f"{self.operator_name}: {path} has {len(index.pts)} frames, not one whole "
                     f"clip of {what}; remove it or shorten the clips"
                 )
-            self._plans = {**self._plans, path: plans}  # assigned whole: feeds list concurrently
+            # Only the last few videos' plans are kept (one timestamp per frame: a corpus of long
+            # videos would not fit); assigned whole, as feeds list concurrently.
+            kept = [(p, c) for p, c in self._plans.items() if p != path][-(KEPT_PLANS - 1) :]
+            self._plans = {**dict(kept), path: plans}
         return plans
 
     def plan(self, index: VideoIndex, name: str = "") -> list[ClipPlan]:
