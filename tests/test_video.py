@@ -267,3 +267,20 @@ def test_a_random_window_per_video_is_a_pure_function_of_seed_and_name(tmp_path:
     assert all(0 <= s <= 3.5 for _, s in timed) and timed == starts(7, clip_seconds=1.5)
     with pytest.raises(SpecError, match="window must be one of"):
         ops.ReadVideo(pattern, clip_frames=8, window="middle")
+
+
+def test_files_opened_through_beam_filesystems_decode_alike(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_video(tmp_path / "a.mkv", 24)
+    direct = [
+        ops.DecodeVideo(size=8).decode(str(path), p)
+        for p in ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
+    ]
+    from zephon_flow.core import files
+
+    monkeypatch.setattr(files, "is_local", lambda _: False)  # as for gs:// or s3://: a file object
+    monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "other-cache"))
+    plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
+    remote = [ops.DecodeVideo(size=8).decode(str(path), p) for p in plans]
+    assert len(remote) == 3 and all(np.array_equal(a, b) for a, b in zip(direct, remote, strict=True))
