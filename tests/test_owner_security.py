@@ -85,7 +85,14 @@ def test_token_tls_and_requests_checked_before_any_work(
     roots = cert.read_bytes()
     creds = grpc.ssl_channel_credentials(root_certificates=roots)
     server = OwnersServer(
-        spec, owners=2, world_size=2, token="s3cret", tls=(str(cert), str(key)), max_replacements=1
+        spec,
+        owners=2,
+        world_size=2,
+        token="s3cret",
+        tls=(str(cert), str(key)),
+        max_replacements=1,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=4,
     )
     address = f"127.0.0.1:{server.port}"
     auth = (("authorization", "Bearer s3cret"),)
@@ -187,12 +194,18 @@ def test_token_tls_and_requests_checked_before_any_work(
             iters = [iter(c) for c in clients]
             got = []
             for i in range(steps):
-                if i == steps // 2:
+                if i == 2:  # replaced before the checkpoint at step 8
                     os.kill(server.owner_pids()[1], signal.SIGKILL)
                 parts = [next(it) for it in iters]
                 got.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
-            assert got == global_digests(spec, steps=steps)
+            reference = global_digests(spec, steps=steps + 2)
+            assert got == reference[:steps]
             assert server.table().generations == (0, 1)
+            # --checkpoint-every 4: written once both ranks reported step 8 (every 8 steps).
+            path = tmp_path / "ckpt" / "step-8.zfstate"
+            assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.zfstate"]
+            resumed = global_digests(spec, steps=4, world_size=2, state=zf.load_state(str(path)))
+            assert resumed[:2] == reference[8:10]
         finally:
             for c in clients:
                 c.close()
@@ -286,3 +299,57 @@ def test_a_rank_of_another_pipeline_is_refused_by_the_runs_name(
         ):
             OwnedLoader(spec, lane_owners=3, rank=1, world_size=2, name=name)
         assert first.table.generations == (0, 0)
+
+
+def test_a_full_owner_is_retried_with_the_clients_backoff(spec: zf.LoaderSpec) -> None:
+    """An owner refusing a call with RESOURCE_EXHAUSTED (its per-client limit) is asked again
+    after the client's backoff, read on its clock; the bytes are the Loader's."""
+    from concurrent import futures as cf
+
+    from zephon_flow.core.clock import ManualClock
+    from zephon_flow.service.rpc import unary_handler
+    from zephon_flow.service.wire import encode_step
+
+    with zf.Loader(spec) as loader:
+        batches = [batch for _, (_, batch) in zip(range(4), loader, strict=False)]
+    refused: list[int] = []
+
+    def stream(request: lo.RowsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        step = int(request.start_step)
+        if step == 1 and len(refused) < 2:
+            refused.append(step)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this client already holds 16 open calls")
+        if step < len(batches):
+            yield from encode_step(step, batches[step], ahead=4)
+
+    server = grpc.server(cf.ThreadPoolExecutor(max_workers=16))
+    port = server.add_insecure_port("127.0.0.1:0")
+    address = f"127.0.0.1:{port}"
+
+    def table(request: lo.TableRequest, context: grpc.ServicerContext) -> lo.TableReply:
+        owner = lo.OwnerEntry(lanes=list(range(LANES)), address=address, generation=0)
+        return lo.TableReply(lanes=LANES, global_batch_size=BATCH, finite=False, owners=[owner])
+
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "zephon.v1.LaneOwners",
+                {
+                    "Table": unary_handler(table, lo.TableRequest, lo.TableReply),
+                    "StreamRows": grpc.unary_stream_rpc_method_handler(
+                        stream, request_deserializer=lo.RowsRequest.FromString
+                    ),
+                },
+            )
+        ]
+    )
+    server.start()
+    clock = ManualClock()
+    try:
+        with zf.Client(address, 0, 1, lane_owners=True, clock=clock, backoff=0.1) as client:
+            got = [(step, batch_digest(batch)) for _, (step, batch) in zip(range(3), client, strict=False)]
+        assert got == [(s, batch_digest(b)) for s, b in enumerate(batches[:3])]
+        assert refused == [1, 1]
+        assert clock.waited == pytest.approx(0.1 + 0.2)  # backoff, doubling
+    finally:
+        server.stop(None)

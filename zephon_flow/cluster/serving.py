@@ -352,7 +352,7 @@ class CoordinatorServer:
         self.fingerprint = spec.fingerprint["total"]
         self.world_size, self.owners, self._serving = serving.world_size, owners, serving
         self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
-        self._last_checkpoint: int | None = None
+        self._last_checkpoint = int(self._ray.get(coordinator.describe.remote())["first_step"])
         self._checkpointing = threading.Lock()
         #: Why the run cannot go on (None while it can).
         self.failed: str | None = None
@@ -425,8 +425,11 @@ class CoordinatorServer:
         _check_run(context, self.fingerprint, "", self.world_size, world_size)
         if not 0 <= rank < world_size:
             _abort(context, "INVALID_ARGUMENT", f"rank must be in [0, {world_size}), got {rank}")
-        self._coordinator.progress.remote(rank, int(request.step))
-        self._maybe_checkpoint()
+        reported = self._coordinator.progress.remote(rank, int(request.step))
+        if self._checkpoint_every is not None:
+            with contextlib.suppress(Exception):  # best effort, as the report itself
+                self._ray.get(reported, timeout=60)  # counted before the slowest step is read
+            self._maybe_checkpoint()
         return pb.AckReply()
 
     def _maybe_checkpoint(self) -> None:
@@ -439,17 +442,14 @@ class CoordinatorServer:
         try:
             positions = self._ray.get(self._coordinator.positions.remote(), timeout=60)
             step = min(positions.values())
-            last = self._last_checkpoint
-            if last is None:
-                last = self._last_checkpoint = step
-            if step < last + self._checkpoint_every:
+            if step < self._last_checkpoint + self._checkpoint_every:
                 return
             from zephon_flow.service.server import prune_checkpoints
 
             self._write(step)
             prune_checkpoints(self._checkpoint_dir, self._keep_checkpoints)
             self._last_checkpoint = step
-        except Exception:  # best effort: the next report brings another chance
+        except Exception:  # best effort (an owner just died): the next report brings another chance
             return
         finally:
             self._checkpointing.release()
