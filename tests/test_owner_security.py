@@ -353,3 +353,75 @@ def test_a_full_owner_is_retried_with_the_clients_backoff(spec: zf.LoaderSpec) -
         assert clock.waited == pytest.approx(0.1 + 0.2)  # backoff, doubling
     finally:
         server.stop(None)
+
+
+def test_serve_exits_with_status_3_when_an_owner_is_lost_for_good(
+    ray_session: None, spec: zf.LoaderSpec, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``zephon serve --ray`` (its ``serve`` loop, in this process's Ray): the only owner dies
+    with ``--max-replacements 0``; the rank is told and the server exits with status 3."""
+    import argparse
+
+    from zephon_flow.cluster import serve as serve_module
+    from zephon_flow.service.server import EXIT_PIPELINE_FAILED
+
+    made: list[OwnersServer] = []
+    ready = threading.Event()
+
+    class Recorded(OwnersServer):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+            ready.set()
+
+    monkeypatch.setattr(serve_module, "OwnersServer", Recorded)
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    args = argparse.Namespace(
+        lane_owners=1,
+        world_size=1,
+        ray_address=None,
+        host="127.0.0.1",
+        port=0,
+        resume=None,
+        checkpoint_dir=None,
+        backend="inline",
+        workers=1,
+        ahead=8,
+        keep=8,
+        no_verify_resume=False,
+        token_file=str(token),
+        tls_cert=None,
+        tls_key=None,
+        stream_timeout=300.0,
+        checkpoint_every=None,
+        keep_checkpoints=3,
+        held_bytes=None,
+        max_replacements=0,
+    )
+    told: list[BaseException] = []
+
+    def rank() -> None:
+        assert ready.wait(120)
+        server = made[0]
+        with zf.Client(f"127.0.0.1:{server.port}", 0, 1, lane_owners=True, token="s3cret") as client:
+            it = iter(client)
+            assert next(it)[0] == 0
+            os.kill(server.owner_pids()[0], signal.SIGKILL)
+            try:
+                for _ in range(20):
+                    next(it)
+            except zf.ServiceError as exc:
+                told.append(exc)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    worker = threading.Thread(target=rank)
+    worker.start()
+    try:
+        assert serve_module.serve(args, spec) == EXIT_PIPELINE_FAILED
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        worker.join(60)
+    assert len(told) == 1 and "lane owner 0 (lanes [0, 1, 2, 3, 4, 5]) died at step" in str(told[0])
+    assert "max_replacements=0" in str(told[0])

@@ -594,6 +594,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ray", action="store_true", help="run the lanes on Ray lane owners (--lane-owners N)")
     s.add_argument("--lane-owners", type=POSITIVE, default=1, metavar="N", help="with --ray: owner actors")
     s.add_argument("--world-size", type=POSITIVE, metavar="W", help="with --ray: the trainer ranks")
+    s.add_argument(
+        "--max-replacements",
+        type=NON_NEGATIVE,
+        default=3,
+        metavar="K",
+        help="with --ray: dead owners replaced over the run before it stops with status 3 (default 3)",
+    )
     s.set_defaults(func=_serve)
     return parser
 

@@ -186,6 +186,7 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         stream_timeout=getattr(args, "stream_timeout", 300.0),
         checkpoint_every=getattr(args, "checkpoint_every", None),
         keep_checkpoints=getattr(args, "keep_checkpoints", 3),
+        max_replacements=getattr(args, "max_replacements", 3),
     )
     done = threading.Event()
 
