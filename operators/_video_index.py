@@ -17,6 +17,7 @@ from typing import Any
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators import _file_cache
+from zephon_flow.operators._video_tar import Member, MemberFile
 
 #: The cached index's kind and version: bumped when what it holds or how it is read changes.
 LISTING = "video-index 1"
@@ -42,6 +43,12 @@ class VideoIndex:
         """``pts`` in seconds from the stream's first frame."""
         num, den = self.time_base
         return float(Fraction((pts - self.pts[0]) * num, den))
+
+    def end(self) -> float:
+        """The video's length in seconds: the last frame's time plus one mean frame duration."""
+        step = (self.pts[-1] - self.pts[0]) / (len(self.pts) - 1) if len(self.pts) > 1 else 0
+        num, den = self.time_base
+        return self.seconds(self.pts[-1]) + step * num / den
 
     def key_before(self, pts: int) -> int:
         """The last key frame at or before ``pts`` (the first key frame if none is)."""
@@ -89,13 +96,16 @@ def pyav() -> Any:
 
 
 @contextlib.contextmanager
-def open_container(path: str, operator: str) -> Iterator[Any]:
-    """The file opened by PyAV (local paths directly, others through Beam's ``FileSystems``);
-    FFmpeg's refusal to open it is a ``DataError`` naming the file."""
+def open_container(path: str, operator: str, member: Member | None = None) -> Iterator[Any]:
+    """The file (or a tar shard's ``member``) opened by PyAV (local paths directly, others
+    through Beam's ``FileSystems``); FFmpeg's refusal to open it is a ``DataError`` naming it."""
     with contextlib.ExitStack() as stack:
-        source: Any = files.local_path(path) if files.is_local(path) else None
+        source: Any = files.local_path(path) if files.is_local(path) and member is None else None
         if source is None:
             source = stack.enter_context(files.open_binary(path, operator=operator))
+        if member is not None:
+            source = MemberFile(source, member.offset, member.size)
+            path = f"{path} member {member.name!r}"
         av = pyav()
         try:
             container = av.open(source, mode="r")
@@ -128,27 +138,32 @@ def video_stream(container: Any, path: str, operator: str, max_pixels: int) -> A
     return stream
 
 
-def read_index(path: str, *, operator: str, max_pixels: int) -> VideoIndex:
-    """The index of ``path``'s first video stream, from the disk cache or by demuxing it."""
+def read_index(path: str, *, operator: str, max_pixels: int, member: Member | None = None) -> VideoIndex:
+    """The index of the first video stream of ``path`` (or of its tar ``member``), from the disk
+    cache or by demuxing it."""
     info = files.stat(path, operator=operator)
-    if info.size == 0:
-        raise DataError(f"{operator}: {path} is empty (0 bytes), not a video; remove it or narrow the glob")
-    name = f"video-index-{_file_cache.key(path, info, LISTING, operator=operator)}.json"
+    where = path if member is None else f"{path} member {member.name!r}"
+    if info.size == 0 or (member is not None and member.size == 0):
+        raise DataError(f"{operator}: {where} is empty (0 bytes), not a video; remove it or narrow the glob")
+    kind = LISTING if member is None else f"{LISTING}\0{member.name}\0{member.offset}\0{member.size}"
+    name = f"video-index-{_file_cache.key(path, info, kind, operator=operator)}.json"
     index = VideoIndex.from_json(_file_cache.load_json(name))
     if index is None:
-        index = _demux(path, operator, max_pixels)
+        index = _demux(path, operator, max_pixels, member)
         _file_cache.store_json(name, index.to_json())
     elif index.width * index.height > max_pixels:
         raise DataError(
-            f"{operator}: {path} has {index.width}x{index.height} frames, outside "
+            f"{operator}: {where} has {index.width}x{index.height} frames, outside "
             f"1..max_pixels={max_pixels} pixels; raise max_pixels= if such videos are expected"
         )
     return index
 
 
-def _demux(path: str, operator: str, max_pixels: int) -> VideoIndex:
+def _demux(path: str, operator: str, max_pixels: int, member: Member | None = None) -> VideoIndex:
     av = pyav()
-    with open_container(path, operator) as container:
+    with open_container(path, operator, member) as container:
+        if member is not None:
+            path = f"{path} member {member.name!r}"
         stream = video_stream(container, path, operator, max_pixels)
         stamps: set[int] = set()
         keys: set[int] = set()

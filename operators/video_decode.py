@@ -12,6 +12,7 @@ import numpy as np
 
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators._video_index import ffmpeg_reason, open_container, pyav, video_stream
+from zephon_flow.operators._video_tar import Member
 from zephon_flow.operators.image_resize import ResizeImage
 from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
 
@@ -84,10 +85,12 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     def decode(self, path: str, plan: ClipPlan) -> np.ndarray:
         """The planned frames of one clip of ``path``, stacked ``[T, H, W, 3]``."""
         where = f"clip {plan.clip} ({plan.start:.3f}s to {plan.end:.3f}s)"
+        if plan.member is not None:
+            where = f"{where} of member {plan.member.name!r}"
         operator = f"DecodeVideo [{where}]"
         wanted = set(plan.pts)
         got: dict[int, np.ndarray] = {}
-        container, stream = self._opened(path, operator)
+        container, stream = self._opened(path, operator, plan.member)
         try:
             # From the plan's key frame; if the demuxer lands after the clip's first frame (an
             # index coarser than the packets'), from the start: either way a function of the file.
@@ -114,7 +117,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
             )
         return np.ascontiguousarray(np.stack(frames))
 
-    def _opened(self, path: str, operator: str) -> tuple[Any, Any]:
+    def _opened(self, path: str, operator: str, member: Member | None = None) -> tuple[Any, Any]:
         """``path``'s container and video stream, opened once per thread and kept while the
         thread's clips come from that file (a split is a run of clips of one video): opening
         parses the container's index, which for a long ``.mp4`` costs more than a clip. Every
@@ -124,13 +127,14 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         if local is None:
             local = self._held = threading.local()
         held = getattr(local, "video", None)
-        if held is not None and held[0] == path:
+        if held is not None and held[0] == (path, member):
             return held[2], held[3]
         self._close_held()
         stack = contextlib.ExitStack()
         try:
-            container = stack.enter_context(open_container(path, operator))
-            stream = video_stream(container, path, operator, self.max_pixels)
+            container = stack.enter_context(open_container(path, operator, member))
+            where = path if member is None else f"{path} member {member.name!r}"
+            stream = video_stream(container, where, operator, self.max_pixels)
             ctx = stream.codec_context
             ctx.thread_type = "NONE"
             ctx.thread_count = 1
@@ -138,13 +142,13 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         except BaseException:
             stack.close()
             raise
-        local.video = (path, stack, container, stream)
+        local.video = ((path, member), stack, container, stream)
         return container, stream
 
     def _close_held(self) -> None:
         local = self.__dict__.get("_held")
-        held = getattr(local, "video", None) if local is not None else None
-        if held is not None:
+        held = getattr(local, "video", None)
+        if local is not None and held is not None:
             local.video = None
             held[1].close()
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
+import bisect
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zephon_flow.core import files
@@ -13,6 +13,14 @@ from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.source import START, Record, Source, Split
 from zephon_flow.operators import _plan
 from zephon_flow.operators._video_index import VideoIndex, read_index
+from zephon_flow.operators._video_tar import (
+    VIDEO_EXTENSIONS,
+    Member,
+    is_shard,
+    member_text,
+    shard_videos,
+    sibling_text,
+)
 
 #: The fewest clips an automatic plan puts in a split.
 MIN_SPLIT_CLIPS = 4
@@ -38,6 +46,9 @@ class ClipPlan:
     time_base: tuple[int, int]
     start: float
     end: float
+    #: The tar shard member holding the video, and its caption member (None for plain files).
+    member: Member | None = None
+    caption: Member | None = None
 
 
 def _positive(name: str, value: Any, kind: type = int) -> Any:
@@ -49,7 +60,9 @@ def _positive(name: str, value: Any, kind: type = int) -> Any:
 
 class ReadVideo(Source):
     """Clips of the video files matching ``pattern`` (``.mp4``, ``.mkv``, ``.webm``, ``.mov``; any
-    container FFmpeg opens): a long video gives many clips, each one sample.
+    container FFmpeg opens), or of the video members of the WebDataset ``.tar`` shards it
+    matches (read in place, captioned by the member of the same key): a long video gives many
+    clips, each one sample.
 
     A clip is ``clip_frames`` consecutive frames (presentation order) or the frames shown in
     ``clip_seconds`` (from the first frame's timestamp; variable frame rates are read from the
@@ -68,7 +81,10 @@ class ReadVideo(Source):
       clip number, so resuming in the middle of a long video costs one clip, not a replay.
     - **Elements**: ``{"__key__": "<relative path>#<clip>", "video": path, "clip": i, "start":
       s, "end": s, "clip_plan": ClipPlan}`` (plus ``"txt"``, the sibling caption file's text,
-      with ``caption_ext="txt"``); ``DecodeVideo`` turns the plan into frames.
+      with ``caption_ext="txt"``; for a shard, the key is ``"<shard>/<member>#<clip>"``, a
+      ``"member"`` field names the member and the caption is its key's ``caption_ext``
+      member; a split counts the clips of all the shard's video members, in shard order);
+      ``DecodeVideo`` turns the plan into frames.
     - **Errors** (``DataError`` naming the file and this operator): at listing, a zero-byte
       file, one FFmpeg cannot open or demux, no video stream, an unknown codec, frames over
       ``max_pixels``, or no whole clip. With ``on_error="skip"`` such a file is left out with a
@@ -141,18 +157,35 @@ class ReadVideo(Source):
         """The clips of one video, planned from its index (kept per process)."""
         plans = self._plans.get(path)
         if plans is None:
-            index = read_index(path, operator=self.operator_name, max_pixels=self.max_pixels)
-            plans = self.plan(index, files.relative_name(path, self.pattern))
-            if not plans:
-                what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
-                raise DataError(
-                    f"{self.operator_name}: {path} has {len(index.pts)} frames, not one whole "
-                    f"clip of {what}; remove it or shorten the clips"
-                )
+            plans = self._shard_clips(path) if is_shard(path) else self._video_clips(path, None)
             # Only the last few videos' plans are kept (one timestamp per frame: a corpus of long
             # videos would not fit); assigned whole, as feeds list concurrently.
             kept = [(p, c) for p, c in self._plans.items() if p != path][-(KEPT_PLANS - 1) :]
             self._plans = {**dict(kept), path: plans}
+        return plans
+
+    def _video_clips(self, path: str, member: Member | None) -> list[ClipPlan]:
+        index = read_index(path, operator=self.operator_name, max_pixels=self.max_pixels, member=member)
+        name = files.relative_name(path, self.pattern) + ("" if member is None else f"/{member.name}")
+        plans = self.plan(index, name)
+        if not plans:
+            what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
+            where = path if member is None else f"{path} member {member.name!r}"
+            raise DataError(
+                f"{self.operator_name}: {where} has {len(index.pts)} frames, not one whole "
+                f"clip of {what}; remove it or shorten the clips"
+            )
+        return plans
+
+    def _shard_clips(self, path: str) -> list[ClipPlan]:
+        """The clips of every video member of a tar shard, in shard order."""
+        plans: list[ClipPlan] = []
+        for video, text in shard_videos(path, self.caption_ext, self.operator_name):
+            plans += [replace(p, member=video, caption=text) for p in self._video_clips(path, video)]
+        if not plans:
+            raise DataError(
+                f"{self.operator_name}: {path} has no video members ({', '.join(VIDEO_EXTENSIONS)})"
+            )
         return plans
 
     def plan(self, index: VideoIndex, name: str = "") -> list[ClipPlan]:
@@ -166,16 +199,16 @@ class ReadVideo(Source):
             step = int(self.stride or self.clip_frames)
             for a in range(0, len(pts) - self.clip_frames + 1, step):
                 b = a + self.clip_frames
-                end = index.seconds(pts[b]) if b < len(pts) else _end(index)
+                end = index.seconds(pts[b]) if b < len(pts) else index.end()
                 windows.append((a, b, index.seconds(pts[a]), end))
         else:
             length, step_s = float(self.clip_seconds or 0), float(self.stride or self.clip_seconds or 0)
             times = [index.seconds(p) for p in pts]
-            total, k = _end(index), 0
+            total, k = index.end(), 0
             while k * step_s + length <= total + 1e-9:
                 t0, t1 = k * step_s, k * step_s + length
-                a = _first_at_or_after(times, t0)
-                b = _first_at_or_after(times, t1 - 1e-9)
+                a = bisect.bisect_left(times, t0)
+                b = bisect.bisect_left(times, t1 - 1e-9)
                 if b > a:
                     windows.append((a, b, t0, t1))
                 k += 1
@@ -193,14 +226,14 @@ class ReadVideo(Source):
                 return []
             a = int(rng.integers(0, room + 1))
             b = a + self.clip_frames
-            return [(a, b, index.seconds(pts[a]), index.seconds(pts[b]) if b < len(pts) else _end(index))]
+            return [(a, b, index.seconds(pts[a]), index.seconds(pts[b]) if b < len(pts) else index.end())]
         length = float(self.clip_seconds or 0)
-        room_s = _end(index) - length
+        room_s = index.end() - length
         if room_s < -1e-9:
             return []
         t0 = round(float(rng.random()) * max(0.0, room_s), 6)
         times = [index.seconds(p) for p in pts]
-        a, b = _first_at_or_after(times, t0), _first_at_or_after(times, t0 + length - 1e-9)
+        a, b = bisect.bisect_left(times, t0), bisect.bisect_left(times, t0 + length - 1e-9)
         return [(a, b, t0, t0 + length)] if b > a else []
 
     def _sample(self, index: VideoIndex, a: int, b: int, t0: float, t1: float) -> tuple[int, ...]:
@@ -210,7 +243,7 @@ class ReadVideo(Source):
         if self.fps is not None:  # by timestamp: the frame on screen at each tick
             times = [index.seconds(index.pts[i]) for i in range(a, b)]
             ticks = int((t1 - t0) * self.fps + 1e-9)
-            picks = [max(0, _first_at_or_after(times, t0 + j / self.fps + 1e-9) - 1) for j in range(ticks)]
+            picks = [max(0, bisect.bisect_left(times, t0 + j / self.fps + 1e-9) - 1) for j in range(ticks)]
             return tuple(index.pts[a + i] for i in picks)
         return index.pts[a:b]
 
@@ -261,47 +294,26 @@ class ReadVideo(Source):
     # -- decoding (runs in workers): the clip's descriptor; DecodeVideo decodes it ---------
     def decode(self, record: Record, operator: str) -> list[Any]:
         plan: ClipPlan = record.payload
+        name = files.relative_name(record.path, self.pattern)
         element: dict[str, Any] = {
-            "__key__": f"{files.relative_name(record.path, self.pattern)}#{plan.clip}",
+            "__key__": f"{name}#{plan.clip}"
+            if plan.member is None
+            else f"{name}/{plan.member.name}#{plan.clip}",
             "video": record.path,
             "clip": plan.clip,
             "start": plan.start,
             "end": plan.end,
             PLAN_FIELD: plan,
         }
-        if self.caption_ext:
-            element["txt"] = _caption(record.path, self.caption_ext, operator)
+        if plan.member is not None:
+            element["member"] = plan.member.name
+        if plan.caption is not None:
+            element["txt"] = member_text(record.path, plan.caption, operator)
+        elif self.caption_ext:
+            element["txt"] = sibling_text(record.path, self.caption_ext, operator)
         return [element]
-
-
-def _end(index: VideoIndex) -> float:
-    """The video's length in seconds: the last frame's time plus one typical frame duration."""
-    pts = index.pts
-    step = (pts[-1] - pts[0]) / (len(pts) - 1) if len(pts) > 1 else 0
-    num, den = index.time_base
-    return index.seconds(pts[-1]) + step * num / den
-
-
-def _first_at_or_after(times: list[float], t: float) -> int:
-    lo, hi = 0, len(times)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if times[mid] < t:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def _decoded(plans: list[ClipPlan]) -> int:
     """What a run of clips costs: about the frames decoded, counted as timestamps spanned."""
     return max(1, sum(len(p.pts) for p in plans))
-
-
-def _caption(path: str, ext: str, operator: str) -> str:
-    sibling = f"{os.path.splitext(path)[0]}.{ext}"
-    try:
-        with files.open_binary(sibling, operator=operator) as fh:
-            return fh.read().decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{operator}: cannot read the caption {sibling} of {path}: {exc}") from exc

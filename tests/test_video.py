@@ -284,3 +284,33 @@ def test_files_opened_through_beam_filesystems_decode_alike(
     plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
     remote = [ops.DecodeVideo(size=8).decode(str(path), p) for p in plans]
     assert len(remote) == 3 and all(np.array_equal(a, b) for a, b in zip(direct, remote, strict=True))
+
+
+def test_video_members_of_webdataset_shards_are_read_in_place(tmp_path: Path) -> None:
+    import tarfile
+
+    a, b = make_video(tmp_path / "src" / "v0.mp4", 24), make_video(tmp_path / "src" / "v1.mkv", 16, seed=2)
+    (tmp_path / "src" / "v0.txt").write_text("first")
+    (tmp_path / "src" / "v1.txt").write_text("second")
+    shard = tmp_path / "shard-000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name in ("v0.mp4", "v0.txt", "v1.txt", "v1.mkv"):
+            tar.add(tmp_path / "src" / name, arcname=f"clips/{name}")
+    source = ops.ReadVideo(str(tmp_path / "*.tar"), clip_frames=8, caption_ext="txt")
+    clips = elements(source)
+    assert [(c["__key__"], c["member"], c["txt"]) for c in clips] == [
+        ("shard-000.tar/clips/v0.mp4#0", "clips/v0.mp4", "first"),
+        ("shard-000.tar/clips/v0.mp4#1", "clips/v0.mp4", "first"),
+        ("shard-000.tar/clips/v0.mp4#2", "clips/v0.mp4", "first"),
+        ("shard-000.tar/clips/v1.mkv#0", "clips/v1.mkv", "second"),
+        ("shard-000.tar/clips/v1.mkv#1", "clips/v1.mkv", "second"),
+    ]
+    decode = ops.DecodeVideo()
+    for c in clips:  # the same frames as the files themselves
+        path = a if c["member"].endswith("mp4") else b
+        plan = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))[c["clip"]]
+        assert np.array_equal(next(decode.process(c))["frames"], ops.DecodeVideo().decode(str(path), plan))
+    with tarfile.open(tmp_path / "none.tar", "w") as tar:
+        tar.add(tmp_path / "src" / "v0.txt", arcname="v0.txt")
+    with pytest.raises(DataError, match=r"none.tar has no video members \(mp4, mkv, webm, mov\)"):
+        ops.ReadVideo(str(tmp_path / "none.tar"), clip_frames=8).splits(1)

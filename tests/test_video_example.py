@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ def test_the_example_packs_captioned_clips_and_resumes(example: ModuleType, tmp_
     ids = batch["input_ids"][0]
     assert ids[:16].tolist() == [1] * 16 and ids[16] >= 2  # 4 frames x 4 placeholders, then the caption
     reference = global_digests(spec, steps=3)
-    final: list[dict] = []
+    final: list[dict[str, Any]] = []
     first = global_digests(spec, steps=1, final_state=final)
     rest = global_digests(spec, steps=2, state=zf.encode_state(final[0]), world_size=2, backend="threads")
     assert first + rest == reference
