@@ -425,3 +425,27 @@ def test_serve_exits_with_status_3_when_an_owner_is_lost_for_good(
         worker.join(60)
     assert len(told) == 1 and "lane owner 0 (lanes [0, 1, 2, 3, 4, 5]) died at step" in str(told[0])
     assert "max_replacements=0" in str(told[0])
+
+
+def test_a_failed_owner_pipeline_stops_the_run(ray_session: None, tmp_path: Any) -> None:
+    """An owner's pipeline that raises: the rank gets the error by name (INTERNAL), and the
+    run says it cannot go on (``failed``, health NOT_SERVING: ``zephon serve`` exits with 3)."""
+    import ray
+    import test_service_faults
+
+    ray.cloudpickle.register_pickle_by_value(test_service_faults)
+    spec = test_service_faults.numbers_spec(tmp_path, fail_at=12)
+    server = OwnersServer(spec, owners=1, world_size=1, ahead=4)
+    address = f"127.0.0.1:{server.port}"
+    try:
+        with zf.Client(address, 0, 1, lane_owners=True) as client, pytest.raises(zf.ServiceError) as info:
+            for _ in client:
+                pass
+        assert info.value.code == "INTERNAL"
+        assert "DoFn 'number' raised ValueError: record 12 is poison" in str(info.value)
+        assert server.poll() is not None and "record 12 is poison" in str(server.failed)
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop()

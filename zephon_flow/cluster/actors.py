@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
-from zephon_flow.cluster.owner import LaneOwner, OwnerOptions, OwnerRows
+from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.errors import SpecError
@@ -76,6 +76,14 @@ class OwnerActor:
 
     def status(self) -> dict[str, Any]:
         return self._owner.status()
+
+    def failure(self) -> str | None:
+        """Why its pipeline failed (None while it runs): the run cannot go on from here."""
+        try:
+            self._owner.snapshot(-1, timeout=0)  # raises the owner's error, if any
+        except OwnerError as exc:
+            return str(exc)
+        return None
 
     def close(self) -> None:
         if self._server is not None:
@@ -150,8 +158,11 @@ class CoordinatorActor:
         snapshot_every: int,
         max_replacements: int,
         serving: Serving | None = None,
+        fingerprint: str | None = None,
     ) -> None:
-        self._owners = owners
+        # The fingerprint as its creator computed it: a module shipped by value may fingerprint
+        # otherwise in a Ray worker, and ranks compare with their own.
+        self._owners, self._fingerprint = owners, fingerprint or spec.fingerprint["total"]
         self._coordinator = Coordinator(
             spec,
             owners=owners,
@@ -175,7 +186,7 @@ class CoordinatorActor:
         """What this run is: its pipeline's fingerprint, owner count, world size, first step."""
         coordinator = self._coordinator
         return {
-            "fingerprint": coordinator.spec.fingerprint["total"],
+            "fingerprint": self._fingerprint,
             "owners": self._owners,
             "world_size": coordinator.world_size,
             "first_step": coordinator.first_step,
@@ -186,6 +197,18 @@ class CoordinatorActor:
 
     def leave(self, rank: int) -> int:
         return self._coordinator.leave(rank)
+
+    def failure(self) -> str | None:
+        """The first owner's pipeline failure, if any (a dead owner is not one: it is replaced)."""
+        ray = _ray()
+        for handle in self._coordinator.table().handles:
+            try:
+                why: str | None = ray.get(handle.failure.remote(), timeout=ALIVE_WAIT)
+            except Exception:
+                continue
+            if why is not None:
+                return why
+        return None
 
     def served_table(self) -> tuple[OwnerTable, list[str]]:
         """The table and each owner's gRPC address (``zephon serve --ray``)."""
@@ -246,7 +269,18 @@ def coordinator_handle(
     actor = ray.remote(CoordinatorActor)
     handle = actor.options(
         name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY
-    ).remote(spec, owners, world_size, state, options, owner_cpus, snapshot_every, max_replacements, serving)
+    ).remote(
+        spec,
+        owners,
+        world_size,
+        state,
+        options,
+        owner_cpus,
+        snapshot_every,
+        max_replacements,
+        serving,
+        spec.fingerprint["total"],
+    )
     try:
         run = ray.get(handle.describe.remote(), timeout=600)
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):

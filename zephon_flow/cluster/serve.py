@@ -81,6 +81,7 @@ class OwnersServer:
             tls_key=key,
             stream_timeout=stream_timeout,
             max_client_calls=max_client_calls,
+            fingerprint=spec.fingerprint["total"],
         )
         self.spec = spec
         state = None if resume is None else to_loader_state(load_state(resume))

@@ -59,7 +59,8 @@ MAX_REQUEST_BYTES = 64 << 10
 class Serving:
     """How the lane owners' gRPC endpoints serve (``zephon serve --ray``'s options): where
     (``host``), for which ``world_size``, the shared ``token`` (None: none), TLS as PEM bytes
-    (``tls_cert``, ``tls_key``: shipped to the owners, which may run on other nodes), how long
+    (``tls_cert``, ``tls_key``: shipped to the owners, which may run on other nodes), the
+    pipeline's ``fingerprint`` as the serving process computed it (what clients compare), how long
     a call waits for its step (``stream_timeout``) and how many calls one client connection may
     hold open at once (``max_client_calls``; more are refused with ``RESOURCE_EXHAUSTED``,
     which clients retry)."""
@@ -72,6 +73,7 @@ class Serving:
     stream_timeout: float = 300.0
     max_client_calls: int = 16
     max_calls: int = 256
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -175,7 +177,7 @@ class OwnerServer:
     def __init__(self, owner: LaneOwner, serving: Serving | None = None, *, port: int = 0) -> None:
         self._owner = owner
         self._serving = serving = Serving() if serving is None else serving
-        self._fingerprint = owner.spec.fingerprint["total"]
+        self._fingerprint = serving.fingerprint or owner.spec.fingerprint["total"]
         self._limit = _CallLimit(serving.max_client_calls)
         self._server, bound, self._health = _server(
             serving.host,
@@ -378,11 +380,17 @@ class CoordinatorServer:
             self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def poll(self, timeout: float = 30.0) -> None:
-        """Checks that the coordinator actor still answers (else ``fail``)."""
+        """Checks that the coordinator actor still answers and that no owner's pipeline has
+        failed (else ``fail``)."""
         try:
-            self._ray.get(self._coordinator.table.remote(), timeout=timeout)
+            why = self._ray.get(self._coordinator.failure.remote(), timeout=timeout)
         except self._ray.exceptions.RayActorError as exc:
             self.fail(f"the lane owners' coordinator died: {exc}")
+            return
+        except self._ray.exceptions.GetTimeoutError:
+            return  # busy: the next poll asks again
+        if why is not None:
+            self.fail(str(why))
 
     def _reply(self, ref: Any, context: grpc.ServicerContext) -> lo.TableReply:
         from zephon_flow.cluster.coordinator import OwnerLostError
