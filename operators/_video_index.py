@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
@@ -145,8 +146,12 @@ def read_index(path: str, *, operator: str, max_pixels: int, member: Member | No
     where = path if member is None else f"{path} member {member.name!r}"
     if info.size == 0 or (member is not None and member.size == 0):
         raise DataError(f"{operator}: {where} is empty (0 bytes), not a video; remove it or narrow the glob")
-    kind = LISTING if member is None else f"{LISTING}\0{member.name}\0{member.offset}\0{member.size}"
-    name = f"video-index-{_file_cache.key(path, info, kind, operator=operator)}.json"
+    key = _file_key(path, info, operator)
+    if member is not None:  # the shard's key (its ends hashed once), then the member's place
+        key = hashlib.sha256(f"{key}\0{member.name}\0{member.offset}\0{member.size}".encode()).hexdigest()[
+            :40
+        ]
+    name = f"video-index-{key}.json"
     index = VideoIndex.from_json(_file_cache.load_json(name))
     if index is None:
         index = _demux(path, operator, max_pixels, member)
@@ -157,6 +162,22 @@ def read_index(path: str, *, operator: str, max_pixels: int, member: Member | No
             f"1..max_pixels={max_pixels} pixels; raise max_pixels= if such videos are expected"
         )
     return index
+
+
+#: The files' cache keys this process computed, by (path, size, mtime): a shard's video members
+#: share one (computing it reads the shard's first and last MiB).
+_KEYS: dict[tuple[str, int, int], str] = {}
+
+
+def _file_key(path: str, info: files.FileInfo, operator: str) -> str:
+    at = (path, info.size, info.mtime_ns)
+    key = _KEYS.get(at)
+    if key is None:
+        key = _file_cache.key(path, info, LISTING, operator=operator)
+        if len(_KEYS) >= 256:
+            _KEYS.clear()
+        _KEYS[at] = key
+    return key
 
 
 def _demux(path: str, operator: str, max_pixels: int, member: Member | None = None) -> VideoIndex:
