@@ -14,8 +14,9 @@ downloads). Every clip is 16 frames of which 8 are kept (``frames=8``), resized 
 * **alone**: ``multiprocessing.Pool(--procs)`` mapping ``DecodeVideo.decode`` over the same
   clip plans: the seek, decode and resize with no engine.
 * **torch**: a ``torch.utils.data.DataLoader`` (``num_workers=--procs``) whose dataset opens
-  the file with PyAV, seeks to the clip's start time, decodes with FFmpeg's default threading,
-  keeps the same frames and resizes them with Pillow (the common hand-written loader).
+  the file with PyAV, seeks to the clip's key frame, decodes with FFmpeg's default threading,
+  keeps the same frames and resizes them with Pillow (the common hand-written loader); and
+  **torch_1thread**, the same with the decoder single-threaded as ``DecodeVideo``'s.
 
 Also: the loader's first-batch latency; the peak RSS of one process streaming clips of the long
 video (inline backend) next to what the whole video decoded at its size would take; and the
@@ -30,8 +31,9 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -46,6 +48,16 @@ import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.operators.video_source import ClipPlan
 
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss``, not inherited through exec
+    from the parent that forked it)."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+IMPORTED_RSS_MB = peak_rss_mb()
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "video.json")
 CLIP, KEEP, SIZE, BATCH = 16, 8, 112, 8
 
@@ -118,8 +130,9 @@ def run_alone(jobs: list[tuple[str, ClipPlan]], procs: int) -> float:
 class TorchClips:
     """A map-style dataset: a clip per index, decoded the hand-written way."""
 
-    def __init__(self, jobs: list[tuple[str, ClipPlan]]) -> None:
+    def __init__(self, jobs: list[tuple[str, ClipPlan]], *, single_thread: bool = False) -> None:
         self.jobs = jobs
+        self.single_thread = single_thread
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -131,6 +144,9 @@ class TorchClips:
         wanted, got = set(plan.pts), {}
         with av.open(path) as container:
             stream = container.streams.video[0]
+            if self.single_thread:  # as DecodeVideo decodes
+                stream.codec_context.thread_type = "NONE"
+                stream.codec_context.thread_count = 1
             container.seek(plan.seek, stream=stream, backward=True)
             for frame in container.decode(stream):
                 if frame.pts in wanted:
@@ -148,10 +164,10 @@ class TorchClips:
         return np.stack([got[p] for p in plan.pts])
 
 
-def run_torch(jobs: list[tuple[str, ClipPlan]], procs: int) -> float:
+def run_torch(jobs: list[tuple[str, ClipPlan]], procs: int, *, single_thread: bool = False) -> float:
     import torch.utils.data
 
-    dataset: Any = TorchClips(jobs)  # a map-style dataset by protocol
+    dataset: Any = TorchClips(jobs, single_thread=single_thread)  # a map-style dataset by protocol
     loader: Any = torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=procs)
     frames, start = 0, 0.0
     for i, batch in enumerate(loader):
@@ -166,13 +182,13 @@ def long_video(path: str, clips: int) -> dict[str, Any]:
     """Peak RSS streaming ``clips`` clips of one long video inline, and resume costs."""
     source = ops.ReadVideo(path, clip_frames=CLIP, frames=KEEP, clips_per_split=10**6)
     (split,) = source.splits(1)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    listed = peak_rss_mb()
     for _, record in source.read_split(split, 0):
         (clip,) = source.decode(record, "bench")
         next(_DECODER.process(clip))
         if record.offset + 1 >= clips:
             break
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mb()
     index = source.clips(path)
     resume: dict[str, float] = {}
     for at in (1, min(1000, split.stop - 1)):
@@ -185,7 +201,8 @@ def long_video(path: str, clips: int) -> dict[str, Any]:
         whole_mb = s.frames * s.codec_context.width * s.codec_context.height * 3 / 2**20
     return {
         "clips_planned": len(index),
-        "peak_rss_mb_before": round(base, 1),
+        "peak_rss_mb_after_imports": round(IMPORTED_RSS_MB, 1),
+        "peak_rss_mb_after_listing": round(listed, 1),
         "peak_rss_mb_after_streaming": round(peak, 1),
         "whole_video_decoded_mb": round(whole_mb, 1),
         "resume_seconds": {k: round(v, 4) for k, v in resume.items()},
@@ -201,7 +218,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="2 short videos and a 2-minute long one")
+    parser.add_argument("--long-only", help=argparse.SUPPRESS)  # the fresh process's part
     args = parser.parse_args(argv)
+    if args.long_only:
+        long = long_video(args.long_only, 200)
+        print(json.dumps(long))
+        return long
     if args.quick:
         args.videos, args.seconds, args.long_minutes, args.repeats = 2, 4, 2, 1
     with tempfile.TemporaryDirectory() as tmp:
@@ -215,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         pattern = str(root / "*.mp4")
         source = ops.ReadVideo(pattern, clip_frames=CLIP, frames=KEEP)
         jobs = [(p, plan) for p in source.paths() for plan in source.clips(p)]
-        rates: dict[str, list[float]] = {"zephon": [], "alone": [], "torch": []}
+        rates: dict[str, list[float]] = {"zephon": [], "alone": [], "torch": [], "torch_1thread": []}
         firsts = []
         for _ in range(args.repeats):  # back to back, so a noisy neighbour hurts all alike
             rates["alone"].append(run_alone(jobs, args.procs))
@@ -223,9 +245,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             rates["zephon"].append(zephon)
             firsts.append(first)
             rates["torch"].append(run_torch(jobs, args.procs))
+            rates["torch_1thread"].append(run_torch(jobs, args.procs, single_thread=True))
         zephon, alone, torch_rate = (statistics.median(rates[k]) for k in ("zephon", "alone", "torch"))
-        with multiprocessing.get_context("spawn").Pool(1) as fresh:  # RSS of a process doing only this
-            long = fresh.apply(long_video, (str(long_path), 200))
+        # In a fresh interpreter, so its peak RSS is its own: imports, listing, then 200 clips.
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.video", "--long-only", str(long_path)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        long = json.loads(done.stdout)
         result = {
             "setup": {
                 "videos": args.videos,
@@ -240,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "zephon": round(zephon, 1),
                 "alone": round(alone, 1),
                 "torch": round(torch_rate, 1),
+                "torch_1thread": round(statistics.median(rates["torch_1thread"]), 1),
             },
             "ratios": {
                 "zephon/alone": round(zephon / alone, 3),
