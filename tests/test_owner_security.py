@@ -433,7 +433,7 @@ def test_a_failed_owner_pipeline_stops_the_run(ray_session: None, tmp_path: Any)
     import ray
     import test_service_faults
 
-    ray.cloudpickle.register_pickle_by_value(test_service_faults)
+    ray.cloudpickle.register_pickle_by_value(test_service_faults)  # type: ignore[no-untyped-call]
     spec = test_service_faults.numbers_spec(tmp_path, fail_at=12)
     server = OwnersServer(spec, owners=1, world_size=1, ahead=4)
     address = f"127.0.0.1:{server.port}"
