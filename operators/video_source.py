@@ -26,8 +26,6 @@ from zephon_flow.operators._video_tar import (
 MIN_SPLIT_CLIPS = 4
 #: ``"all"``: every whole clip; ``"random"``: one clip per video, at a place drawn from the seed.
 WINDOWS = ("all", "random")
-#: The random stream of ``window="random"`` (``zephon_flow.core.rng``'s streams are 0..2).
-VIDEO_WINDOW = 16
 #: Videos whose clip plans a process keeps in memory; others are planned again from the
 #: index cached on disk when a split of theirs is read.
 KEPT_PLANS = 4
@@ -218,7 +216,7 @@ class ReadVideo(Source):
         return out
 
     def _random_window(self, index: VideoIndex, name: str) -> list[tuple[int, int, float, float]]:
-        rng = rng_lib.generator(self.seed, VIDEO_WINDOW, rng_lib.stable_hash(name))
+        rng = rng_lib.generator(self.seed, rng_lib.VIDEO_WINDOW, rng_lib.stable_hash(name))
         pts = index.pts
         if self.clip_frames is not None:
             room = len(pts) - self.clip_frames

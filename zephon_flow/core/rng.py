@@ -13,6 +13,7 @@ import numpy as np
 MIX_DRAW = 0  # Mix: the source of a lane's record at a mix position
 SHUFFLE_SWAP = 1  # Shuffle: which buffered element leaves when a new one comes
 SHUFFLE_DRAIN = 2  # Shuffle: the order the buffer is emptied at the end of a finite input
+VIDEO_WINDOW = 16  # ReadVideo(window="random"): a video's clip window, keyed by the video's name
 
 
 def stable_hash(text: str) -> int:
