@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -15,8 +16,10 @@ from helpers import chain_spec, write_jsonl
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
+from zephon_flow.core.batches import batch_digest
 from zephon_flow.core.code import function_code_digest
 from zephon_flow.core.errors import FingerprintMismatchError
+from zephon_flow.core.state import encode_state
 
 MODULE_V1 = '''
 import apache_beam as beam
@@ -414,3 +417,56 @@ def test_a_checkpoint_from_before_helpers_were_fingerprinted_is_refused_with_tha
     )
     with zf.Loader(spec, state=state, allow_code_change=True) as loader:
         assert next(iter(loader))[0] == 1
+
+
+SHIPPED_WORKER = """
+import json, pickle, sys
+import zephon_flow as zf
+from zephon_flow.core.batches import batch_digest
+spec = pickle.loads(open(sys.argv[1], "rb").read())
+assert "cut_dofns" not in sys.modules  # as in a Ray worker: the module came by value
+with zf.Loader(spec, state=open(sys.argv[2], "rb").read()) as loader:
+    step, batch = next(iter(loader))
+print(json.dumps({"fingerprint": spec.fingerprint, "step": step, "digest": batch_digest(batch)}))
+"""
+
+
+def test_a_spec_shipped_by_value_keeps_the_fingerprint_its_creator_computed(
+    tmp_path: Path, jsonl: str
+) -> None:
+    """Ray (and Beam's pickler) ship a pipeline module that its workers cannot import by value:
+    there the DoFn's module is in no ``sys.modules`` and its class has no source file, so a
+    fingerprint recomputed in the worker lost the helper parts and changed ``code cut``
+    (bytecode stood in), and a lane owner refused the embedded Loader's checkpoint. A spec
+    pickled before anyone asked its fingerprint carries its creator's: the worker resumes."""
+    import helpers
+
+    cloudpickle = pytest.importorskip("ray").cloudpickle
+    spec = helper_spec(tmp_path, jsonl, HELPER_V1)
+    shipped = [sys.modules["cut_dofns"], sys.modules["cut_helpers"], helpers]
+    for module in shipped:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        (tmp_path / "spec.pkl").write_bytes(cloudpickle.dumps(spec))  # fingerprint not asked yet
+    finally:
+        for module in shipped:
+            cloudpickle.unregister_pickle_by_value(module)
+    (tmp_path / "state.zf").write_bytes(encode_state(checkpoint_at(spec, 1)))
+    with zf.Loader(spec) as loader:
+        expected = {step: batch_digest(batch) for _, (step, batch) in zip(range(3), loader, strict=False)}
+    worker = tmp_path / "worker"  # no cut_dofns.py here: the module is not importable
+    worker.mkdir()
+    env = {**os.environ, "PYTHONPATH": ""}
+    out = subprocess.run(
+        [sys.executable, "-c", SHIPPED_WORKER, str(tmp_path / "spec.pkl"), str(tmp_path / "state.zf")],
+        cwd=worker,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["fingerprint"] == spec.fingerprint
+    assert "code cut :: helper cut in module cut_dofns" in got["fingerprint"]
+    assert (got["step"], got["digest"]) == (2, expected[2])

@@ -70,6 +70,16 @@ class LoaderSpec:
         """Digests of the parts that define the stream; ``total`` covers them all."""
         return self._compiled_once().fingerprint
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with its plan and fingerprint, compiled first if nobody asked yet: a process
+        that unpickles it (a Ray actor, a lane owner, a worker) uses its creator's. Recomputed
+        there they could differ for the same code: a module Ray or Beam ships by value is in
+        no ``sys.modules`` of the worker and has no source file there (``__main__`` is another
+        module), so the code parts would not be the creator's, and a checkpoint would be
+        refused (or another pipeline's accepted)."""
+        self._compiled_once()
+        return dict(self.__dict__)
+
     def _compiled_once(self) -> _Compiled:
         if not self._compiled:
             self._compiled.append(self._compile())
