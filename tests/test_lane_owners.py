@@ -415,3 +415,65 @@ def test_readers_of_agrees_with_the_rank_slices(spec: zf.LoaderSpec, world_size:
             assert readers_of(group, spec, world_size) == [
                 s.rank for s in slices if set(group) & set(s.lane_ids)
             ]
+
+
+# -- a pipeline module that Ray ships by value -------------------------------------------------
+SHIPPED = """
+import apache_beam as beam
+import numpy as np
+from zephon_flow import LoaderSpec, operators as ops
+
+WIDTH = 3
+
+def widths(text):
+    return np.full(WIDTH, len(text), dtype=np.int32)
+
+class Widths(beam.DoFn):
+    def process(self, text):
+        yield widths(text)
+
+def build(p):
+    return p | "src" >> ops.ReadJsonl(JSONL, split_bytes=64) | "widths" >> beam.ParDo(Widths())
+
+spec = LoaderSpec(build, lanes=4, global_batch_size=4)
+"""
+
+
+def test_owners_resume_the_loaders_checkpoint_of_a_module_shipped_by_value(
+    ray_session: None, tmp_path: Any
+) -> None:
+    """The pipeline's module is shipped to the owners by value (``ship_user_code``): there its
+    DoFn's helper is no user module's and the class has no source, so a fingerprint
+    recomputed by the owners differed from the Loader's and its checkpoint was refused. The
+    owners use the spec's own (computed where it was made): the embedded Loader's checkpoint
+    resumes on 2 owners, and theirs on the Loader, at the uninterrupted run's batches."""
+    import importlib.util
+    import sys
+
+    from helpers import write_jsonl
+
+    jsonl = write_jsonl(tmp_path / "docs.jsonl", [f"document {'x' * (i % 7)} {i}" for i in range(60)])
+    path = tmp_path / "owned_widths.py"
+    path.write_text(f"JSONL = {jsonl!r}\n" + SHIPPED)
+    found = importlib.util.spec_from_file_location("owned_widths", path)
+    assert found is not None and found.loader is not None
+    module = importlib.util.module_from_spec(found)
+    sys.modules["owned_widths"] = module
+    try:
+        found.loader.exec_module(module)
+        spec = module.spec
+        assert "code widths :: helper widths in module owned_widths" in spec.fingerprint
+        reference = global_digests(spec, steps=6)
+        with zf.Loader(spec) as loader:
+            for step, _ in loader:
+                if step == 1:
+                    state = loader.state_dict()
+                    break
+        # A rank of another process: the same file, its spec's fingerprint not yet asked.
+        found.loader.exec_module(module)
+        got, owned = owned_digests(module.spec, owners=2, world_size=1, steps=2, state=state)
+        assert got == reference[2:4]
+        assert owned.fingerprint == spec.fingerprint
+        assert global_digests(spec, steps=2, state=owned.to_plain()) == reference[4:6]
+    finally:
+        sys.modules.pop("owned_widths", None)
