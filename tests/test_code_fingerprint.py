@@ -404,7 +404,9 @@ def test_a_checkpoint_from_before_helpers_were_fingerprinted_is_refused_with_tha
 ) -> None:
     spec = helper_spec(tmp_path, jsonl, HELPER_V1)
     state = checkpoint_at(spec, 0)
-    state["fingerprint"] = {k: v for k, v in state["fingerprint"].items() if " :: " not in k}
+    written = state["fingerprint"]
+    assert isinstance(written, dict)
+    state["fingerprint"] = {k: v for k, v in written.items() if " :: " not in k}
     with pytest.raises(FingerprintMismatchError) as err:
         zf.Loader(spec, state=state)
     assert str(err.value) == (
