@@ -251,7 +251,9 @@ def _verify(args: argparse.Namespace) -> int:
         try:
             lanes = [int(x) for x in args.lanes.split(",") if x.strip()]
         except ValueError as exc:
-            raise UsageError(f"zephon verify: --lanes takes lane numbers like 0,3,5, got {args.lanes!r}") from exc
+            raise UsageError(
+                f"zephon verify: --lanes takes lane numbers like 0,3,5, got {args.lanes!r}"
+            ) from exc
     spec = load_spec(args.target)
     verdicts = verify_state(
         spec, load_state(args.checkpoint), lanes=lanes, backend=args.backend, workers=args.workers
