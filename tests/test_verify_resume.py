@@ -350,9 +350,9 @@ def test_what_a_difference_names() -> None:
         "records were added, removed or moved in the data before it (or a file was replaced)"
     )
     other = [((0, 0, 10), tokens), ((0, 0, 20), [np.arange(6, dtype=np.int32)])]
-    changed = difference(base, WindowCheck.of(samples, other), other, name)
-    assert changed is not None
-    assert changed.startswith("record (0, 0, 20) gives other values than when the checkpoint was saved")
+    differs = difference(base, WindowCheck.of(samples, other), other, name)
+    assert differs is not None
+    assert differs.startswith("record (0, 0, 20) gives other values than when the checkpoint was saved")
     more = [*fed, ((0, 0, 30), tokens)]
     assert "read 3 record(s) to make the window where the checkpoint recorded 2" in str(
         difference(base, WindowCheck.of(samples, more), more, name)
