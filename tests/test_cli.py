@@ -114,7 +114,8 @@ def test_diff_names_the_first_differing_step(tmp_path: Path, capsys: pytest.Capt
 def test_failures_exit_1_with_one_line(
     pipeline_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["digest", f"{pipeline_file}:nope", "--steps", "1"]) == 1
+    # A MODULE:SPEC that names nothing is a wrong argument value: exit 2, as argparse's own.
+    assert main(["digest", f"{pipeline_file}:nope", "--steps", "1"]) == 2
     assert capsys.readouterr().err == f"zephon: error: {pipeline_file} has no attribute 'nope'\n"
     assert main(["digest", f"{pipeline_file}:spec", "--steps", "1", "--world-size", "3"]) == 1
     assert "not divisible by world_size=3" in capsys.readouterr().err
@@ -130,9 +131,9 @@ def test_failures_exit_1_with_one_line(
     assert (
         capsys.readouterr().err == f"zephon: error: {tmp_path / 'missing.txt'}: No such file or directory\n"
     )
-    assert main(["digest", str(tmp_path / "nowhere.py") + ":spec", "--steps", "1"]) == 1
+    assert main(["digest", str(tmp_path / "nowhere.py") + ":spec", "--steps", "1"]) == 2
     assert capsys.readouterr().err == f"zephon: error: no such pipeline file: {tmp_path / 'nowhere.py'}\n"
-    assert main(["digest", "no_such_module_here:spec", "--steps", "1"]) == 1
+    assert main(["digest", "no_such_module_here:spec", "--steps", "1"]) == 2
     assert "no module named 'no_such_module_here'" in capsys.readouterr().err
 
 

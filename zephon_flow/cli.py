@@ -39,11 +39,11 @@ class UsageError(SpecError):
 def _import_file(module_name: str) -> Any:
     path = os.path.abspath(module_name)
     if not os.path.isfile(path):
-        raise SpecError(f"no such pipeline file: {module_name}")
+        raise UsageError(f"no such pipeline file: {module_name}")
     sys.path.insert(0, os.path.dirname(path))
     spec_ = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
     if spec_ is None or spec_.loader is None:
-        raise SpecError(f"{module_name} is not a Python file")
+        raise UsageError(f"{module_name} is not a Python file")
     module = importlib.util.module_from_spec(spec_)
     sys.modules[spec_.name] = module
     try:
@@ -63,7 +63,7 @@ def _import_module(module_name: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and module_name.startswith(exc.name):
-            raise SpecError(
+            raise UsageError(
                 f"no module named {module_name!r} (from the current directory or the installed "
                 f"packages); for a file, give its path: path/to/pipeline.py:spec"
             ) from exc
@@ -93,7 +93,7 @@ def load_spec(target: str) -> LoaderSpec:
     else:
         module = _import_module(module_name)
     if not hasattr(module, attr):
-        raise SpecError(f"{module_name} has no attribute {attr!r}")
+        raise UsageError(f"{module_name} has no attribute {attr!r}")
     value: Any = getattr(module, attr)
     if callable(value) and not isinstance(value, LoaderSpec):
         try:
@@ -103,7 +103,7 @@ def load_spec(target: str) -> LoaderSpec:
         except Exception as exc:
             raise SpecError(f"{target}() raised {_where(exc)}{type(exc).__name__}: {exc}") from exc
     if not isinstance(value, LoaderSpec):
-        raise SpecError(f"{target} is a {type(value).__name__}, not a zf.LoaderSpec")
+        raise UsageError(f"{target} is a {type(value).__name__}, not a zf.LoaderSpec")
     logger.debug("loaded %s: lanes=%d, global batch %d", target, value.lanes, value.global_batch_size)
     return value
 
