@@ -36,7 +36,9 @@ from zephon_flow import operators as ops
 from zephon_flow.torch import ZephonDataset
 
 
-def make_spec(data: str, seq_len: int, buffer: int) -> zf.LoaderSpec:
+def make_spec(data: str, seq_len: int, buffer: int, batch: int = 32) -> zf.LoaderSpec:
+    """The README's pipeline over ``examples/make_data.py``'s files (8 lanes)."""
+
     def text_mix(p: beam.Pipeline) -> beam.PCollection:
         web = p | "web" >> ops.ReadJsonl(f"{data}/web/*.jsonl.gz", field="text")
         code = p | "code" >> ops.ReadParquet(f"{data}/code/*.parquet", column="content")
@@ -45,7 +47,7 @@ def make_spec(data: str, seq_len: int, buffer: int) -> zf.LoaderSpec:
         seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=seq_len))
         return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=buffer))
 
-    return zf.LoaderSpec(text_mix, lanes=8, seed=1234, global_batch_size=32)
+    return zf.LoaderSpec(text_mix, lanes=8, seed=1234, global_batch_size=batch)
 
 
 def run(spec: zf.LoaderSpec, warm: int, steps: int, **options: Any) -> tuple[list[float], float, float]:

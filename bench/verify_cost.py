@@ -24,27 +24,10 @@ import statistics
 import time
 from typing import Any
 
-# isort: off
-import zephon_flow as zf  # first: it quiets notices Beam logs when imported
-
-import apache_beam as beam
-
-# isort: on
-from zephon_flow import operators as ops
+import zephon_flow as zf
+from bench.state_dict_cost import make_spec  # the README's pipeline
 from zephon_flow.core.resume_check import WindowCheck
 from zephon_flow.core.state import to_loader_state
-
-
-def make_spec(data: str, seq_len: int, buffer: int, batch: int) -> zf.LoaderSpec:
-    def text_mix(p: beam.Pipeline) -> beam.PCollection:
-        web = p | "web" >> ops.ReadJsonl(f"{data}/web/*.jsonl.gz", field="text")
-        code = p | "code" >> ops.ReadParquet(f"{data}/code/*.parquet", column="content")
-        docs = (web, code) | "mix" >> ops.Mix(weights=[0.7, 0.3])
-        toks = docs | "tok" >> beam.ParDo(ops.Tokenize(f"{data}/tokenizer.json", append_eos=True))
-        seqs = toks | "pack" >> beam.ParDo(ops.Pack(seq_len=seq_len))
-        return seqs | "shuffle" >> beam.ParDo(ops.Shuffle(buffer=buffer))
-
-    return zf.LoaderSpec(text_mix, lanes=8, seed=1234, global_batch_size=batch)
 
 
 def per_batch(
