@@ -8,8 +8,17 @@ from collections.abc import Iterator
 
 import pytest
 from helpers import Corpus, make_corpus
+from hypothesis import settings
 
 from zephon_flow.demo_data import DemoData, build_demo_data
+
+# Property tests draw the same examples on every run by default ("repeatable"), so a red suite
+# means the change broke something, never that a random draw found an old bug on CI's turn.
+# ``scripts/fuzz.sh`` runs them with fresh random draws ("explore") to look for new cases;
+# what it finds is pinned with ``@example`` beside the test.
+settings.register_profile("repeatable", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("ZEPHON_HYPOTHESIS", "repeatable"))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -195,10 +195,9 @@ def _params(names: list[str]) -> list[Any]:
 FAST = settings(
     max_examples=40,
     deadline=None,
-    derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-SLOW = settings(FAST, max_examples=400, derandomize=False)
+SLOW = settings(FAST, max_examples=400)
 
 
 def test_the_valid_inputs_read_cleanly(nothing_executed: None) -> None:

@@ -170,7 +170,7 @@ class WindowCheck:
         samples, records, window = plain["samples"], plain["records"], plain["window"]
         try:
             runs = np.asarray(plain["runs"], dtype=np.int64).reshape(-1, 3)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, OverflowError) as exc:
             raise CorruptStateError(f"{where}: its record runs are malformed ({exc})") from exc
         digests = plain["run_digests"]
         if (
