@@ -66,8 +66,8 @@ class ReadVideo(Source):
     ``clip_seconds`` (from the first frame's timestamp; variable frame rates are read from the
     timestamps); consecutive clips start ``stride`` frames or seconds apart (default: the clip's
     length). Only whole clips are planned. ``window="random"`` plans one clip per video instead,
-    starting at a frame (or time) drawn from ``seed`` and the video's relative name: the same
-    window on every topology and resume, and in every pass (the source is not told its pass).
+    starting at a frame (or time) drawn anew in each pass from ``seed``, the video's relative
+    name and the pass (counter-based: the same window on every topology and resume).
     From each clip, ``frames=K`` frames uniformly by
     index, or by timestamp at ``fps`` (the frame on screen at each ``1/fps`` tick), or all.
 
@@ -132,7 +132,10 @@ class ReadVideo(Source):
             raise SpecError(f"ReadVideo: caption_ext must be an extension such as 'txt', got {caption_ext!r}")
         self.caption_ext = caption_ext.strip(".") if caption_ext else None
         self.skipped_files: list[str] = []
-        self._plans: dict[str, list[ClipPlan]] = {}
+        self._plans: dict[tuple[str, int], list[ClipPlan]] = {}
+        # A random window's records depend on the pass, which recipe state's re-read by offset
+        # does not know: only the fixed windows re-read a clip from its offset.
+        self.rereads_offsets = window != "random"
 
     def params(self) -> dict[str, Any]:
         return {
@@ -151,21 +154,23 @@ class ReadVideo(Source):
         }
 
     # -- planning ------------------------------------------------------------------------
-    def clips(self, path: str) -> list[ClipPlan]:
-        """The clips of one video, planned from its index (kept per process)."""
-        plans = self._plans.get(path)
+    def clips(self, path: str, pass_index: int = 0) -> list[ClipPlan]:
+        """The clips of one video in pass ``pass_index`` (which only a random window depends
+        on), planned from its index (kept per process). Listing counts pass 0's."""
+        at = (path, pass_index if self.window == "random" else 0)
+        plans = self._plans.get(at)
         if plans is None:
-            plans = self._shard_clips(path) if is_shard(path) else self._video_clips(path, None)
-            # Only the last few videos' plans are kept (one timestamp per frame: a corpus of long
+            plans = self._shard_clips(*at) if is_shard(path) else self._video_clips(*at, None)
+            # Only the last few plans are kept (one timestamp per frame: a corpus of long
             # videos would not fit); assigned whole, as feeds list concurrently.
-            kept = [(p, c) for p, c in self._plans.items() if p != path][-(KEPT_PLANS - 1) :]
-            self._plans = {**dict(kept), path: plans}
+            kept = [(k, c) for k, c in self._plans.items() if k != at][-(KEPT_PLANS - 1) :]
+            self._plans = {**dict(kept), at: plans}
         return plans
 
-    def _video_clips(self, path: str, member: Member | None) -> list[ClipPlan]:
+    def _video_clips(self, path: str, pass_index: int, member: Member | None) -> list[ClipPlan]:
         index = read_index(path, operator=self.operator_name, max_pixels=self.max_pixels, member=member)
         name = files.relative_name(path, self.pattern) + ("" if member is None else f"/{member.name}")
-        plans = self.plan(index, name)
+        plans = self.plan(index, name, pass_index)
         if not plans:
             what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
             where = path if member is None else f"{path} member {member.name!r}"
@@ -175,24 +180,26 @@ class ReadVideo(Source):
             )
         return plans
 
-    def _shard_clips(self, path: str) -> list[ClipPlan]:
+    def _shard_clips(self, path: str, pass_index: int) -> list[ClipPlan]:
         """The clips of every video member of a tar shard, in shard order."""
         plans: list[ClipPlan] = []
         for video, text in shard_videos(path, self.caption_ext, self.operator_name):
-            plans += [replace(p, member=video, caption=text) for p in self._video_clips(path, video)]
+            clips = self._video_clips(path, pass_index, video)
+            plans += [replace(p, member=video, caption=text) for p in clips]
         if not plans:
             raise DataError(
                 f"{self.operator_name}: {path} has no video members ({', '.join(VIDEO_EXTENSIONS)})"
             )
         return plans
 
-    def plan(self, index: VideoIndex, name: str = "") -> list[ClipPlan]:
+    def plan(self, index: VideoIndex, name: str = "", pass_index: int = 0) -> list[ClipPlan]:
         """Every whole clip of a video (``window="all"``) or one at a random place
-        (``"random"``, drawn from ``seed`` and the video's ``name``), with the frames to keep."""
+        (``"random"``, drawn from ``seed``, the video's ``name`` and the pass), with the frames
+        to keep."""
         pts, out = index.pts, []
         windows: list[tuple[int, int, float, float]] = []  # first frame, stop frame, start s, end s
         if self.window == "random":
-            windows = self._random_window(index, name)
+            windows = self._random_window(index, name, pass_index)
         elif self.clip_frames is not None:
             step = int(self.stride or self.clip_frames)
             for a in range(0, len(pts) - self.clip_frames + 1, step):
@@ -215,8 +222,12 @@ class ReadVideo(Source):
             out.append(ClipPlan(clip, index.key_before(min(keep)), keep, index.time_base, t0, t1))
         return out
 
-    def _random_window(self, index: VideoIndex, name: str) -> list[tuple[int, int, float, float]]:
-        rng = rng_lib.generator(self.seed, rng_lib.VIDEO_WINDOW, rng_lib.stable_hash(name))
+    def _random_window(
+        self, index: VideoIndex, name: str, pass_index: int
+    ) -> list[tuple[int, int, float, float]]:
+        # Keyed by (seed, stream) and counted from (video, pass): pass 0 draws what a key
+        # without the pass drew, each later pass its own window.
+        rng = rng_lib.generator(self.seed, rng_lib.VIDEO_WINDOW, rng_lib.stable_hash(name), pass_index)
         pts = index.pts
         if self.clip_frames is not None:
             room = len(pts) - self.clip_frames
@@ -232,7 +243,9 @@ class ReadVideo(Source):
         t0 = round(float(rng.random()) * max(0.0, room_s), 6)
         times = [index.seconds(p) for p in pts]
         a, b = bisect.bisect_left(times, t0), bisect.bisect_left(times, t0 + length - 1e-9)
-        return [(a, b, t0, t0 + length)] if b > a else []
+        if b == a:  # no frame starts inside the window (a gap in a variable frame rate): the
+            a, b = max(0, a - 1), max(1, a)  # one on screen at its start, so every pass has its clip
+        return [(a, b, t0, t0 + length)]
 
     def _sample(self, index: VideoIndex, a: int, b: int, t0: float, t1: float) -> tuple[int, ...]:
         n = b - a
@@ -269,13 +282,18 @@ class ReadVideo(Source):
         return splits
 
     def read_split(self, split: Split, position: int) -> Iterator[tuple[int, Record]]:
+        return self.read_split_in_pass(split, position, 0)
+
+    def read_split_in_pass(
+        self, split: Split, position: int, pass_index: int
+    ) -> Iterator[tuple[int, Record]]:
         first = split.start if position == START else position
         if not split.start <= first <= split.stop:
             raise DataError(
                 f"{self.operator_name}: cannot resume clips [{split.start}, {split.stop}) of "
                 f"{split.path} at clip {first}; did the video change since the checkpoint?"
             )
-        plans = self.clips(split.path)
+        plans = self.clips(split.path, pass_index)
         if split.stop > len(plans):
             raise DataError(
                 f"{self.operator_name}: {split.path} has {len(plans)} clips, not the {split.stop} "

@@ -102,7 +102,7 @@ class SourceReader:
         if share.of > 1:
             _note_shared(self._source, self._label, split, share.of)
         self._share, self.split_index = share, share.split
-        self._records = self._source.read_split(split, self.position)
+        self._records = self._source.read_split_in_pass(split, self.position, self.epoch)
         return True
 
     def _next_share(self) -> None:

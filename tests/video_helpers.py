@@ -82,12 +82,19 @@ def video_spec(
     max_clips: int = 2,
     epochs: int | None = None,
     on_error: str = "raise",
+    window: str = "all",
 ) -> zf.LoaderSpec:
     """``ReadVideo -> DecodeVideo(size) -> TokenizeField -> PackVideo``."""
 
     def build(p: beam.Pipeline) -> beam.PCollection:
         clips = p | "videos" >> ops.ReadVideo(
-            pattern, clip_frames=8, frames=frames, caption_ext="txt", epochs=epochs, on_error=on_error
+            pattern,
+            clip_frames=8,
+            frames=frames,
+            caption_ext="txt",
+            epochs=epochs,
+            on_error=on_error,
+            window=window,
         )
         decoded = clips | "decode" >> beam.ParDo(ops.DecodeVideo(size=size))
         tokens = decoded | "caption" >> beam.ParDo(ops.TokenizeField(tokenizer_json, field="txt"))

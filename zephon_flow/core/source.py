@@ -124,6 +124,14 @@ class Source(beam.PTransform):  # type: ignore[misc]
         """Turns one raw record into zero or more elements (an empty document gives none)."""
         raise NotImplementedError
 
+    def read_split_in_pass(
+        self, split: Split, position: int, pass_index: int
+    ) -> Iterator[tuple[int, Record]]:
+        """``read_split`` in pass ``pass_index`` of the source (what a lane's feed calls). A
+        source whose records depend on the pass (``ReadVideo(window="random")`` draws a new
+        clip window per pass) overrides it; the same records for the same arguments, always."""
+        return self.read_split(split, position)
+
     def params(self) -> dict[str, Any]:
         """Parameters that change the data produced (part of the pipeline fingerprint)."""
         return {"pattern": self.pattern, "epochs": self.epochs, "on_error": self.on_error}
