@@ -20,6 +20,7 @@ from zephon_flow.core.errors import (  # noqa: E402
 )
 from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.core.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
+from zephon_flow.engine.balance import RankBalance, balance_rows  # noqa: E402
 from zephon_flow.engine.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.engine.loader import Loader  # noqa: E402
 from zephon_flow.engine.materialize import GlobalBatches, materialize, read_materialized  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "Loader",
     "LoaderSpec",
     "ProvenanceParam",
+    "RankBalance",
     "SeedParam",
     "ServiceError",
     "SpecError",
@@ -43,6 +45,7 @@ __all__ = [
     "ThreadEndSync",
     "TorchEndSync",
     "ZephonError",
+    "balance_rows",
     "batch_digest",
     "decode_state",
     "encode_state",

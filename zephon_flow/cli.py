@@ -23,6 +23,7 @@ from typing import Any
 
 from zephon_flow import __version__
 from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.engine.balance import COSTS as BALANCE_COSTS
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.progress import Progress
 from zephon_flow.runners.backends.base import BACKENDS
@@ -362,6 +363,11 @@ def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.server import BatchServer, serve_forever
 
     args.ahead = _ahead(args)
+    if args.ray and args.balance is not None:
+        raise UsageError(
+            "zephon serve: --balance is not supported with --ray (lane owners send each rank the rows "
+            "of its own lanes); serve without --ray, or balance in the trainer with Loader(balance=...)"
+        )
     if args.ray:  # lanes on Ray lane owners (zephon_flow/cluster/serve.py)
         from zephon_flow.cluster import serve as owners
 
@@ -414,6 +420,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_timeout=args.chunk_timeout,
         loader=loader,
         verify_resume=not args.no_verify_resume,
+        balance=args.balance,
     )
     return serve_forever(server)
 
@@ -523,6 +530,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--port", type=_int_from(0, 65535), required=True, help="0 picks a free port (printed on start)"
     )
     s.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    s.add_argument(
+        "--balance",
+        choices=BALANCE_COSTS,
+        default=None,
+        help="send each rank the rows of each global batch that even out this per-row cost across "
+        "the ranks (with a 'rows' field, their global indices), instead of contiguous rows",
+    )
     s.add_argument("--backend", choices=BACKENDS, default="inline")
     s.add_argument("--workers", type=POSITIVE, default=1)
     s.add_argument("--checkpoint-dir", help="where Checkpoint(step) writes DIR/step-<step>.zfstate")

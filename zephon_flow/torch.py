@@ -163,6 +163,10 @@ class ZephonDataset(IterableDataset[Item]):
         ``rank`` and ``world_size`` default to ``group``'s (the data-parallel group, e.g. a
         device mesh's) or torch.distributed's, resolved at the first iteration, else 0 and 1.
         ``keep_states``: how many of the last steps ``state_dict(step)`` can still give.
+        ``loader_options`` go to the ``Loader``; with ``balance=`` (``"tokens"``,
+        ``"attention"``, ``"images"`` or a function of a row) each batch holds the rows that
+        even out that cost across ranks and a ``rows`` tensor, their global indices; every
+        rank then runs every lane, and ``state_dict`` holds every lane.
         """
         if not isinstance(spec, LoaderSpec):
             raise SpecError(
@@ -291,6 +295,8 @@ class ZephonDataset(IterableDataset[Item]):
     def _lanes_of(self, topology: tuple[int, int]) -> list[int]:
         slice_ = self._check_topology(*topology)
         assert slice_ is not None
+        if self._loader_options.get("balance") is not None:  # a balanced rank runs every lane
+            return list(range(slice_.lanes))
         return list(slice_.lane_ids)
 
     # -- iteration ----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from zephon_flow.core.resume_check import PendingChecks
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
 from zephon_flow.engine import recipe
+from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mixture
@@ -85,6 +86,16 @@ class Loader:
     batches yielded (references to snapshots it takes anyway, not copies):
     ``state(step)`` gives the one from which ``step`` is the next batch, for a trainer that
     reads ahead of the batch it trains on.
+
+    ``balance`` (default None: the contiguous rows above) gives this rank, instead, the rows
+    of each global batch that even out a per-row cost across the ranks (``"tokens"``,
+    ``"attention"``, ``"images"`` or a function of a row: ``zf.RankBalance``), chosen by
+    ``zf.balance_rows`` from the whole batch and ``world_size``; the batch gains ``rows``
+    (int64), the global indices of its rows, ascending. The global batch, its digest and the
+    states are the same as without it, but a rank needs every row's cost, so **every rank
+    runs every lane** (the work of ``world_size=1`` per rank; ``zephon serve --balance``
+    chooses the rows on the server instead). Every rank of a run must use the same
+    ``balance``.
     """
 
     def __init__(
@@ -107,6 +118,7 @@ class Loader:
         state_mode: str = "compact",
         verify_resume: bool = True,
         keep_states: int = 8,
+        balance: str | RowCost | RankBalance | None = None,
     ) -> None:
         # Phases: check the options, start the backend, restore the state, build the lanes,
         # take the first state.
@@ -128,6 +140,7 @@ class Loader:
                 raise SpecError(f"{name} must be True or False, got {flag!r}")
         if state_mode not in STATE_MODES:
             raise SpecError(f"state_mode must be one of {', '.join(STATE_MODES)}, got {state_mode!r}")
+        self._balance = RankBalance.of(balance)
         self.spec = spec
         self._slice = RankSlice(
             rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
@@ -195,7 +208,7 @@ class Loader:
             self.spec,
             plan,
             state,
-            list(self._slice.lane_ids),
+            list(range(self.spec.lanes)) if self._balance is not None else list(self._slice.lane_ids),
             who=f"rank {self._slice.rank} of {self._slice.world_size}",
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
@@ -317,16 +330,22 @@ class Loader:
         return True
 
     def _assemble(self, step: int, windows: list[list[Any]]) -> Batch:
-        """This rank's rows of global batch ``step`` (see ``assemble_rows``)."""
-        return assemble_rows(
+        """This rank's rows of global batch ``step`` (see ``assemble_rows``); balanced, the
+        whole batch (every lane is local), then this rank's rows of ``balance``."""
+        batch = assemble_rows(
             step,
             windows,
             [(lane.lane, lane.layout) for lane in self._lanes],
-            rows=self._slice.rows_of_lanes(),
+            rows=self._slice.rows_of_lanes() if self._balance is None else slice(None),
             per_lane=self.spec.per_lane,
             finite=self._finite,
             padding=self._padding,
         )
+        if self._balance is None:
+            return batch
+        where = f"global batch {step}"
+        rows = self._balance.assign(batch, self._slice.world_size, where=where)[self._slice.rank]
+        return self._balance.select(batch, rows, where=where)
 
     def _put(self, item: Any) -> None:
         while not self._stop.is_set():

@@ -9,6 +9,7 @@ import re
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from zephon_flow.core.batches import Batch
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LoaderState, load_state, save_state
+from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
@@ -109,6 +111,12 @@ class BatchServer:
     waits for it is dropped (its client reconnects when it reads again). Resumed, the loader's
     lanes verify their first windows against the checkpoint (``ResumeMismatchError``, a
     pipeline failure) unless ``verify_resume`` is False (``zephon serve --no-verify-resume``).
+
+    ``balance`` (``zephon serve --balance``: ``"tokens"``, ``"attention"``, ``"images"``, or
+    here a function of a row; see ``zf.RankBalance``) sends each rank, instead of its
+    contiguous rows, the rows of each held global batch that even out that cost across the
+    ranks of its world size, with a ``rows`` field (their global indices); the held batches
+    and the checkpoints are the same as without it.
     """
 
     def __init__(
@@ -135,6 +143,7 @@ class BatchServer:
         chunk_timeout: float = 300.0,
         window: int | None = None,
         verify_resume: bool = True,
+        balance: str | RowCost | RankBalance | None = None,
     ) -> None:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
         # streams, listen.
@@ -153,6 +162,7 @@ class BatchServer:
             port=port,
             chunk_bytes=chunk_bytes,
         )
+        self._balance = _Balanced.of(balance)
         self.spec, self.fingerprint = spec, spec.fingerprint["total"]
         if loader is None:
             loader = _embedded_loader(
@@ -405,7 +415,9 @@ class BatchServer:
                     return
                 messages = encode_step(
                     step,
-                    slice_rows(batch, start, stop),
+                    self._rows_of(step, batch, rows, context)
+                    if self._balance
+                    else slice_rows(batch, start, stop),
                     chunk_bytes=self._chunk_bytes,
                     ahead=held.advised_ahead(),
                 )
@@ -420,6 +432,14 @@ class BatchServer:
             with self._open_lock:
                 self._open.discard(me)
             held.leave(rank, world_size, stream)
+
+    def _rows_of(self, step: int, batch: Batch, rows: RankSlice, context: grpc.ServicerContext) -> Batch:
+        """``rows.rank``'s balanced rows of held global batch ``step`` (``balance``)."""
+        assert self._balance is not None
+        try:
+            return self._balance.rows(step, batch, rows.rank, rows.world_size)
+        except ZephonError as exc:
+            _abort(context, "FAILED_PRECONDITION", f"zephon serve --balance: {exc}")
 
     def _ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
         self._check_fingerprint(request.fingerprint, context)
@@ -483,6 +503,33 @@ class BatchServer:
             bytes_per_second=served / elapsed,
             bytes_served=served,
         )
+
+
+class _Balanced:
+    """A server's balanced slices: each (step, world size)'s assignment made once, for the
+    ranks that ask for it (the last ``keep`` kept)."""
+
+    def __init__(self, balance: RankBalance, keep: int = 64) -> None:
+        self.balance, self._keep = balance, keep
+        self._made: OrderedDict[tuple[int, int], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, value: str | RowCost | RankBalance | None) -> _Balanced | None:
+        balance = RankBalance.of(value)
+        return None if balance is None else cls(balance)
+
+    def rows(self, step: int, batch: Batch, rank: int, world_size: int) -> Batch:
+        where = f"global batch {step}"
+        with self._lock:
+            made = self._made.get((step, world_size))
+        if made is None:
+            made = self.balance.assign(batch, world_size, where=where)
+            with self._lock:
+                self._made[(step, world_size)] = made
+                while len(self._made) > self._keep:
+                    self._made.popitem(last=False)
+        return self.balance.select(batch, made[rank], where=where)
 
 
 def serve_forever(server: BatchServer) -> int:
