@@ -14,6 +14,7 @@ import grpc
 
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError, SpecError
+from zephon_flow.core.retry import Backoff
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.fanin import OwnerFanIn
@@ -201,11 +202,7 @@ class Client:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         _check_position(rank, world_size, start_step)
-        if not isinstance(retries, int) or retries < 0 or backoff <= 0 or max_backoff < backoff:
-            raise SpecError(
-                f"Client: retries must be >= 0 and 0 < backoff <= max_backoff, got "
-                f"retries={retries!r}, backoff={backoff!r}, max_backoff={max_backoff!r}"
-            )
+        self._retry = Backoff(retries=retries, initial=backoff, maximum=max_backoff)
         self.address, self.rank, self.world_size = address, rank, world_size
         self.as_torch = as_torch
         self._fingerprint = _fingerprint(fingerprint)
@@ -213,7 +210,6 @@ class Client:
         self._metadata = auth.bearer(token) if token else ()
         self._tls = root_certificates is not None
         self._root_certificates = root_certificates
-        self._retries, self._backoff, self._max_backoff = retries, backoff, max_backoff
         self._timeout = timeout
         self._clock = clock
         self._next_step = start_step
@@ -244,9 +240,7 @@ class Client:
             metadata=self._metadata,
             channel_options=_CHANNEL_OPTIONS,
             timeout=self._timeout,
-            retries=self._retries,
-            backoff=self._backoff,
-            max_backoff=self._max_backoff,
+            retry=self._retry,
             root_certificates=self._root_certificates,
             clock=self._clock,
         )
@@ -264,13 +258,13 @@ class Client:
         self, attempt: int, exc: grpc.RpcError, what: str, retry: frozenset[grpc.StatusCode] = _RETRY
     ) -> None:
         code = exc.code()
-        if code not in retry or attempt >= self._retries:
+        if code not in retry or self._retry.last(attempt):
             tries = f" after {attempt + 1} tries" if code in retry else ""
             raise ServiceError(
                 f"{what} from {self.address} failed{tries}: {code.name}: {exc.details()}{self._hint(exc)}",
                 code=code.name,
             ) from None
-        self._clock.sleep(min(self._max_backoff, self._backoff * 2**attempt))
+        self._retry.pause(attempt, self._clock)
 
     def _hint(self, exc: grpc.RpcError) -> str:
         """What a bare transport error most likely means, for the message."""

@@ -17,7 +17,6 @@ ends a blocked iteration cleanly.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from zephon_flow.core.batches import VALID_FIELD
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.retry import Backoff
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
 from zephon_flow.service.rpc import unary_call
@@ -91,7 +91,7 @@ class _OwnerStream:
         return self._method(request, metadata=fan.metadata, timeout=fan.timeout)
 
     def _ask(self) -> None:
-        self._calls.append((self._asked, time.monotonic(), self._call(self._asked)))
+        self._calls.append((self._asked, self._fan.clock.now(), self._call(self._asked)))
         self._asked += 1
 
     def next(self, step: int) -> dict[str, Any]:
@@ -102,7 +102,7 @@ class _OwnerStream:
             raise ServiceError(
                 f"rank {self._fan.rank} asked lane owner {self.owner.index} for step {asked}, expected {step}"
             )
-        waiting = time.monotonic()
+        waiting = self._fan.clock.now()
         try:
             return self._read(call, step)
         except grpc.RpcError as exc:
@@ -135,7 +135,8 @@ class _OwnerStream:
 
 class OwnerFanIn:
     """Rank ``rank`` of ``world_size``'s batches from the lane owners behind the coordinator at
-    ``address``; ``Client`` passes its fingerprint, metadata, channel options and retry policy."""
+    ``address``; ``Client`` passes its fingerprint, metadata, channel options, retry policy and
+    clock (what every pause and the streams' waits read)."""
 
     def __init__(
         self,
@@ -147,9 +148,7 @@ class OwnerFanIn:
         metadata: Sequence[tuple[str, str]],
         channel_options: list[tuple[str, Any]],
         timeout: float,
-        retries: int,
-        backoff: float,
-        max_backoff: float = 5.0,
+        retry: Backoff,
         root_certificates: bytes | None = None,
         clock: Clock = SYSTEM_CLOCK,
         progress_every: int = 8,
@@ -158,8 +157,8 @@ class OwnerFanIn:
         self.address, self.rank, self.world_size = address, rank, world_size
         self.fingerprint, self.metadata, self.channel_options = fingerprint, tuple(metadata), channel_options
         self.root_certificates, self.timeout = root_certificates, timeout
-        self._timeout, self._retries, self._backoff = timeout, retries, backoff
-        self._max_backoff, self._clock = max_backoff, clock
+        self._timeout, self._retry = timeout, retry
+        self.clock = clock
         self._progress_every, self._prefetch = progress_every, prefetch
         self._closed = False
         self._lock = threading.Lock()
@@ -174,24 +173,20 @@ class OwnerFanIn:
         self._reply: lo.TableReply | None = None
 
     # -- the table -----------------------------------------------------------------------------
-    def _pause(self, attempt: int) -> None:
-        """The client's backoff before another try: doubling from ``backoff``, at most ``max_backoff``."""
-        self._clock.sleep(min(self._max_backoff, self._backoff * 2**attempt))
-
     def _unary(self, call: Any, request: Any, what: str, where: str | None = None) -> Any:
-        for attempt in range(self._retries + 1):
+        for attempt in range(self._retry.retries + 1):
             try:
                 return call(request, metadata=self.metadata, timeout=self._timeout)
             except grpc.RpcError as exc:
                 if self._closed:
                     raise _Closed from None
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, _BUSY) or attempt == self._retries:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, _BUSY) or self._retry.last(attempt):
                     raise ServiceError(
                         f"{what} from {where or f'the lane owners coordinator at {self.address}'} failed: "
                         f"{exc.code().name}: {exc.details()}",
                         code=exc.code().name,
                     ) from None
-                self._pause(attempt)
+                self._retry.pause(attempt, self.clock)
         raise AssertionError("unreachable")
 
     def _owners(self, reply: lo.TableReply) -> list[_Owner]:
@@ -239,7 +234,7 @@ class OwnerFanIn:
     # -- batches -------------------------------------------------------------------------------
     def _share(self, owner: _Owner, step: int) -> tuple[_Owner, dict[str, Any]]:
         """``owner``'s share of step ``step``, replacing the owner (and retrying) if it is lost."""
-        for attempt in range(self._retries + 1):
+        for attempt in range(self._retry.retries + 1):
             with self._lock:
                 if self._closed:
                     raise _Closed
@@ -268,13 +263,13 @@ class OwnerFanIn:
                         f"owner runs only a few steps past its slowest reader), or the owner is stuck",
                         code=code.name,
                     ) from None
-                if (code not in _OWNER_LOST and code != _BUSY) or attempt == self._retries:
+                if (code not in _OWNER_LOST and code != _BUSY) or self._retry.last(attempt):
                     raise ServiceError(
                         f"rank {self.rank}'s rows of step {step} from lane owner {owner.index} (lanes "
                         f"{list(owner.lanes)}) at {owner.address} failed: {code.name}: {exc.details()}",
                         code=code.name,
                     ) from None
-                self._pause(attempt)
+                self._retry.pause(attempt, self.clock)
                 if code != _BUSY:
                     owner = self._replace(owner, step, exc)
         raise AssertionError("unreachable")
