@@ -16,6 +16,7 @@ from helpers import Corpus, example_spec
 import zephon_flow as zf
 from zephon_flow.cluster import (
     Coordinator,
+    CoordinatorLostError,
     LaneOwner,
     OwnedLoader,
     OwnerLostError,
@@ -278,6 +279,23 @@ def test_owner_that_cannot_be_restarted_names_lanes_and_step(ray_session: None, 
             match=r"lane owner 0 \(lanes \[0, 1, 2\]\) died at step \d+ and cannot be restarted",
         ):
             for _ in range(STEPS):
+                next(it)
+
+
+def test_a_dead_coordinator_is_named_not_a_raw_ray_error(ray_session: None, spec: zf.LoaderSpec) -> None:
+    import ray
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with OwnedLoader(spec, lane_owners=2, name=name) as loader:
+        it = iter(loader)
+        next(it)
+        ray.kill(loader._coordinator, no_restart=True)
+        message = rf"rank 0: the lane owners' coordinator '{name}' failed to start or died .* during "
+        with pytest.raises(CoordinatorLostError, match=message + r"checkpoint\(step=1\): ActorDiedError"):
+            loader.checkpoint()
+        # Its owners end with it: the next steps fail the same way, through the replacement.
+        with pytest.raises(CoordinatorLostError, match=message + r"the replacement of owner \d"):
+            for _ in range(3 * STEPS):
                 next(it)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -15,6 +14,7 @@ from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerError, OwnerOptions
 from zephon_flow.core.batches import VALID_FIELD, Batch, concat
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LoaderState, to_loader_state
@@ -25,6 +25,11 @@ from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_
 def default_name(spec: LoaderSpec) -> str:
     """The coordinator's Ray actor name for ``spec`` when none is given."""
     return f"zephon-owners-{spec.fingerprint['total'][:16]}"
+
+
+class CoordinatorLostError(ZephonError, RuntimeError):
+    """The lane owners' coordinator failed to start or died; its owners end with it, so the run
+    resumes from its last checkpoint (the message names the coordinator and the call)."""
 
 
 class OwnedLoader:
@@ -67,6 +72,7 @@ class OwnedLoader:
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
         verify_resume: bool = True,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
         if not isinstance(spec, LoaderSpec):
@@ -91,7 +97,7 @@ class OwnedLoader:
             verify_resume=verify_resume,
         )
         start = None if state is None else to_loader_state(state)
-        self._prefetch, self._timeout = prefetch, timeout
+        self._prefetch, self._timeout, self._clock = prefetch, timeout, clock
         self._snapshot_every = snapshot_every
         self.name = name or default_name(spec)
         self._ray = require_ray(actors.FEATURE)
@@ -109,7 +115,9 @@ class OwnedLoader:
             max_replacements=max_replacements,
         )
         self._step = 0 if start is None else start.step
-        self._table: OwnerTable = self._call(self._coordinator.join.remote(rank, world_size, self._step))
+        self._table: OwnerTable = self._ask_coordinator(
+            "join", self._coordinator.join.remote(rank, world_size, self._step)
+        )
         self._finite = spec.compile().finite
 
     @property
@@ -131,6 +139,18 @@ class OwnedLoader:
                 raise cause from None
             raise
 
+    def _ask_coordinator(self, what: str, ref: Any, timeout: float | None = None) -> Any:
+        """``_call`` for a call to the coordinator: its death is a ``CoordinatorLostError``
+        naming it and the call, never a raw Ray error."""
+        try:
+            return self._call(ref, timeout)
+        except self._ray.exceptions.RayActorError as exc:
+            raise CoordinatorLostError(
+                f"rank {self._slice.rank}: the lane owners' coordinator {self.name!r} failed to start "
+                f"or died (its owners end with it) during {what}: {_first_line(exc)}; resume from the "
+                f"last checkpoint (OwnedLoader(state=...) or zf.Loader(state=...))"
+            ) from None
+
     # -- iteration -----------------------------------------------------------------------------
     def _ask(self, owner: int, step: int) -> tuple[Any, int]:
         """Asks ``owner`` for this rank's share of step ``step``: the pending reply, and the
@@ -142,7 +162,9 @@ class OwnedLoader:
     def _replace(self, owner: int, generation: int) -> None:
         """Owner ``owner`` of ``generation`` died: the coordinator replaces it (once, whichever
         rank reports it first) and this rank reads the new table."""
-        self._table = self._call(self._coordinator.replace.remote(owner, generation))
+        self._table = self._ask_coordinator(
+            f"the replacement of owner {owner}", self._coordinator.replace.remote(owner, generation)
+        )
 
     def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> Batch:
         """This rank's share of step ``step`` from ``owner``: asks again while the owner has not
@@ -219,7 +241,9 @@ class OwnedLoader:
         batch, gathered from the owners: resumes on any owner count, the embedded ``Loader``
         and any world size."""
         at = self._step if step is None else step
-        state: LoaderState = self._call(self._coordinator.checkpoint.remote(at))
+        state: LoaderState = self._ask_coordinator(
+            f"checkpoint(step={at})", self._coordinator.checkpoint.remote(at)
+        )
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -249,13 +273,13 @@ class OwnedLoader:
     def _await_name_released(self, timeout: float = 10.0) -> None:
         """Waits until the killed coordinator's name is free, so that loaders made next with
         the same name start a new one instead of finding the dying one."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        deadline = self._clock.now() + timeout
+        while self._clock.now() < deadline:
             try:
                 self._ray.get_actor(self.name)
             except ValueError:
                 return
-            time.sleep(0.05)
+            self._clock.sleep(0.05)
 
     def __enter__(self) -> OwnedLoader:
         return self
@@ -267,3 +291,9 @@ class OwnedLoader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first non-empty line of a Ray error's message (the rest is Ray's traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
