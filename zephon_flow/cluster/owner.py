@@ -4,9 +4,10 @@
 actor that ``Coordinator`` starts, one per group of lanes. An owner holds, for the steps
 ``[low, produced)``, each lane's window and, for each step in ``[low, produced]``, each lane's
 snapshot from which that step is the next window. Its readers are the trainer ranks whose rows
-fall on its lanes; like ``zephon serve``'s window, production runs at most ``ahead`` steps past
-the slowest reader's position (the step it asks for next) and steps more than ``keep`` behind
-it are dropped, so a rank that re-asks for the step it is at gets the same bytes.
+fall on its lanes; as for ``zephon serve``'s held steps (one rule, ``engine/hold.py``),
+production runs at most ``ahead`` steps past the slowest reader's position (the step it asks
+for next) and steps more than ``keep`` behind it are dropped, so a rank that re-asks for the
+step it is at gets the same bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.resume_check import MadeWindow, WindowCheck
 from zephon_flow.core.state import LaneState, LoaderState
+from zephon_flow.engine.hold import StepHold
 from zephon_flow.engine.loader import assemble_rows, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
@@ -134,7 +136,7 @@ class LaneOwner:
         )
         self.first_step = start.step
         self._cond = threading.Condition()
-        self._low = self._produced = start.step
+        self._hold = StepHold(first_step=start.step, ahead=options.ahead, keep=options.keep)
         self._windows: dict[int, tuple[list[Any], ...]] = {}
         self._layouts: dict[int, tuple[SampleLayout | None, ...]] = {}
         self._snapshots: dict[int, dict[int, LaneState]] = {
@@ -147,10 +149,9 @@ class LaneOwner:
         if restored and all(restored.values()):
             self._made[start.step] = {lane: c for lane, c in restored.items() if c is not None}
         self._dead_from: int | None = None  # first step at which none of its lanes had a sample
-        # Readers that have asked (production waits for the slowest of them) and readers
-        # expected to ask, from the step given (steps from there on are held for them).
-        self._positions: dict[int, int] = {}
-        self._expected = {reader: max(start.step, at) for reader, at in readers.items()}
+        # Readers expected to ask, from the step given (steps from there on are held for them);
+        # once they have asked, production waits for the slowest of them.
+        self._hold.expected = {reader: max(start.step, at) for reader, at in readers.items()}
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=f"zephon-{name}", daemon=True)
@@ -160,23 +161,13 @@ class LaneOwner:
         self._thread.start()
         return self
 
-    def _slowest(self) -> int:
-        """Where production counts ``ahead`` from: the slowest reader that has asked."""
-        if self._positions:
-            return min(self._positions.values())
-        return min(self._expected.values()) if self._expected else self._low
-
-    def _retained(self) -> int:
-        """The first step a reader may still ask for."""
-        return min([*self._positions.values(), *self._expected.values()], default=self._produced)
-
     def _produce(self) -> None:
         try:
             for runner in self._runners:
                 runner.prime()
             while True:
                 with self._cond:
-                    while self._produced >= self._slowest() + self.options.ahead:
+                    while not self._hold.has_room():
                         if self._stop.is_set():
                             return
                         self._cond.wait(0.2)
@@ -189,13 +180,12 @@ class LaneOwner:
                     runner.lane: runner.made for runner in self._runners if runner.made is not None
                 }
                 with self._cond:
-                    step = self._produced
+                    step = self._hold.add()
                     self._windows[step], self._layouts[step] = windows, layouts
                     self._made.setdefault(step, made)
                     self._snapshots[step + 1] = snaps
                     if self._dead_from is None and not any(windows):
                         self._dead_from = step
-                    self._produced = step + 1
                     self._cond.notify_all()
         except BaseException as exc:  # handed to every reader, naming the owner's lanes
             with self._cond:
@@ -205,31 +195,29 @@ class LaneOwner:
     def _raise_error(self) -> None:
         if self._error is not None:
             raise OwnerError(
-                f"{self.name} (lanes {self.lanes}) failed at step {self._produced}: "
+                f"{self.name} (lanes {self.lanes}) failed at step {self._hold.produced}: "
                 f"{type(self._error).__name__}: {self._error}"
             ) from self._error
 
     def _held(self) -> str:
-        return f"{self.name} (lanes {self.lanes}) holds steps [{self._low}, {self._produced})"
+        return f"{self.name} (lanes {self.lanes}) holds steps [{self._hold.low}, {self._hold.produced})"
 
     def _release(self) -> None:
         """Drops what no reader can ask for again (more than ``keep`` behind the slowest)."""
-        low = max(self._low, min(self._retained() - self.options.keep, self._produced))
-        for s in range(self._low, low):
+        for s in self._hold.release():
             self._windows.pop(s, None)
             self._layouts.pop(s, None)
             self._snapshots.pop(s, None)
             self._made.pop(s, None)
-        self._low = low
         self._cond.notify_all()
 
     def _await(self, step: int, timeout: float) -> bool:
         """Waits (lock held) until ``step`` is produced; False on timeout."""
-        if step < self._low:
+        if step < self._hold.low:
             raise OwnerError(
                 f"step {step} is no longer held: {self._held()}; resume from a checkpoint to go back further"
             )
-        return self._cond.wait_for(lambda: self._produced > step or self._error is not None, timeout)
+        return self._cond.wait_for(lambda: self._hold.produced > step or self._error is not None, timeout)
 
     # -- what readers and the coordinator ask ------------------------------------------------
     def rows(
@@ -245,9 +233,7 @@ class LaneOwner:
                 f"{self.name} runs lanes {self.lanes}, not {sorted(set(wanted) - set(self.lanes))}"
             )
         with self._cond:
-            self._expected.pop(reader, None)
-            if step > self._positions.get(reader, -1):
-                self._positions[reader] = step
+            self._hold.advance(reader, step)
             self._release()
             if not self._await(step, timeout):
                 return None
@@ -290,7 +276,7 @@ class LaneOwner:
         with self._cond:
             if not self._cond.wait_for(
                 lambda: (
-                    self._produced > step
+                    self._hold.produced > step
                     or self._error is not None
                     or (self._dead_from is not None and step >= self._dead_from)
                 ),
@@ -323,10 +309,10 @@ class LaneOwner:
             return {
                 "name": self.name,
                 "lanes": list(self.lanes),
-                "low": self._low,
-                "produced": self._produced,
-                "positions": dict(self._positions),
-                "expected": dict(self._expected),
+                "low": self._hold.low,
+                "produced": self._hold.produced,
+                "positions": dict(self._hold.positions),
+                "expected": dict(self._hold.expected),
                 "pid": os.getpid(),
             }
 

@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
+from zephon_flow.engine.hold import StepHold
 
 S = TypeVar("S")
 
@@ -79,8 +80,7 @@ class HeldSteps(Generic[S]):
         max_bytes: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        if ahead < 1 or keep < 0:
-            raise ValueError(f"ahead must be >= 1 and keep >= 0, got ahead={ahead}, keep={keep}")
+        self._hold = StepHold(first_step=first_step, ahead=ahead, keep=keep)
         if max_bytes is not None and max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1 (or None), got {max_bytes}")
         self.ahead, self.keep, self.max_bytes = ahead, keep, max_bytes
@@ -89,7 +89,6 @@ class HeldSteps(Generic[S]):
         #: ``ahead`` by default; more for a server resumed from a checkpoint its ranks outran.
         self.reach = ahead if reach is None else max(ahead, reach)
         self._cond = threading.Condition()
-        self._low = self._produced = first_step
         self._batches: dict[int, Batch] = {}
         self._sizes: dict[int, int] = {}
         self._held_bytes = 0
@@ -97,7 +96,6 @@ class HeldSteps(Generic[S]):
         self._ended = False
         self._error: BaseException | None = None
         self._world_size = 0
-        self._positions: dict[int, int] = {}
         self._sent: dict[int, int] = {}
         self._connected: dict[int, int] = {}
         # Per rank, the number of the newest stream: an older stream of the rank is replaced.
@@ -107,13 +105,12 @@ class HeldSteps(Generic[S]):
 
     # -- producer ------------------------------------------------------------------------------
     def _slowest(self) -> int:
-        return min(self._positions.values()) if self._positions else self._low
+        return self._hold.slowest()
 
     def _has_room(self) -> bool:
-        slowest = self._slowest()
-        if self._produced >= slowest + self.ahead:
+        if not self._hold.has_room():
             return False
-        if self.max_bytes is None or self._produced <= slowest or not self._sizes:
+        if self.max_bytes is None or self._hold.produced <= self._slowest() or not self._sizes:
             return True
         last = self._sizes[max(self._sizes)]
         return self._held_bytes + last <= self.max_bytes
@@ -143,11 +140,11 @@ class HeldSteps(Generic[S]):
         """Holds global batch ``produced`` and the state from which the next step follows."""
         size = sum(int(a.nbytes) for a in batch.values())
         with self._cond:
-            self._batches[self._produced] = batch
-            self._sizes[self._produced] = size
+            step = self._hold.add()
+            self._batches[step] = batch
+            self._sizes[step] = size
             self._held_bytes += size
-            self._produced += 1
-            self._states[self._produced] = state_after
+            self._states[step + 1] = state_after
             self._times = [*self._times[-31:], self._clock.now()]
             self._release()
 
@@ -160,7 +157,7 @@ class HeldSteps(Generic[S]):
 
     # -- ranks ---------------------------------------------------------------------------------
     def _held(self) -> str:
-        return f"the server holds steps [{self._low}, {self._produced})"
+        return f"the server holds steps [{self._hold.low}, {self._hold.produced})"
 
     def join(self, rank: int, world_size: int, step: int) -> int:
         """Registers a stream of ``rank`` of ``world_size`` starting at ``step``; returns its
@@ -176,7 +173,7 @@ class HeldSteps(Generic[S]):
                         f"world_size={world_size} can connect once they have all disconnected",
                     )
             self._check_step(step)
-            if step > self._produced + self.reach:
+            if step > self._hold.produced + self.reach:
                 raise HeldStepsError(
                     "OUT_OF_RANGE",
                     f"step {step} is too far ahead: {self._held()} and a stream may start at most "
@@ -185,10 +182,10 @@ class HeldSteps(Generic[S]):
                 )
             if world_size != self._world_size:
                 self._world_size = world_size
-                self._positions = dict.fromkeys(range(world_size), step)
+                self._hold.positions = dict.fromkeys(range(world_size), step)
                 self._sent = dict.fromkeys(range(world_size), step)
                 self._connected = dict.fromkeys(range(world_size), 0)
-            self._positions[rank] = step
+            self._hold.place(rank, step)
             self._sent[rank] = step
             self._connected[rank] += 1
             self._joins += 1
@@ -204,24 +201,24 @@ class HeldSteps(Generic[S]):
             )
 
     def _check_step(self, step: int) -> None:
-        if step < self._low:
+        if step < self._hold.low:
             raise HeldStepsError(
                 "OUT_OF_RANGE",
                 f"step {step} is no longer held: {self._held()} (resume from a checkpoint to go back further)",
             )
-        if self._ended and self._error is None and step > self._produced:
+        if self._ended and self._error is None and step > self._hold.produced:
             raise HeldStepsError(
                 "OUT_OF_RANGE",
-                f"step {step} is past the end of the data: the last step is {self._produced - 1}",
+                f"step {step} is past the end of the data: the last step is {self._hold.produced - 1}",
             )
 
     def _await_produced(self, step: int, active: Callable[[], bool]) -> Batch | None:
         """Global batch ``step``, waiting (lock held) for it to be produced; None at the end of
         the data or when ``active()`` turns false."""
-        while step >= self._produced:
+        while step >= self._hold.produced:
             if self._error is not None:
                 raise HeldStepsError(
-                    "INTERNAL", f"the pipeline failed at step {self._produced}: {self._error}"
+                    "INTERNAL", f"the pipeline failed at step {self._hold.produced}: {self._error}"
                 )
             if self._ended or not active():
                 return None
@@ -247,7 +244,7 @@ class HeldSteps(Generic[S]):
             current = world_size == self._world_size
             if current:
                 self._sent[rank] = step
-            while current and step >= self._positions[rank] + self.ahead:
+            while current and step >= self._hold.positions[rank] + self.ahead:
                 if not active():
                     return None
                 self._clock.wait(self._cond, POLL_SECONDS)
@@ -261,7 +258,7 @@ class HeldSteps(Generic[S]):
         with self._cond:
             if world_size != self._world_size:
                 return False
-            return step < self._produced or step >= self._positions[rank] + self.ahead
+            return step < self._hold.produced or step >= self._hold.positions[rank] + self.ahead
 
     def slowest(self) -> int:
         """The step every connected world's rank has acknowledged (the first step if none)."""
@@ -280,34 +277,30 @@ class HeldSteps(Generic[S]):
                     f"the server is serving world_size={self._world_size}, not {world_size}: "
                     f"acknowledge steps of the stream you are reading",
                 )
-            if next_step > self._produced:
+            if next_step > self._hold.produced:
                 raise HeldStepsError(
                     "OUT_OF_RANGE",
                     f"rank {rank} acknowledged step {next_step - 1}, which was never served: {self._held()}",
                 )
-            if next_step > self._positions[rank]:
-                self._positions[rank] = next_step
+            if self._hold.advance(rank, next_step):
                 self._release()
 
     def _release(self) -> None:
         """Drops the steps more than ``keep`` behind the slowest rank (holding the lock); wakes
         every waiter."""
-        low = max(self._low, min(self._slowest() - self.keep, self._produced))
-        for s in range(self._low, low):
+        for s in self._hold.release():
             self._drop(s)
-        self._low = low
         self._cond.notify_all()
 
     def _make_room(self) -> None:
         """For production, when one more batch would not fit in ``max_bytes``: drops the
         oldest steps behind the slowest rank, kept for reconnects (holding the lock)."""
         slowest = self._slowest()
-        if self.max_bytes is None or not self._sizes or self._produced >= slowest + self.ahead:
+        if self.max_bytes is None or not self._sizes or not self._hold.has_room():
             return
         last = self._sizes[max(self._sizes)]
-        while self._low < min(slowest, self._produced) and self._held_bytes + last > self.max_bytes:
-            self._drop(self._low)
-            self._low += 1
+        while self._hold.low < min(slowest, self._hold.produced) and self._held_bytes + last > self.max_bytes:
+            self._drop(self._hold.let_go_oldest())
 
     def _drop(self, step: int) -> None:
         self._batches.pop(step, None)
@@ -327,10 +320,10 @@ class HeldSteps(Generic[S]):
         """The loader state from which ``step`` is the next batch (waits for it to be produced)."""
         deadline = self._clock.now() + timeout
         with self._cond:
-            while step > self._produced:
+            while step > self._hold.produced:
                 if self._error is not None:
                     raise HeldStepsError(
-                        "INTERNAL", f"the pipeline failed at step {self._produced}: {self._error}"
+                        "INTERNAL", f"the pipeline failed at step {self._hold.produced}: {self._error}"
                     )
                 self._check_step(step)
                 if step > self._slowest() + self.ahead:
@@ -356,13 +349,13 @@ class HeldSteps(Generic[S]):
             )
             return HeldStatus(
                 world_size=self._world_size,
-                low=self._low,
-                produced=self._produced,
+                low=self._hold.low,
+                produced=self._hold.produced,
                 ended=self._ended,
-                positions=dict(self._positions),
+                positions=dict(self._hold.positions),
                 sent=dict(self._sent),
                 connected={r: n > 0 for r, n in self._connected.items()},
                 batches_per_second=rate,
                 held_bytes=self._held_bytes,
-                latest_state=self._states[self._produced],
+                latest_state=self._states[self._hold.produced],
             )
