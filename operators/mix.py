@@ -111,6 +111,31 @@ class Mix(beam.PTransform):  # type: ignore[misc]
             exhausted=str(params["exhausted"]),
         )
 
+    @classmethod
+    def starting_at(
+        cls,
+        step: int,
+        points: Sequence[tuple[int, Sequence[float]]],
+        *,
+        interpolation: str = "constant",
+        exhausted: str = "stop",
+    ) -> Mix:
+        """The Mix an operator puts in force from global ``step`` on (``Mixture.change``):
+        ``points`` are ``(step, weights)`` at absolute global steps, the first at ``step``
+        (one point: those weights from then on). Between ``step`` and the next point the
+        weights are the first point's, or move linearly to the next with ``"linear"``."""
+        given = list(points)
+        if not given:
+            raise SpecError("Mix: a mixture change needs weights (at least one (step, weights) point)")
+        first = given[0][0]
+        if first != step:
+            raise SpecError(
+                f"Mix: a mixture change at step {step} starts with weights at that step, got its "
+                f"first point at step {first!r}"
+            )
+        lead = [(0, given[0][1])] if step > 0 else []  # never in force: the change starts at step
+        return cls(schedule=lead + given, interpolation=interpolation, exhausted=exhausted)
+
     def mixture(self) -> Mixture:
         """The mixture of a run that has used this Mix from step 0."""
         return Mixture.of(self)
@@ -166,16 +191,18 @@ class Mixture:
     ``entries`` is ``[(from_step, Mix), ...]`` from step 0: each entry's schedule is read at
     absolute global steps and applies from its ``from_step`` until the next entry's. The lane
     asks ``choose`` for the source of each record; the loader builds it with ``resume`` (fresh
-    or from a checkpoint, possibly with a changed mixture) and stores ``history()`` in the
-    state (``LoaderState.mix_history``).
+    or from a checkpoint, possibly with a changed mixture), ``change`` puts a new one in force
+    from a step on (on resume, or appended while running: ``zephon mix``), and the state stores
+    ``history()`` (``LoaderState.mix_history``), whose entries may start after the state's step.
     """
 
     def __init__(self, entries: Sequence[tuple[int, Mix]]) -> None:
         if not entries or entries[0][0] != 0:
             raise SpecError("a mixture history starts at step 0")
-        self.entries = list(entries)
-        self._starts = [s for s, _ in self.entries]
-        self.exhausted = self.entries[-1][1].exhausted
+        # (entries, their start steps), replaced whole by ``change``: a lane drawing meanwhile
+        # reads one consistent pair.
+        self._table: tuple[list[tuple[int, Mix]], list[int]] = (list(entries), [s for s, _ in entries])
+        self.exhausted = entries[-1][1].exhausted
         # (step, exhausted sources) -> cumulative weights; lanes draw at few distinct steps.
         self._cumulative: dict[tuple[int, tuple[int, ...]], tuple[float, ...] | None] = {}
 
@@ -202,23 +229,51 @@ class Mixture:
         (the spec's) from ``step`` on when the mixture was changed on this resume."""
         if not stored or stored[0][0] != 0:
             raise CorruptStateError(f"the checkpoint's mix_history {list(stored)!r} does not start at step 0")
-        if not changed:
-            return cls.from_history(stored)
-        old = cls.from_history(stored).entries[-1][1]  # refuses a damaged history by name
-        new = mix.params()
-        if old.exhausted != new["exhausted"]:
-            raise FingerprintMismatchError(
-                f"Mix: exhausted={new['exhausted']!r} differs from the checkpoint's "
-                f"{old.exhausted!r}; only weights, schedule and interpolation may change on resume"
+        mixture = cls.from_history(stored)  # refuses a damaged history by name
+        if changed:
+            new = mix.params()
+            if mixture.exhausted != new["exhausted"]:
+                raise FingerprintMismatchError(
+                    f"Mix: exhausted={new['exhausted']!r} differs from the checkpoint's "
+                    f"{mixture.exhausted!r}; only weights, schedule and interpolation may change on resume"
+                )
+            mixture.change(step, Mix.from_params(new))
+        return mixture
+
+    @property
+    def entries(self) -> list[tuple[int, Mix]]:
+        """``[(from_step, Mix), ...]`` in force now (a copy)."""
+        return list(self._table[0])
+
+    def change(self, step: int, mix: Mix) -> None:
+        """Puts ``mix`` in force from global ``step`` on, in place of whatever was to apply from
+        ``step`` on: a change on resume (from the checkpoint's step), or one an operator appends
+        to a running loader. Whoever calls it makes sure no lane has drawn at ``step`` or later
+        yet (the loader does, ``Loader.change_mixture``); draws at earlier steps, even while it
+        runs, are the same before and after (the table is swapped in one assignment)."""
+        entries = self._table[0]
+        if mix.exhausted != self.exhausted:
+            raise SpecError(
+                f"Mix: exhausted={mix.exhausted!r} differs from the mixture's {self.exhausted!r}; "
+                f"only weights, schedule and interpolation may change"
             )
-        return cls.from_history([(s, p) for s, p in stored if s < step] + [(step, new)])
+        if mix.n_inputs != entries[-1][1].n_inputs:
+            raise SpecError(
+                f"Mix: the new mixture has {mix.n_inputs} weights, the pipeline's Mix has "
+                f"{entries[-1][1].n_inputs} inputs; give one weight per input, in their order"
+            )
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SpecError(f"Mix: a mixture change needs a step >= 0, got {step!r}")
+        kept = [(s, m) for s, m in entries if s < step] + [(step, mix)]
+        self._table = (kept, [s for s, _ in kept])
 
     def history(self) -> list[tuple[int, dict[str, Any]]]:
         """``[(from_step, Mix params), ...]``: what a checkpoint stores."""
-        return [(step, mix.params()) for step, mix in self.entries]
+        return [(step, mix.params()) for step, mix in self._table[0]]
 
     def at(self, step: int) -> Mix:
-        return self.entries[_in_force(self._starts, step)][1]
+        entries, starts = self._table
+        return entries[_in_force(starts, step)][1]
 
     def choose(
         self, seed: int, lane: int, position: int, *, step: int, exhausted: Sequence[int] = ()

@@ -31,7 +31,13 @@ def test_stubs_import_with_the_installed_protobuf_runtime() -> None:
     from zephon_flow.service._proto import batch_service_pb2, batch_service_pb2_grpc
 
     service = batch_service_pb2.DESCRIPTOR.services_by_name["BatchService"]
-    assert [m.name for m in service.methods] == ["StreamBatches", "Ack", "Checkpoint", "Status"]
+    assert [m.name for m in service.methods] == [
+        "StreamBatches",
+        "Ack",
+        "Checkpoint",
+        "Status",
+        "ChangeMixture",
+    ]
     assert service.methods_by_name["StreamBatches"].server_streaming
     assert hasattr(batch_service_pb2_grpc, "BatchServiceStub")
     assert importlib.util.find_spec("grpc_health.v1.health") is not None

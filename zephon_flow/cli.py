@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -283,6 +284,66 @@ def add_verify_command(sub: Any) -> None:
     v.add_argument("--json", action="store_true", help="print JSON instead of text")
 
 
+def _mix(args: argparse.Namespace) -> int:
+    from zephon_flow.service.auth import clean_token, env_token
+    from zephon_flow.service.mixing import MixChange, change_mixture, parse_schedule, parse_weights
+
+    if (args.weights is None) == (args.schedule is None):
+        raise UsageError("zephon mix: give either --weights W,W,... or --schedule STEP:W,W;STEP:W,W")
+    token: str | None = None
+    try:
+        if args.token_file is not None:
+            with open(args.token_file, encoding="utf-8") as f:
+                token = clean_token(f.read(), f"zephon mix: --token-file {args.token_file}")
+        else:
+            token = env_token("zephon mix")
+        change = MixChange.of(
+            args.at_step,
+            weights=None if args.weights is None else parse_weights(args.weights),
+            schedule=None if args.schedule is None else parse_schedule(args.schedule),
+            interpolation=args.interpolation,
+        )
+    except SpecError as exc:
+        raise UsageError(f"zephon mix: {exc}") from exc
+    roots = None
+    if args.tls_ca is not None:
+        with open(args.tls_ca, "rb") as f:
+            roots = f.read()
+    history = change_mixture(args.server, change, token=token, root_certificates=roots)
+    print(f"zephon mix: the server's mixture from step {args.at_step} on is changed; its history now:")
+    for step, params in history:
+        print(f"  from step {step}: {json.dumps(params)}")
+    return 0
+
+
+def add_mix_command(sub: Any) -> None:
+    """``zephon mix``: new mixture weights for a running ``zephon serve``, from a step on."""
+    x = add_command(
+        sub,
+        "mix",
+        _mix,
+        "put new mixture weights in force on a running zephon serve from a step on (recorded in "
+        "its checkpoints)",
+    )
+    x.add_argument("--server", required=True, metavar="HOST:PORT", help="the zephon serve to change")
+    x.add_argument(
+        "--at-step",
+        type=NON_NEGATIVE,
+        required=True,
+        metavar="N",
+        help="the first step of the new weights; refused if the server has begun it",
+    )
+    x.add_argument("--weights", metavar="W,W,...", help="one weight per input of the pipeline's Mix")
+    x.add_argument(
+        "--schedule",
+        metavar="STEP:W,W;STEP:W,W",
+        help="instead of --weights: weights at absolute steps, the first at --at-step",
+    )
+    x.add_argument("--interpolation", choices=("constant", "linear"), default="constant")
+    x.add_argument("--token-file", help="the server's token (default: $ZEPHON_TOKEN)")
+    x.add_argument("--tls-ca", metavar="PEM", help="CA certificate of a server started with --tls-cert")
+
+
 def _demo(args: argparse.Namespace) -> int:
     from zephon_flow.demo import run_demo
 
@@ -400,6 +461,7 @@ def _serve(args: argparse.Namespace) -> int:
             chunk_timeout=args.chunk_timeout,
             ray_address=args.ray_address,
             verify_resume=not args.no_verify_resume,
+            allow_mix_change=args.allow_mix_change,
         )
     server = BatchServer(
         spec,
@@ -420,6 +482,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_timeout=args.chunk_timeout,
         loader=loader,
         verify_resume=not args.no_verify_resume,
+        allow_mix_change=args.allow_mix_change,
         balance=args.balance,
     )
     return serve_forever(server)
@@ -548,6 +611,12 @@ def build_parser() -> argparse.ArgumentParser:
         "recorded (changed data or tokenizer), instead of failing",
     )
     s.add_argument(
+        "--allow-mix-change",
+        action="store_true",
+        help="with --resume: accept a checkpoint whose pipeline differs only in its Mix's weights, "
+        "schedule or interpolation; the new mixture applies from the checkpoint's step on",
+    )
+    s.add_argument(
         "--ahead",
         type=POSITIVE,
         default=None,
@@ -616,6 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --ray: dead owners replaced over the run before it stops with status 3 (default 3)",
     )
     s.set_defaults(func=_serve)
+    add_mix_command(sub)
     return parser
 
 

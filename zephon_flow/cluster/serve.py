@@ -11,6 +11,12 @@ It is as guarded as ``zephon serve``: ``--token-file`` (or ``$ZEPHON_TOKEN``) an
 against the run before any work (``serving.py``). When the run cannot go on (an owner lost past
 ``max_replacements``, the coordinator gone), health turns NOT_SERVING and the process exits
 with status 3 (``EXIT_PIPELINE_FAILED``), for a supervisor to restart it with ``--resume``.
+
+``--resume CHECKPOINT --allow-mix-change`` takes a pipeline whose ``Mix`` differs only in its
+weights, schedule or interpolation, from the checkpoint's step on (each owner and the
+coordinator restore the changed mixture, as ``zf.Loader`` does). A mixture change while the
+run goes on (``zephon mix``) is not taken here: the call is refused (``UNIMPLEMENTED``) and
+``zephon mix`` says to checkpoint and resume with ``--allow-mix-change`` instead.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.cluster.serving import CoordinatorServer, Serving
-from zephon_flow.core.errors import SpecError
-from zephon_flow.core.state import load_state, to_loader_state
+from zephon_flow.core.errors import FingerprintMismatchError, SpecError
+from zephon_flow.core.state import LoaderState, load_state, to_loader_state
+from zephon_flow.engine.loader import restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 from zephon_flow.service import auth
+from zephon_flow.service.mixing import naming_the_flag
 from zephon_flow.service.server import EXIT_PIPELINE_FAILED, FAILURE_NOTICE_SECONDS
 
 
@@ -57,6 +65,7 @@ class OwnersServer:
         max_replacements: int = 3,
         owner_cpus: float = 0.0,
         verify_resume: bool = True,
+        allow_mix_change: bool = False,
         token: str | None = None,
         tls: tuple[str, str] | None = None,
         stream_timeout: float = 300.0,
@@ -85,6 +94,7 @@ class OwnersServer:
         )
         self.spec = spec
         state = None if resume is None else to_loader_state(load_state(resume))
+        _check_resume(spec, state, allow_mix_change=allow_mix_change)  # refused here, before Ray starts
         self._ray = require_ray(actors.FEATURE)
         self._started_ray = connect(actors.FEATURE, ray_address)
         self.name = f"zephon-serve-{uuid.uuid4().hex[:12]}"
@@ -95,7 +105,12 @@ class OwnersServer:
             world_size=world_size,
             state=state,
             options=OwnerOptions(
-                backend=backend, workers=workers, ahead=ahead, keep=keep, verify_resume=verify_resume
+                backend=backend,
+                workers=workers,
+                ahead=ahead,
+                keep=keep,
+                verify_resume=verify_resume,
+                allow_mix_change=allow_mix_change,
             ),
             owner_cpus=owner_cpus,
             snapshot_every=snapshot_every,
@@ -153,6 +168,28 @@ class OwnersServer:
         self._shutdown()
 
 
+def _check_resume(spec: LoaderSpec, state: LoaderState | None, *, allow_mix_change: bool) -> None:
+    """Refuses a checkpoint of another pipeline (a changed mixture without
+    ``allow_mix_change``: the error names ``--allow-mix-change``) in this process, as the
+    coordinator would in its actor."""
+    if state is None:
+        return
+    try:
+        restore_lanes(
+            spec,
+            spec.compile(),
+            state,
+            [],
+            who="zephon serve --ray",
+            allow_mix_change=allow_mix_change,
+            rebuild_recipes=False,
+            verify=False,
+            quiet=True,
+        )
+    except FingerprintMismatchError as exc:
+        raise naming_the_flag(exc, "zephon serve --ray") from exc
+
+
 #: How often ``serve`` checks that the coordinator still answers (seconds).
 POLL_SECONDS = 5.0
 
@@ -182,6 +219,7 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         ahead=args.ahead,
         keep=args.keep,
         verify_resume=not getattr(args, "no_verify_resume", False),
+        allow_mix_change=getattr(args, "allow_mix_change", False),
         token=token,
         tls=(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None,
         stream_timeout=getattr(args, "stream_timeout", 300.0),

@@ -8,7 +8,7 @@ import queue
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -30,7 +30,7 @@ from zephon_flow.engine import recipe
 from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync
 from zephon_flow.engine.spec import LoaderSpec
-from zephon_flow.operators.mix import Mixture
+from zephon_flow.operators.mix import Mix, Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.backends.processes import can_fork, start_worker_server
@@ -170,6 +170,9 @@ class Loader:
             self._backend.close()
             raise
         self._mix_history = [] if start.mixture is None else start.mixture.history()
+        self._mixture = start.mixture  # changed in place from a step on: change_mixture
+        self._mix_lock = threading.Lock()
+        self._begun = start.step  # the first step the lanes have not begun to make
         self._build_lanes(plan, start, chunk_records=chunk_records, depth=prefetch_chunks)
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
@@ -275,6 +278,44 @@ class Loader:
                 totals[label] += n
         return totals
 
+    def change_mixture(
+        self,
+        step: int,
+        *,
+        weights: Sequence[float] | None = None,
+        schedule: Sequence[tuple[int, Sequence[float]]] | None = None,
+        interpolation: str = "constant",
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Puts new mixture weights in force from global ``step`` on, while the loader runs:
+        ``weights`` from then on, or a ``schedule`` of ``(step, weights)`` at absolute steps
+        whose first point is ``step`` (``Mix.starting_at``). Buffers are kept; what the lanes
+        made before ``step`` is unchanged. ``step`` must be one the lanes have not begun to
+        make (else ``StateError`` naming it and the first step still open); the change is
+        recorded in every state saved from now on (``mix_history``), so a resume from any of
+        them, on any topology, makes the same batches. Give every rank's loader the same
+        change. Returns the mixture history now."""
+        if (weights is None) == (schedule is None):
+            raise SpecError("change_mixture: give either weights=[...] or schedule=[(step, weights), ...]")
+        mixture = self._mixture
+        if not isinstance(mixture, Mixture):
+            raise SpecError("change_mixture: the pipeline has no Mix, so there is no mixture to change")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SpecError(f"change_mixture: step must be an integer >= 0, got {step!r}")
+        points = [(step, weights)] if weights is not None else list(schedule or ())
+        mix = Mix.starting_at(step, points, interpolation=interpolation, exhausted=mixture.exhausted)
+        with self._mix_lock:
+            if self._closed:
+                raise ZephonError("change_mixture: this Loader is closed")
+            if step < self._begun:
+                raise StateError(
+                    f"a mixture change at step {step} is refused: step {step} is already produced "
+                    f"(the lanes have begun every step before {self._begun}); give step "
+                    f"{self._begun} or later"
+                )
+            mixture.change(step, mix)
+            self._mix_history = mixture.history()
+            return list(self._mix_history)
+
     def _produce(self) -> None:
         step = self._step
         before = self._last.checks  # the state the next windows complete
@@ -282,6 +323,8 @@ class Loader:
             for lane in self._lanes:
                 lane.prime()
             while not self._stop.is_set():
+                with self._mix_lock:  # from here on a mixture change at ``step`` is refused
+                    self._begun = step + 1
                 windows = [lane.next_window() for lane in self._lanes]
                 if before is not None:
                     before.fill({ln.lane: ln.made for ln in self._lanes})
@@ -407,8 +450,12 @@ class Loader:
         return kept[step - first]
 
     def saved_form(self, state: LoaderState) -> LoaderState:
-        """``state`` (a ``snapshot``) as this loader saves it: recipes with ``state_mode="recipe"``."""
+        """``state`` (a ``snapshot``) as this loader saves it: recipes with ``state_mode="recipe"``,
+        and the mixture history as it is now (a change made after the state was taken applies
+        from a step at or after it: ``change_mixture``)."""
         state = self._completed(state)
+        if state.mix_history != self._mix_history:
+            state = replace(state, mix_history=list(self._mix_history))
         return state if self._recipes is None else self._recipes(state)
 
     def _completed(self, state: LoaderState) -> LoaderState:

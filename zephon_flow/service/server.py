@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.core.batches import Batch
-from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.errors import FingerprintMismatchError, SpecError, StateError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LoaderState, load_state, save_state
 from zephon_flow.engine.balance import RankBalance, RowCost
@@ -28,6 +29,7 @@ from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.held import HeldSteps, HeldStepsError
+from zephon_flow.service.mixing import MixChange, naming_the_flag
 from zephon_flow.service.rpc import unary_handler
 from zephon_flow.service.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_step, slice_rows
 
@@ -111,6 +113,10 @@ class BatchServer:
     waits for it is dropped (its client reconnects when it reads again). Resumed, the loader's
     lanes verify their first windows against the checkpoint (``ResumeMismatchError``, a
     pipeline failure) unless ``verify_resume`` is False (``zephon serve --no-verify-resume``).
+    ``allow_mix_change`` (``--allow-mix-change``) accepts a ``resume`` checkpoint whose pipeline
+    differs only in its ``Mix``'s weights, schedule or interpolation, as ``zf.Loader`` does.
+    ``ChangeMixture`` (``zephon mix``) puts new weights in force from a step the loader has not
+    begun, while it runs; checkpoints written from then on record it (``mix_history``).
 
     ``balance`` (``zephon serve --balance``: ``"tokens"``, ``"attention"``, ``"images"``, or
     here a function of a row; see ``zf.RankBalance``) sends each rank, instead of its
@@ -143,6 +149,7 @@ class BatchServer:
         chunk_timeout: float = 300.0,
         window: int | None = None,
         verify_resume: bool = True,
+        allow_mix_change: bool = False,
         balance: str | RowCost | RankBalance | None = None,
     ) -> None:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
@@ -172,6 +179,7 @@ class BatchServer:
                 workers=workers,
                 chunk_timeout=chunk_timeout,
                 verify_resume=verify_resume,
+                allow_mix_change=allow_mix_change,
             )
         self._loader = loader
         first = self._state_now()
@@ -320,7 +328,7 @@ class BatchServer:
                 return  # released meanwhile: the next acknowledgement brings another
             path = checkpoint_path(self._checkpoint_dir, step)
             try:
-                save_state(state, path)
+                save_state(self._saved(state), path)
                 prune_checkpoints(self._checkpoint_dir, self._keep_checkpoints)
             except OSError as exc:
                 _log.error("zephon serve: cannot write the checkpoint %s: %s", path, exc)
@@ -369,6 +377,9 @@ class BatchServer:
                 "Ack": unary_handler(self._ack, pb.AckRequest, pb.AckReply),
                 "Checkpoint": unary_handler(self._checkpoint, pb.CheckpointRequest, pb.CheckpointReply),
                 "Status": unary_handler(self._status, pb.StatusRequest, pb.StatusReply),
+                "ChangeMixture": unary_handler(
+                    self._change_mixture, pb.ChangeMixtureRequest, pb.ChangeMixtureReply
+                ),
             },
         )
 
@@ -471,10 +482,35 @@ class BatchServer:
             _abort(context, exc.code, str(exc))
         path = checkpoint_path(directory, step)
         try:
-            save_state(state, path)
+            save_state(self._saved(state), path)
         except OSError as exc:
             _abort(context, "INTERNAL", f"cannot write the checkpoint {path}: {exc}")
         return pb.CheckpointReply(step=step, path=os.path.abspath(path))
+
+    def _saved(self, state: LoaderState) -> LoaderState:
+        """A held state as a checkpoint writes it: the embedded Loader's ``saved_form`` (with
+        the mixture history as it is now, changes made while running included)."""
+        saved_form = getattr(self._loader, "saved_form", None)
+        return saved_form(state) if callable(saved_form) else state
+
+    def _change_mixture(
+        self, request: pb.ChangeMixtureRequest, context: grpc.ServicerContext
+    ) -> pb.ChangeMixtureReply:
+        self._check_fingerprint(request.fingerprint, context)
+        change = getattr(self._loader, "change_mixture", None)
+        if not callable(change):
+            _abort(context, "UNIMPLEMENTED", "this server's loader cannot change its mixture while running")
+        wanted = MixChange.from_request(request)
+        try:
+            history = change(wanted.at_step, schedule=wanted.schedule(), interpolation=wanted.interpolation)
+        except StateError as exc:
+            _abort(context, "FAILED_PRECONDITION", str(exc))
+        except SpecError as exc:
+            _abort(context, "INVALID_ARGUMENT", str(exc))
+        except ZephonError as exc:
+            _abort(context, "FAILED_PRECONDITION", str(exc))
+        _log.info("zephon serve: mixture changed from step %d on: %s", wanted.at_step, wanted.schedule())
+        return pb.ChangeMixtureReply(at_step=wanted.at_step, history_json=json.dumps(history))
 
     def _status(self, request: pb.StatusRequest, context: grpc.ServicerContext) -> pb.StatusReply:
         st = self._held.status()
@@ -573,19 +609,26 @@ def _embedded_loader(
     workers: int,
     chunk_timeout: float,
     verify_resume: bool = True,
+    allow_mix_change: bool = False,
 ) -> Loader:
     """The server's own Loader: world size 1, every lane, from ``resume`` or the start (its
-    lanes' first windows verified against the checkpoint unless ``verify_resume`` is False)."""
-    return Loader(
-        spec,
-        rank=0,
-        world_size=1,
-        backend=backend,
-        workers=workers,
-        state=load_state(resume) if resume is not None else None,
-        chunk_timeout=chunk_timeout,
-        verify_resume=verify_resume,
-    )
+    lanes' first windows verified against the checkpoint unless ``verify_resume`` is False;
+    a changed mixture accepted with ``allow_mix_change``; refused, the error names the flag)."""
+    state = load_state(resume) if resume is not None else None
+    try:
+        return Loader(
+            spec,
+            rank=0,
+            world_size=1,
+            backend=backend,
+            workers=workers,
+            state=state,
+            chunk_timeout=chunk_timeout,
+            verify_resume=verify_resume,
+            allow_mix_change=allow_mix_change,
+        )
+    except FingerprintMismatchError as exc:
+        raise naming_the_flag(exc, "zephon serve") from exc
 
 
 def _hold(

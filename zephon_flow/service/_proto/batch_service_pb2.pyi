@@ -134,3 +134,31 @@ class StatusReply(_message.Message):
     bytes_per_second: float
     bytes_served: int
     def __init__(self, fingerprint: _Optional[str] = ..., world_size: _Optional[int] = ..., first_step: _Optional[int] = ..., produced_step: _Optional[int] = ..., ended: _Optional[bool] = ..., lanes: _Optional[_Iterable[_Union[LaneProgress, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankPosition, _Mapping]]] = ..., batches_per_second: _Optional[float] = ..., bytes_per_second: _Optional[float] = ..., bytes_served: _Optional[int] = ...) -> None: ...
+
+class MixPoint(_message.Message):
+    __slots__ = ("step", "weights")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, step: _Optional[int] = ..., weights: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ChangeMixtureRequest(_message.Message):
+    __slots__ = ("fingerprint", "at_step", "points", "interpolation")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    INTERPOLATION_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    at_step: int
+    points: _containers.RepeatedCompositeFieldContainer[MixPoint]
+    interpolation: str
+    def __init__(self, fingerprint: _Optional[str] = ..., at_step: _Optional[int] = ..., points: _Optional[_Iterable[_Union[MixPoint, _Mapping]]] = ..., interpolation: _Optional[str] = ...) -> None: ...
+
+class ChangeMixtureReply(_message.Message):
+    __slots__ = ("at_step", "history_json")
+    AT_STEP_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_JSON_FIELD_NUMBER: _ClassVar[int]
+    at_step: int
+    history_json: str
+    def __init__(self, at_step: _Optional[int] = ..., history_json: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class BatchServiceStub:
                 request_serializer=zephon_dot_v1_dot_batch__service__pb2.StatusRequest.SerializeToString,
                 response_deserializer=zephon_dot_v1_dot_batch__service__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ChangeMixture = channel.unary_unary(
+                '/zephon.v1.BatchService/ChangeMixture',
+                request_serializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.SerializeToString,
+                response_deserializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.FromString,
+                _registered_method=True)
 
 
 class BatchServiceServicer:
@@ -93,6 +98,16 @@ class BatchServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeMixture(self, request, context):
+        """Puts new mixture weights in force from `at_step` on, while the server runs (`zephon mix`):
+        refused (FAILED_PRECONDITION, naming the step) when the server's lanes have already begun
+        that step. The change is recorded in every checkpoint written from then on, so a resume
+        of one makes the same batches. zephon serve --ray does not take it (UNIMPLEMENTED).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BatchServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +130,11 @@ def add_BatchServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=zephon_dot_v1_dot_batch__service__pb2.StatusRequest.FromString,
                     response_serializer=zephon_dot_v1_dot_batch__service__pb2.StatusReply.SerializeToString,
+            ),
+            'ChangeMixture': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeMixture,
+                    request_deserializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.FromString,
+                    response_serializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +245,33 @@ class BatchService:
             '/zephon.v1.BatchService/Status',
             zephon_dot_v1_dot_batch__service__pb2.StatusRequest.SerializeToString,
             zephon_dot_v1_dot_batch__service__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeMixture(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zephon.v1.BatchService/ChangeMixture',
+            zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.SerializeToString,
+            zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.FromString,
             options,
             channel_credentials,
             insecure,
