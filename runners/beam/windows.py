@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import apache_beam as beam
-import numpy as np
 from apache_beam.coders import PickleCoder
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
-from zephon_flow.core.batches import Batch, SampleLayout, stack, with_valid
-from zephon_flow.core.errors import StageError
+from zephon_flow.core.assemble import assemble_rows
+from zephon_flow.core.batches import Batch, SampleLayout, stack
 from zephon_flow.runners.beam.order import Resequencer
 from zephon_flow.runners.beam.pieces import END, LaneWindow, Piece
 
@@ -66,7 +65,8 @@ class LaneWindows(beam.DoFn):  # type: ignore[misc]
 
 
 class AssembleStep(beam.DoFn):  # type: ignore[misc]
-    """``(step, windows) -> (step, global batch)``, the lanes' windows in lane order."""
+    """``(step, windows) -> (step, global batch)``, the lanes' windows in lane order, padded as
+    every way of running lanes pads (``core/assemble.py``)."""
 
     def __init__(self, *, lanes: int, per_lane: int, finite: bool, padding: Any) -> None:
         super().__init__()
@@ -81,34 +81,17 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
             if len(by_lane) == self._lanes and all(len(s) == self._per_lane for s, _ in by_lane.values()):
                 yield step, stack([v for lane in range(self._lanes) for v in by_lane[lane][0]], where=where)
         else:
-            yield step, self._padded(step, by_lane, where)
-
-    def _padded(self, step: int, by_lane: dict[int, tuple[list[Any], Any]], where: str) -> Batch:
-        samples: list[Any] = []
-        valid = np.zeros(self._per_lane * self._lanes, dtype=bool)
-        for lane in range(self._lanes):
-            window, layout = by_lane.get(lane, ([], None))
-            valid[lane * self._per_lane : lane * self._per_lane + len(window)] = True
-            samples += window
-            if len(window) < self._per_lane:
-                samples += [self._pad(lane, layout, by_lane, where)] * (self._per_lane - len(window))
-        return with_valid(stack(samples, where=where), valid, where=where)
-
-    def _pad(
-        self, lane: int, layout: SampleLayout | None, by_lane: dict[int, tuple[list[Any], Any]], where: str
-    ) -> Any:
-        """As the Loader pads: the declared padding sample, else zeros laid out like the lane's
-        first sample, else like a real sample of this batch."""
-        if self._padding is not None:
-            return self._padding
-        if layout is None:
-            layout = next(
-                (ly for w, _ in by_lane.values() if w for ly in [SampleLayout.of(w[0])] if ly), None
+            empty: tuple[list[Any], SampleLayout | None] = ([], None)
+            lanes = [by_lane.get(lane, empty) for lane in range(self._lanes)]
+            yield (
+                step,
+                assemble_rows(
+                    step,
+                    [window for window, _ in lanes],
+                    [(lane, layout) for lane, (_, layout) in enumerate(lanes)],
+                    rows=slice(None),
+                    per_lane=self._per_lane,
+                    finite=True,
+                    padding=self._padding,
+                ),
             )
-        if layout is None:
-            raise StageError(
-                f"{where}: lane {lane} must be padded (its finite input has ended) but no sample "
-                f"shows the layout to pad with; give the pipeline's last operator a "
-                f"padding_sample() method returning one padding sample"
-            )
-        return layout.zeros()
