@@ -17,13 +17,14 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
+from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.resume_check import MadeWindow, WindowCheck
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.hold import StepHold
-from zephon_flow.engine.loader import assemble_rows, build_lane_runners, restore_lanes
+from zephon_flow.engine.loader import build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.streams import CHUNK_RECORDS

@@ -13,12 +13,10 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-
-from zephon_flow.core.batches import Batch, SampleLayout, stack, with_valid
+from zephon_flow.core.assemble import assemble_rows
+from zephon_flow.core.batches import Batch
 from zephon_flow.core.errors import (
     SpecError,
-    StageError,
     StateError,
     ZephonError,
 )
@@ -639,45 +637,3 @@ def build_lane_runners(
         )
         for lane, lane_state in start.lanes.items()
     ]
-
-
-def assemble_rows(
-    step: int,
-    windows: list[list[Any]],
-    layouts: list[tuple[int, SampleLayout | None]],
-    *,
-    rows: slice,
-    per_lane: int,
-    finite: bool,
-    padding: Any,
-) -> Batch:
-    """Rows ``rows`` of the concatenated ``windows`` (consecutive lanes, in lane order) of
-    global batch ``step``; ``layouts`` are those lanes' ``(lane, first sample's layout)``. A
-    finite pass's lanes are padded to full windows and the batch says which rows are real
-    (``valid``)."""
-    where = f"global batch {step}"
-    if not finite:
-        return stack([s for w in windows for s in w][rows], where=where)
-    samples: list[Any] = []
-    valid = np.zeros(per_lane * len(windows), dtype=bool)
-    for i, ((lane, layout), window) in enumerate(zip(layouts, windows, strict=True)):
-        valid[i * per_lane : i * per_lane + len(window)] = True
-        samples += window
-        if len(window) < per_lane:
-            pad = padding if padding is not None else _pad(lane, layout, windows, where)
-            samples += [pad] * (per_lane - len(window))
-    return with_valid(stack(samples[rows], where=where), valid[rows], where=where)
-
-
-def _pad(lane: int, layout: SampleLayout | None, windows: list[list[Any]], where: str) -> Any:
-    """Zeros laid out like the lane's first sample, else like any real sample of this batch
-    (the rows of one batch share a layout, so the bytes are the same whichever is used)."""
-    if layout is None:
-        layout = next((ly for w in windows if w for ly in [SampleLayout.of(w[0])] if ly), None)
-    if layout is None:
-        raise StageError(
-            f"{where}: lane {lane} must be padded (its finite input has ended) but no "
-            f"sample shows the layout to pad with; give the pipeline's last operator a "
-            f"padding_sample() method returning one padding sample"
-        )
-    return layout.zeros()
