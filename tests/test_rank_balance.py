@@ -105,6 +105,9 @@ def test_the_algorithm_is_pinned() -> None:
     assert zf.balance_rows([5, 1, 4, 2, 3, 3], 2).tolist() == [[0, 1, 5], [2, 3, 4]]
     assert zf.balance_rows([1, 1, 1, 1], 2).tolist() == [[0, 2], [1, 3]]
     assert zf.balance_rows([7, 3], 1).tolist() == [[0, 1]]
+    # LPT alone gives [[1, 2, 7], [5, 6, 8], [0, 3, 4]] (costs 17, 16, 14); the costliest rank
+    # swaps row 1 (9) for row 4 (7) of rank 2: costs 15, 16, 16.
+    assert zf.balance_rows([7, 9, 4, 0, 7, 5, 8, 4, 3], 3).tolist() == [[2, 4, 7], [5, 6, 8], [0, 1, 3]]
 
 
 def test_deterministic_across_runs_and_worker_counts(text: zf.LoaderSpec) -> None:
@@ -168,6 +171,7 @@ def run_batches_from(
 
 
 def test_bad_options_are_refused_by_name(text: zf.LoaderSpec) -> None:
+    bad: Any
     for bad in ("flops", 3, ["tokens"]):
         with pytest.raises(zf.SpecError, match=r"balance must be one of 'tokens', 'attention', 'images'"):
             zf.Loader(text, balance=bad)
