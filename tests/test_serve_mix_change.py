@@ -17,7 +17,9 @@ from service_helpers import TESTS, ServerProcess
 
 import zephon_flow as zf
 from zephon_flow import cli
-from zephon_flow.core.errors import FingerprintMismatchError, StateError
+from zephon_flow import operators as ops
+from zephon_flow.core.errors import FingerprintMismatchError, SpecError, StateError
+from zephon_flow.service.mixing import MixChange, parse_schedule, parse_weights
 from zephon_flow.service.server import BatchServer
 
 OLD, NEW = [0.5, 0.5], [0.1, 0.9]
@@ -205,6 +207,23 @@ def test_a_schedule_appended_to_the_embedded_loader(pipeline: Path) -> None:
     base = loader_digests(spec, 10)
     assert got[:5] == base[:5] and got[5:] != base[5:]
     assert state["mix_history"][1][1]["interpolation"] == "linear"
+
+
+def test_the_change_as_given_is_checked_by_name() -> None:
+    assert parse_schedule("12:0.5,0.5; 20:0.2,0.8") == [(12, [0.5, 0.5]), (20, [0.2, 0.8])]
+    change = MixChange.of(12, schedule=parse_schedule("12:1,1;20:1,3"), interpolation="linear")
+    assert MixChange.from_request(change.request()) == change
+    for text in ("12=0.5,0.5", "-1:1,1", "x:1,1"):
+        with pytest.raises(SpecError, match=r"a schedule is STEP:W,W;STEP:W,W"):
+            parse_schedule(text)
+    with pytest.raises(SpecError, match=r"weights must be numbers separated by commas"):
+        parse_weights("0.5;0.5")
+    with pytest.raises(SpecError, match=r"a mixture change at step 12 starts with weights at that step"):
+        ops.Mix.starting_at(12, [(10, [1, 1])])
+    with pytest.raises(SpecError, match=r"strictly increase"):
+        ops.Mix.starting_at(12, [(12, [1, 1]), (12, [1, 2])])
+    assert ops.Mix.starting_at(0, [(0, [1, 3])]).weights_at(0).tolist() == [0.25, 0.75]
+    assert cli.main(["mix", "--server", "127.0.0.1:1", "--at-step", "3"]) == 2  # neither given
 
 
 # -- zephon serve --ray: lane owners -----------------------------------------------------------
