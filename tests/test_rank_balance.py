@@ -10,6 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import Corpus, example_spec, run_batches
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vlm_helpers import vlm_spec, write_captioned_images
 
 import zephon_flow as zf
@@ -251,3 +253,18 @@ def test_served_balanced_rows_are_the_embedded_ones(server: BatchServer, text: z
                 if step == 2:
                     break
         assert got == [batch_digest(b) for b in embedded[rank]]
+
+
+@given(
+    costs=st.lists(st.integers(0, 1000), min_size=1, max_size=64),
+    world=st.integers(1, 8),
+)
+@settings(max_examples=60, deadline=None)
+def test_every_row_goes_to_exactly_one_rank(costs: list[int], world: int) -> None:
+    rows = len(costs) - len(costs) % world or world
+    values = np.asarray((costs * world)[:rows], dtype=float)
+    got = zf.balance_rows(values, world)
+    assert got.shape == (world, rows // world)
+    assert sorted(got.ravel().tolist()) == list(range(rows))
+    assert all(np.all(np.diff(r) > 0) for r in got)
+    assert np.array_equal(zf.balance_rows(values, world), got)  # a pure function
