@@ -251,6 +251,15 @@ class Mixture:
         to a running loader. Whoever calls it makes sure no lane has drawn at ``step`` or later
         yet (the loader does, ``Loader.change_mixture``); draws at earlier steps, even while it
         runs, are the same before and after (the table is swapped in one assignment)."""
+        self.check_change(mix)
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise SpecError(f"Mix: a mixture change needs a step >= 0, got {step!r}")
+        kept = [(s, m) for s, m in self._table[0] if s < step] + [(step, mix)]
+        self._table = (kept, [s for s, _ in kept])
+
+    def check_change(self, mix: Mix) -> None:
+        """Refuses, naming why, a ``mix`` that ``change`` cannot put in force: another
+        ``exhausted`` or another number of inputs."""
         entries = self._table[0]
         if mix.exhausted != self.exhausted:
             raise SpecError(
@@ -262,10 +271,6 @@ class Mixture:
                 f"Mix: the new mixture has {mix.n_inputs} weights, the pipeline's Mix has "
                 f"{entries[-1][1].n_inputs} inputs; give one weight per input, in their order"
             )
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise SpecError(f"Mix: a mixture change needs a step >= 0, got {step!r}")
-        kept = [(s, m) for s, m in entries if s < step] + [(step, mix)]
-        self._table = (kept, [s for s, _ in kept])
 
     def history(self) -> list[tuple[int, dict[str, Any]]]:
         """``[(from_step, Mix params), ...]``: what a checkpoint stores."""

@@ -226,9 +226,72 @@ def test_the_change_as_given_is_checked_by_name() -> None:
     assert cli.main(["mix", "--server", "127.0.0.1:1", "--at-step", "3"]) == 2  # neither given
 
 
+# -- lane owners in process (the coordinator's two phases, without Ray) -----------------------
+def _owners(spec: zf.LoaderSpec, owners: int) -> Any:
+    from zephon_flow.cluster.coordinator import Coordinator
+    from zephon_flow.cluster.owner import LaneOwner, OwnerOptions
+
+    options = OwnerOptions(ahead=2)
+
+    def launch(index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int]) -> LaneOwner:
+        return LaneOwner(spec, lanes, state=st, readers=readers, options=options, name=name).start()
+
+    return Coordinator(
+        spec,
+        owners=owners,
+        world_size=1,
+        state=None,
+        launch=launch,
+        gather=lambda owner, step: owner.snapshot(step),
+        stop=lambda owner: owner.close(),
+        snapshot_every=2,
+    )
+
+
+def _global_digest(coord: Any, spec: zf.LoaderSpec, step: int) -> str:
+    from zephon_flow.core.assemble import assemble_rows
+
+    table = coord.table()
+    windows, layouts = [], []
+    for owner, lanes in table.groups_for(range(spec.lanes)):
+        got = table.handles[owner].rows(0, step, lanes, timeout=30)
+        windows += got.windows
+        layouts += list(zip(got.lanes, got.layouts, strict=True))
+    batch = assemble_rows(
+        step, windows, layouts, rows=slice(None), per_lane=spec.per_lane, finite=False, padding=None
+    )
+    coord.progress(0, step + 1)
+    return zf.batch_digest(batch)
+
+
+def test_in_process_owners_change_in_two_phases(pipeline: Path) -> None:
+    spec = spec_of(pipeline, "spec")
+    coord = _owners(spec, owners=2)
+
+    def call(owner: Any, method: str, args: tuple[Any, ...]) -> Any:
+        return getattr(owner, method)(*args)
+
+    try:
+        got = [_global_digest(coord, spec, step) for step in range(3)]
+        with pytest.raises(
+            StateError, match=r"step 2 is refused: step 2 is already produced \(the lane owners"
+        ):
+            coord.change_mixture(2, [(2, NEW)], call=call)
+        with pytest.raises(SpecError, match=r"the new mixture has 3 weights"):
+            coord.change_mixture(AT, [(AT, [1, 1, 1])], call=call)
+        history = coord.change_mixture(AT, [(AT, NEW)], call=call)
+        assert [s for s, _ in history] == [0, AT]
+        got += [_global_digest(coord, spec, step) for step in range(3, 2 * AT)]  # refusals held nothing
+        assert got == loader_digests(spec_of(pipeline, "spec_sched"), 2 * AT)
+        state = coord.checkpoint(2 * AT - 2)
+        assert [s for s, _ in state.mix_history] == [0, AT]
+    finally:
+        coord.shutdown()
+
+
 # -- zephon serve --ray: lane owners -----------------------------------------------------------
-def test_owners_resume_with_a_new_mixture_and_refuse_a_running_change(
-    pipeline: Path, old_checkpoint: Path, capsys: Any
+def test_owners_resume_with_a_new_mixture_and_take_one_while_running(
+    pipeline: Path, old_checkpoint: Path, tmp_path: Path, capsys: Any
 ) -> None:
     pytest.importorskip("ray")
     import ray
@@ -237,18 +300,43 @@ def test_owners_resume_with_a_new_mixture_and_refuse_a_running_change(
     from zephon_flow.runners.ray_env import connect
 
     new = spec_of(pipeline, "spec_new")
-    expected = loader_digests(new, 6, state=zf.load_state(old_checkpoint), allow_mix_change=True)
+    first, at, steps = 4, 16, 20  # resumed at step 4; the owners take the old weights back at 16
+    with zf.Loader(new, state=zf.load_state(old_checkpoint), allow_mix_change=True) as loader:
+        loader.change_mixture(at, weights=OLD)
+        expected = [zf.batch_digest(b) for _, (_, b) in zip(range(steps), loader, strict=False)]
     started = connect("tests", None, num_cpus=2)
     try:
         with pytest.raises(FingerprintMismatchError, match=r"zephon serve --ray: pass --allow-mix-change"):
             OwnersServer(new, owners=2, world_size=1, resume=str(old_checkpoint))
-        server = OwnersServer(new, owners=2, world_size=1, resume=str(old_checkpoint), allow_mix_change=True)
+        server = OwnersServer(
+            new,
+            owners=2,
+            world_size=1,
+            resume=str(old_checkpoint),
+            allow_mix_change=True,
+            ahead=2,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+        )
         try:
             address = f"127.0.0.1:{server.port}"
-            assert client_digests(address, 4, 6, lane_owners=True) == expected
-            assert mix_command("--server", address, "--at-step", "40", "--weights", "0.5,0.5") == 1
-            err = capsys.readouterr().err
-            assert "does not take mixture changes while it runs (zephon serve --ray does not yet)" in err
+            served: list[str] = []
+            with zf.Client(address, 0, 1, start_step=first, lane_owners=True) as client:
+                batches = iter(client)
+                for _ in range(3):
+                    served.append(zf.batch_digest(next(batches)[1]))
+                mix = ["--server", address, "--at-step"]
+                assert mix_command(*mix, str(first + 1), "--weights", "0.5,0.5") == 1
+                err = capsys.readouterr().err
+                assert f"a mixture change at step {first + 1} is refused: step {first + 1} is already" in err
+                assert "(the lane owners have begun every step before" in err
+                assert mix_command(*mix, str(at), "--weights", "0.5,0.5") == 0
+                path = client.checkpoint(first + 3)  # the owners' snapshots, the new history
+                while len(served) < steps:
+                    served.append(zf.batch_digest(next(batches)[1]))
+            assert served == expected
+            state = zf.load_state(path)
+            assert [s for s, _ in state["mix_history"]] == [0, first, at]
+            assert loader_digests(new, steps - 3, state=state) == served[3:]
         finally:
             server.stop()
     finally:

@@ -77,6 +77,15 @@ class OwnerActor:
     def status(self) -> dict[str, Any]:
         return self._owner.status()
 
+    def hold_mixture(self, step: int) -> int | None:
+        return self._owner.hold_mixture(step)
+
+    def change_mixture(self, step: int, mix: Any) -> None:
+        self._owner.change_mixture(step, mix)
+
+    def release_mixture(self) -> None:
+        self._owner.release_mixture()
+
     def failure(self) -> str | None:
         """Why its pipeline failed (None while it runs): the run cannot go on from here."""
         try:
@@ -93,6 +102,11 @@ class OwnerActor:
 
 def _ray() -> Any:
     return require_ray(FEATURE)
+
+
+def _owner_call(handle: Any, method: str, args: tuple[Any, ...]) -> Any:
+    """``handle.method(*args)`` on an owner actor, waited for (a minute at most)."""
+    return _ray().get(getattr(handle, method).remote(*args), timeout=60)
 
 
 def owner_launcher(
@@ -228,6 +242,12 @@ class CoordinatorActor:
 
     def positions(self) -> dict[int, int]:
         return self._coordinator.positions()
+
+    def change_mixture(
+        self, step: int, points: list[tuple[int, list[float]]], interpolation: str
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """New mixture weights on every owner from ``step`` on (``Coordinator.change_mixture``)."""
+        return self._coordinator.change_mixture(step, points, interpolation=interpolation, call=_owner_call)
 
     def shutdown(self) -> None:
         self._coordinator.shutdown()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LaneState, LoaderState
-from zephon_flow.engine.loader import restore_lanes
+from zephon_flow.engine.loader import apply_mix_change, checked_mix_change, refused_mix_step, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 
 #: Owners asked at once for their snapshots (a gather is bounded by the slowest of a batch).
@@ -136,6 +136,7 @@ class Coordinator:
         )
         self.first_step = start.step
         self._mix_history = [] if start.mixture is None else start.mixture.history()
+        self._mixture = start.mixture  # changed from a step on by change_mixture
         self._launch, self._gather, self._stop = launch, gather, stop
         self._address_of, self._alive = address_of, alive
         self._addresses = [""] * owners
@@ -321,6 +322,45 @@ class Coordinator:
             return [ask(item) for item in items]
         with ThreadPoolExecutor(max_workers=min(GATHER_THREADS, len(items))) as pool:
             return list(pool.map(ask, items))
+
+    # -- mixture changes while running ---------------------------------------------------------
+    def change_mixture(
+        self,
+        step: int,
+        points: Sequence[tuple[int, Sequence[float]]],
+        *,
+        interpolation: str = "constant",
+        call: Callable[[Any, str, tuple[Any, ...]], Any],
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """Puts new mixture weights in force on every owner from ``step`` on (``points`` as in
+        ``Mix.starting_at``), in two phases: each owner holds its production before ``step``
+        and says whether it has begun it; if none has, each takes the change and goes on,
+        else each goes on unchanged and the change is refused naming the first step still
+        open. ``call(handle, method, args)`` calls an owner. Checkpoints and replacements
+        from then on carry the new mixture history, which is returned. The table does not
+        change meanwhile (no replacement runs during a change)."""
+        mix = checked_mix_change(self._mixture, step, points, interpolation=interpolation)
+        with self._lock:
+            self.messages += 1
+            handles = list(self._handles)
+            held: list[Any] = []
+            try:
+                begun = []
+                for handle in handles:
+                    first = call(handle, "hold_mixture", (step,))
+                    held.append(handle)
+                    if first is not None:
+                        begun.append(int(first))
+                if begun:
+                    raise refused_mix_step(step, max(begun), "the lane owners")
+                self._mix_history = apply_mix_change(self._mixture, step, mix)
+                while held:
+                    call(held[0], "change_mixture", (step, mix))
+                    held.pop(0)
+            finally:
+                for handle in held:  # refused, or an owner failed: the others go on unchanged
+                    call(handle, "release_mixture", ())
+            return list(self._mix_history)
 
     def positions(self) -> dict[int, int]:
         with self._lock:

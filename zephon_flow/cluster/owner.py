@@ -24,7 +24,7 @@ from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.resume_check import MadeWindow, WindowCheck
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.hold import StepHold
-from zephon_flow.engine.loader import build_lane_runners, restore_lanes
+from zephon_flow.engine.loader import apply_mix_change, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.streams import CHUNK_RECORDS
@@ -136,6 +136,9 @@ class LaneOwner:
             on_skip=_ignore_skip,
         )
         self.first_step = start.step
+        self._mixture = start.mixture  # changed in place from a step on: hold/change_mixture
+        self._begun = start.step  # the first step the lanes have not begun to make
+        self._fence: int | None = None  # production waits before this step (a change pending)
         self._cond = threading.Condition()
         self._hold = StepHold(first_step=start.step, ahead=options.ahead, keep=options.keep)
         self._windows: dict[int, tuple[list[Any], ...]] = {}
@@ -168,10 +171,11 @@ class LaneOwner:
                 runner.prime()
             while True:
                 with self._cond:
-                    while not self._hold.has_room():
+                    while not self._hold.has_room() or self._fenced():
                         if self._stop.is_set():
                             return
                         self._cond.wait(0.2)
+                    self._begun = self._hold.produced + 1
                 if self._stop.is_set():
                     return
                 windows = tuple(runner.next_window() for runner in self._runners)
@@ -304,6 +308,36 @@ class LaneOwner:
             lane: ls if lane not in made else replace(ls, next_window=_check(made[lane]))
             for lane, ls in snaps.items()
         }
+
+    # -- mixture changes while running (the coordinator's two phases) --------------------------
+    def _fenced(self) -> bool:
+        return self._fence is not None and self._hold.produced >= self._fence
+
+    def hold_mixture(self, step: int) -> int | None:
+        """Phase one of a mixture change at ``step``: returns the first step its lanes have
+        not begun when that is past ``step`` (refused), else None and production waits before
+        ``step`` until ``change_mixture`` or ``release_mixture``."""
+        with self._cond:
+            if step < self._begun:
+                return self._begun
+            self._fence = step if self._fence is None else min(self._fence, step)
+            return None
+
+    def change_mixture(self, step: int, mix: Any) -> None:
+        """Phase two: puts ``mix`` (``checked_mix_change``) in force from ``step`` on, and
+        production goes on."""
+        with self._cond:
+            try:
+                apply_mix_change(self._mixture, step, mix)
+            finally:
+                self._fence = None
+                self._cond.notify_all()
+
+    def release_mixture(self) -> None:
+        """A change refused by another owner: production goes on, nothing changed."""
+        with self._cond:
+            self._fence = None
+            self._cond.notify_all()
 
     def status(self) -> dict[str, Any]:
         with self._cond:

@@ -15,8 +15,8 @@ with status 3 (``EXIT_PIPELINE_FAILED``), for a supervisor to restart it with ``
 ``--resume CHECKPOINT --allow-mix-change`` takes a pipeline whose ``Mix`` differs only in its
 weights, schedule or interpolation, from the checkpoint's step on (each owner and the
 coordinator restore the changed mixture, as ``zf.Loader`` does). A mixture change while the
-run goes on (``zephon mix``) is not taken here: the call is refused (``UNIMPLEMENTED``) and
-``zephon mix`` says to checkpoint and resume with ``--allow-mix-change`` instead.
+run goes on (``zephon mix``, the coordinator's ``ChangeMixture``) reaches every owner in two
+phases (``Coordinator.change_mixture``).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ reach), with a bound on the calls one client connection may hold open at once.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 from collections import Counter
@@ -366,6 +367,9 @@ class CoordinatorServer:
                 "Replace": unary_handler(self._replace, lo.ReplaceRequest, lo.TableReply),
                 "Checkpoint": unary_handler(self._checkpoint, pb.CheckpointRequest, pb.CheckpointReply),
                 "Progress": unary_handler(self._progress, pb.AckRequest, pb.AckReply),
+                "ChangeMixture": unary_handler(
+                    self._change_mixture, pb.ChangeMixtureRequest, pb.ChangeMixtureReply
+                ),
             },
             serving,
             64,
@@ -439,6 +443,29 @@ class CoordinatorServer:
                 self._ray.get(reported, timeout=60)  # counted before the slowest step is read
             self._maybe_checkpoint()
         return pb.AckReply()
+
+    def _change_mixture(
+        self, request: pb.ChangeMixtureRequest, context: grpc.ServicerContext
+    ) -> pb.ChangeMixtureReply:
+        """``zephon mix``: new weights on every owner from a step on (the coordinator's two phases)."""
+        from zephon_flow.service.mixing import MixChange
+
+        self._check_fingerprint(request.fingerprint, context)
+        wanted = MixChange.from_request(request)
+        ref = self._coordinator.change_mixture.remote(wanted.at_step, wanted.schedule(), wanted.interpolation)
+        try:
+            history = self._ray.get(ref, timeout=120)
+        except self._ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", exc)
+            _abort(
+                context,
+                "INVALID_ARGUMENT" if isinstance(cause, SpecError) else "FAILED_PRECONDITION",
+                str(cause),
+            )
+        except self._ray.exceptions.RayActorError as exc:
+            self.fail(f"the lane owners' coordinator died: {exc}")
+            _abort(context, "UNAVAILABLE", f"the lane owners' coordinator died: {exc}")
+        return pb.ChangeMixtureReply(at_step=wanted.at_step, history_json=json.dumps(history))
 
     def _maybe_checkpoint(self) -> None:
         """With ``checkpoint_every`` N: writes the state at the slowest rank's step once it has

@@ -294,24 +294,14 @@ class Loader:
         change. Returns the mixture history now."""
         if (weights is None) == (schedule is None):
             raise SpecError("change_mixture: give either weights=[...] or schedule=[(step, weights), ...]")
-        mixture = self._mixture
-        if not isinstance(mixture, Mixture):
-            raise SpecError("change_mixture: the pipeline has no Mix, so there is no mixture to change")
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise SpecError(f"change_mixture: step must be an integer >= 0, got {step!r}")
         points = [(step, weights)] if weights is not None else list(schedule or ())
-        mix = Mix.starting_at(step, points, interpolation=interpolation, exhausted=mixture.exhausted)
+        mix = checked_mix_change(self._mixture, step, points, interpolation=interpolation)
         with self._mix_lock:
             if self._closed:
                 raise ZephonError("change_mixture: this Loader is closed")
             if step < self._begun:
-                raise StateError(
-                    f"a mixture change at step {step} is refused: step {step} is already produced "
-                    f"(the lanes have begun every step before {self._begun}); give step "
-                    f"{self._begun} or later"
-                )
-            mixture.change(step, mix)
-            self._mix_history = mixture.history()
+                raise refused_mix_step(step, self._begun, "the lanes")
+            self._mix_history = apply_mix_change(self._mixture, step, mix)
             return list(self._mix_history)
 
     def _produce(self) -> None:
@@ -567,6 +557,43 @@ def restore_lanes(
         verify = False
     loaded = resume_checks(loaded, lane_ids, verify=verify, quiet=quiet)
     return LaneStart(loaded.step, {lane: loaded.lane_states[lane] for lane in lane_ids}, mixture)
+
+
+def checked_mix_change(
+    mixture: MixPolicy | None,
+    step: int,
+    points: Sequence[tuple[int, Sequence[float]]],
+    *,
+    interpolation: str = "constant",
+) -> Mix:
+    """The ``Mix`` an operator puts in force from ``step`` on (``points`` as in
+    ``Mix.starting_at``), checked against ``mixture``: a ``SpecError`` names what is wrong
+    (no Mix in the pipeline, a bad step or weights, another number of inputs). Put it in
+    force with ``apply_mix_change`` once no lane has begun ``step``."""
+    if not isinstance(mixture, Mixture):
+        raise SpecError("change_mixture: the pipeline has no Mix, so there is no mixture to change")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise SpecError(f"change_mixture: step must be an integer >= 0, got {step!r}")
+    mix = Mix.starting_at(step, points, interpolation=interpolation, exhausted=mixture.exhausted)
+    mixture.check_change(mix)
+    return mix
+
+
+def apply_mix_change(mixture: MixPolicy | None, step: int, mix: Mix) -> list[tuple[int, dict[str, Any]]]:
+    """Puts ``mix`` (from ``checked_mix_change``) in force in ``mixture`` from ``step`` on;
+    returns the mixture history now. The caller makes sure no lane has begun ``step``."""
+    if not isinstance(mixture, Mixture):
+        raise SpecError("change_mixture: the pipeline has no Mix, so there is no mixture to change")
+    mixture.change(step, mix)
+    return mixture.history()
+
+
+def refused_mix_step(step: int, begun: int, who: str) -> StateError:
+    """The refusal of a mixture change at a ``step`` that ``who`` (e.g. "the lanes") began."""
+    return StateError(
+        f"a mixture change at step {step} is refused: step {step} is already produced "
+        f"({who} have begun every step before {begun}); give step {begun} or later"
+    )
 
 
 def _producing(loader: Loader) -> Callable[[], bool]:

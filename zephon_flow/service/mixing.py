@@ -14,7 +14,8 @@ from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.rpc import unary_call
 
-METHOD = "/zephon.v1.BatchService/ChangeMixture"
+#: The call on ``zephon serve``, and on ``zephon serve --ray``'s coordinator.
+METHODS = ("/zephon.v1.BatchService/ChangeMixture", "/zephon.v1.LaneOwners/ChangeMixture")
 #: How long ``change_mixture`` waits for the server's answer (seconds).
 TIMEOUT = 60.0
 
@@ -115,10 +116,14 @@ def change_mixture(
             address, grpc.ssl_channel_credentials(root_certificates=root_certificates)
         )
     try:
-        call = unary_call(channel, METHOD, pb.ChangeMixtureRequest, pb.ChangeMixtureReply)
-        reply = call(change.request(), metadata=auth.bearer(token) if token else (), timeout=timeout)
-    except grpc.RpcError as exc:
-        raise ServiceError(_refusal(address, change, exc), code=exc.code().name) from None
+        for method in METHODS:
+            call = unary_call(channel, method, pb.ChangeMixtureRequest, pb.ChangeMixtureReply)
+            try:
+                reply = call(change.request(), metadata=auth.bearer(token) if token else (), timeout=timeout)
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED or method == METHODS[-1]:
+                    raise ServiceError(_refusal(address, change, exc), code=exc.code().name) from None
     finally:
         channel.close()
     return [(int(step), dict(params)) for step, params in json.loads(reply.history_json)]
@@ -129,8 +134,8 @@ def _refusal(address: str, change: MixChange, exc: grpc.RpcError) -> str:
     where = f"zephon mix --server {address} --at-step {change.at_step}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return (
-            f"{where}: the server does not take mixture changes while it runs (zephon serve --ray "
-            f"does not yet): checkpoint it, then restart it with --resume CHECKPOINT "
+            f"{where}: the server does not take mixture changes while it runs (an older "
+            f"zephon-flow): checkpoint it, then restart it with --resume CHECKPOINT "
             f"--allow-mix-change and a pipeline whose Mix has the new weights"
         )
     if code == grpc.StatusCode.UNAVAILABLE:

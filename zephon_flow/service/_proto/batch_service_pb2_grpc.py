@@ -102,7 +102,8 @@ class BatchServiceServicer:
         """Puts new mixture weights in force from `at_step` on, while the server runs (`zephon mix`):
         refused (FAILED_PRECONDITION, naming the step) when the server's lanes have already begun
         that step. The change is recorded in every checkpoint written from then on, so a resume
-        of one makes the same batches. zephon serve --ray does not take it (UNIMPLEMENTED).
+        of one makes the same batches. zephon serve --ray's coordinator takes it as
+        LaneOwners.ChangeMixture.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -56,6 +56,11 @@ class LaneOwnersStub:
                 request_serializer=zephon_dot_v1_dot_batch__service__pb2.AckRequest.SerializeToString,
                 response_deserializer=zephon_dot_v1_dot_batch__service__pb2.AckReply.FromString,
                 _registered_method=True)
+        self.ChangeMixture = channel.unary_unary(
+                '/zephon.v1.LaneOwners/ChangeMixture',
+                request_serializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.SerializeToString,
+                response_deserializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.FromString,
+                _registered_method=True)
         self.StreamRows = channel.unary_stream(
                 '/zephon.v1.LaneOwners/StreamRows',
                 request_serializer=zephon_dot_v1_dot_lane__owners__pb2.RowsRequest.SerializeToString,
@@ -98,6 +103,15 @@ class LaneOwnersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeMixture(self, request, context):
+        """New mixture weights on every owner from at_step on (zephon mix), as BatchService's: each
+        owner holds its production before at_step; refused (FAILED_PRECONDITION, naming the
+        first step still open) when any owner has begun it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamRows(self, request, context):
         """On each owner's address.
         """
@@ -133,6 +147,11 @@ def add_LaneOwnersServicer_to_server(servicer, server):
                     servicer.Progress,
                     request_deserializer=zephon_dot_v1_dot_batch__service__pb2.AckRequest.FromString,
                     response_serializer=zephon_dot_v1_dot_batch__service__pb2.AckReply.SerializeToString,
+            ),
+            'ChangeMixture': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeMixture,
+                    request_deserializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.FromString,
+                    response_serializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.SerializeToString,
             ),
             'StreamRows': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamRows,
@@ -253,6 +272,33 @@ class LaneOwners:
             '/zephon.v1.LaneOwners/Progress',
             zephon_dot_v1_dot_batch__service__pb2.AckRequest.SerializeToString,
             zephon_dot_v1_dot_batch__service__pb2.AckReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeMixture(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zephon.v1.LaneOwners/ChangeMixture',
+            zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.SerializeToString,
+            zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.FromString,
             options,
             channel_credentials,
             insecure,
