@@ -146,6 +146,8 @@ class LaneRunner:
     A state that records its next window's check (``LaneState.next_window``) is verified: the
     lane's first window is compared with it as it is made (``ResumeMismatchError`` if it
     differs). ``made`` is the last window made, whose check completes the state taken before it.
+    ``window`` is the length of every window, or, under a batch size schedule, a function of
+    the step giving the length of the lane's window of that step.
     """
 
     def __init__(
@@ -156,7 +158,7 @@ class LaneRunner:
         lane: int,
         lanes: int,
         seed: int,
-        window: int,
+        window: int | Callable[[int], int],
         state: LaneState | None,
         chunk_records: int,
         depth: int,
@@ -164,7 +166,9 @@ class LaneRunner:
         mixture: MixPolicy | None = None,
         on_skip: SkipHook = _no_skip_hook,
     ) -> None:
-        self._plan, self._window = plan, window
+        self._plan = plan
+        self._fixed = window if isinstance(window, int) else None
+        self._window_at: Callable[[int], int] = (lambda step: window) if isinstance(window, int) else window
         self.lane = lane
         n = len(plan.sources)
         if state is None:
@@ -239,8 +243,7 @@ class LaneRunner:
         """The next output of the lane's input, with the cursor to resume after it."""
         record = self._record
         while record is None or self._next >= len(record.outputs):
-            # The window being filled: windows closed plus those the pending outputs complete.
-            record = self._feed.next_record(self._windows + len(self._pending) // self._window)
+            record = self._feed.next_record(self._filling())
             if record is None:
                 return None
             self._record, self._next = record, record.start
@@ -256,11 +259,22 @@ class LaneRunner:
             resume = record.after
         return record.outputs[j], resume, record.doc
 
+    def _filling(self) -> int:
+        """The step of the window being filled: windows closed plus those the pending
+        outputs complete."""
+        if self._fixed is not None:
+            return self._windows + len(self._pending) // self._fixed
+        step, left = self._windows, len(self._pending)
+        while left >= (size := self._window_at(step)):
+            step, left = step + 1, left - size
+        return step
+
     def next_window(self) -> list[Any]:
         """The lane's next window: ``window`` outputs, or fewer once its finite input has
         ended (the rest of the window is padding; an empty list once nothing is left)."""
         self._fed = []
-        while len(self._pending) < self._window and not self._ended:
+        size = self._window_at(self._windows)
+        while len(self._pending) < size and not self._ended:
             item = self._next_output()
             if item is None:
                 self._end_of_input()
@@ -268,7 +282,7 @@ class LaneRunner:
             value, resume, doc = item
             self._push(0, value, doc)
             self._cursor = resume
-        window, self._pending = self._pending[: self._window], self._pending[self._window :]
+        window, self._pending = self._pending[:size], self._pending[size:]
         if window and self._layout is None:
             self._layout = SampleLayout.of(window[0])
         self.made = MadeWindow(window, self._fed)

@@ -19,6 +19,7 @@ from zephon_flow.core.errors import (  # noqa: E402
     ZephonError,
 )
 from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
+from zephon_flow.core.schedule import BatchSchedule, Ramp  # noqa: E402
 from zephon_flow.core.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
 from zephon_flow.engine.balance import RankBalance, balance_rows  # noqa: E402
 from zephon_flow.engine.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
@@ -30,6 +31,7 @@ from zephon_flow.service.client import Client  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchSchedule",
     "Client",
     "DataError",
     "EndSync",
@@ -37,6 +39,7 @@ __all__ = [
     "Loader",
     "LoaderSpec",
     "ProvenanceParam",
+    "Ramp",
     "RankBalance",
     "SeedParam",
     "ServiceError",

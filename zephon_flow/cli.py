@@ -106,7 +106,8 @@ def load_spec(target: str) -> LoaderSpec:
             raise SpecError(f"{target}() raised {_where(exc)}{type(exc).__name__}: {exc}") from exc
     if not isinstance(value, LoaderSpec):
         raise UsageError(f"{target} is a {type(value).__name__}, not a zf.LoaderSpec")
-    logger.debug("loaded %s: lanes=%d, global batch %d", target, value.lanes, value.global_batch_size)
+    size = value.batch_schedule.constant or value.batch_schedule  # an int, or the schedule
+    logger.debug("loaded %s: lanes=%d, global batch %s", target, value.lanes, size)
     return value
 
 

@@ -20,7 +20,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 
 from zephon_flow._torch_state import FRESH, LaneBytes, Snapshot, lane_parts
 from zephon_flow.core.errors import CorruptStateError, SpecError, StateConflictError, StateError
-from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.lanes import RankRows
 from zephon_flow.core.state import LoaderState, encode_state, merge_states, to_loader_state
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
@@ -265,16 +265,16 @@ class ZephonDataset(IterableDataset[Item]):
             )
         return (0 if rank is None else rank), (1 if world is None else world)
 
-    def _check_topology(self, rank: int, world_size: int) -> RankSlice | None:
+    def _check_topology(self, rank: int, world_size: int) -> RankRows | None:
         if self._spec is None:
             if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
                 raise SpecError(f"ZephonDataset.from_client: rank must be in [0, {world_size}), got {rank}")
             return None
-        return RankSlice(
+        return RankRows(  # a schedule's sizes are checked by the Loader, from its first step
             rank=rank,
             world_size=world_size,
             lanes=self._spec.lanes,
-            global_batch_size=self._spec.global_batch_size,
+            schedule=self._spec.batch_schedule,
         )
 
     def _resolve(self) -> tuple[int, int]:

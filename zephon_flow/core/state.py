@@ -337,13 +337,16 @@ class LoaderState:
         mix_part: str | None = None,
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
+        allow_batch_change: bool = False,
     ) -> bool:
         """Refuses a state written for another lane count or another pipeline, naming the part.
 
         ``mix_part`` names the fingerprint part of the pipeline's Mix: a state that differs
         only there is accepted with ``allow_mix_change`` (returns True: the mixture changes).
         Parts ``code <label>`` (the code of a user's function or DoFn) that differ are named
-        ``operator <label>: code changed`` and accepted with ``allow_code_change``.
+        ``operator <label>: code changed`` and accepted with ``allow_code_change``. The part
+        ``global_batch_size`` (an int or a schedule) that differs is accepted with
+        ``allow_batch_change``: the new sizes apply from the state's step on.
         """
         if self.lanes != lanes:
             raise LaneCountMismatchError(
@@ -357,8 +360,10 @@ class LoaderState:
         code = [p for p in differ if p.startswith("code ")]
         if allow_code_change:
             differ = [p for p in differ if p not in code]
-            if not differ:
-                return False
+        if allow_batch_change:
+            differ = [p for p in differ if p != _BATCH_PART]
+        if (allow_code_change or allow_batch_change) and not differ:
+            return False
         named = _named_parts(differ, code)
         message = (
             "the checkpoint was written for another pipeline; these parts of the fingerprint "
@@ -390,6 +395,11 @@ class LoaderState:
                 "; if the code change is deliberate (a fix or a refactor you accept for the rest "
                 "of the run), pass allow_code_change=True to zf.Loader"
             )
+        if _BATCH_PART in differ:
+            message += (
+                f"; if only the global batch size or its schedule changed, pass "
+                f"allow_batch_change=True to zf.Loader to use the new sizes from step {self.step} on"
+            )
         if mix_part is not None and differ == [mix_part]:
             if allow_mix_change:
                 return True
@@ -399,6 +409,10 @@ class LoaderState:
                 f"(the change is recorded in the state)"
             )
         raise FingerprintMismatchError(message)
+
+
+#: The fingerprint part of ``LoaderSpec.global_batch_size`` (an int or a schedule).
+_BATCH_PART = "global_batch_size"
 
 
 def _named_parts(differ: list[str], code: list[str]) -> list[str]:

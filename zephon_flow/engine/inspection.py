@@ -102,8 +102,8 @@ def inspect_step(
         )
     plan = spec.compile()
     decode = _decoder(plan)
-    rows = RankSlice(
-        rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+    rows = RankSlice(  # the step's size, under a batch size schedule
+        rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.batch_size(step)
     )
     ids = batch.get("input_ids")
     segments = batch.get("segment_ids")
@@ -115,7 +115,7 @@ def inspect_step(
         views.append(
             SequenceView(
                 row=row,
-                lane=row // spec.per_lane,
+                lane=row // spec.per_lane_at(step),
                 padding=0 if seq_seg is None else int(np.count_nonzero(seq_seg < 0)),
                 documents=tuple(_documents(plan, spec.lanes, docs, seq_ids, seq_seg, decode)),
             )

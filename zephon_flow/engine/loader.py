@@ -20,7 +20,7 @@ from zephon_flow.core.errors import (
     StateError,
     ZephonError,
 )
-from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.lanes import RankRows, RankSlice
 from zephon_flow.core.resume_check import PendingChecks
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
@@ -62,6 +62,13 @@ class Loader:
     step on, and the states this loader writes record it (``mix_history``), so a resume from
     any later one replays the change. Records dropped by a source's ``on_error="skip"`` are
     logged (a warning per source, with the first message) and counted: ``skipped()``.
+
+    ``allow_batch_change=True`` accepts a ``state`` written for a pipeline that differs only
+    in its ``global_batch_size`` (another schedule, or another int): the new sizes apply from
+    the state's step on (the lanes' outputs so far are kept; window ``step`` and later are
+    cut by the new sizes), and the states this loader writes carry the new fingerprint, so a
+    resume from them needs the new spec. Without it such a state is refused naming
+    ``global_batch_size`` (docs/batch-schedule.md).
 
     ``allow_code_change=True`` accepts a ``state`` written before the code of a user function
     or DoFn changed (the fingerprint's ``code <label>`` parts): for a deliberate fix or
@@ -110,6 +117,7 @@ class Loader:
         prefetch_chunks: int = 8,
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
+        allow_batch_change: bool = False,
         end_sync: EndSync | None = None,
         chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT,
         ray_address: str | None = None,
@@ -132,6 +140,7 @@ class Loader:
         for name, flag in (
             ("allow_mix_change", allow_mix_change),
             ("allow_code_change", allow_code_change),
+            ("allow_batch_change", allow_batch_change),
             ("verify_resume", verify_resume),
         ):
             if not isinstance(flag, bool):
@@ -140,8 +149,9 @@ class Loader:
             raise SpecError(f"state_mode must be one of {', '.join(STATE_MODES)}, got {state_mode!r}")
         self._balance = RankBalance.of(balance)
         self.spec = spec
-        self._slice = RankSlice(
-            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+        # This rank's rows of each step (one size, or the step's size of a schedule).
+        self._slice = RankRows(
+            rank=rank, world_size=world_size, lanes=spec.lanes, schedule=spec.batch_schedule
         )
         self._fingerprint = spec.fingerprint
         # This loader's own copies of DoFns with a lifecycle (torn down at close).
@@ -162,8 +172,10 @@ class Loader:
                 state,
                 allow_mix_change=allow_mix_change,
                 allow_code_change=allow_code_change,
+                allow_batch_change=allow_batch_change,
                 verify_resume=verify_resume,
             )
+            self._slice.check_from(start.step)  # the world size divides every size from there
         except BaseException:
             self._backend.close()
             raise
@@ -202,6 +214,7 @@ class Loader:
         *,
         allow_mix_change: bool,
         allow_code_change: bool,
+        allow_batch_change: bool = False,
         verify_resume: bool = True,
     ) -> LaneStart:
         """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
@@ -213,6 +226,7 @@ class Loader:
             who=f"rank {self._slice.rank} of {self._slice.world_size}",
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
+            allow_batch_change=allow_batch_change,
             submit=self._backend.submit,
             verify=verify_resume,
         )
@@ -241,7 +255,8 @@ class Loader:
 
     @property
     def rank_slice(self) -> RankSlice:
-        return self._slice
+        """This rank's rows of the next global batch (of every batch, for a fixed size)."""
+        return self._slice.at(self._last.step)
 
     def _state(self, step: int, lanes: dict[int, LaneState]) -> LoaderState:
         """The state at ``step``; its lanes' next windows complete it (``checks``) once made."""
@@ -338,7 +353,7 @@ class Loader:
     def _goes_on(self, step: int, windows: list[list[Any]]) -> bool:
         """Whether global batch ``step`` exists: an endless pipeline's lanes fill every window;
         a finite one goes on while any lane (of any rank: ``end_sync``) has a real sample."""
-        per_lane = self.spec.per_lane
+        per_lane = self.spec.per_lane_at(step)
         if not self._finite:
             return all(len(w) == per_lane for w in windows)
         local = any(windows)
@@ -367,8 +382,8 @@ class Loader:
             step,
             windows,
             [(lane.lane, lane.layout) for lane in self._lanes],
-            rows=self._slice.rows_of_lanes() if self._balance is None else slice(None),
-            per_lane=self.spec.per_lane,
+            rows=self._slice.at(step).rows_of_lanes() if self._balance is None else slice(None),
+            per_lane=self.spec.per_lane_at(step),
             finite=self._finite,
             padding=self._padding,
         )
@@ -512,6 +527,7 @@ def restore_lanes(
     who: str,
     allow_mix_change: bool = False,
     allow_code_change: bool = False,
+    allow_batch_change: bool = False,
     submit: recipe.Submit | None = None,
     rebuild_recipes: bool = True,
     verify: bool = True,
@@ -534,6 +550,7 @@ def restore_lanes(
         mix_part=None if plan.mix_label is None else f"operator {plan.mix_label}",
         allow_mix_change=allow_mix_change,
         allow_code_change=allow_code_change,
+        allow_batch_change=allow_batch_change,
     )
     if plan.mixer is not None:
         mixture = Mixture.resume(plan.mixer, loaded.mix_history, loaded.step, changed=changed)
@@ -546,12 +563,14 @@ def restore_lanes(
     if rebuild_recipes:
         loaded = recipe.from_recipes(plan, loaded, spec.lanes, lane_ids, submit)
     if verify and loaded.fingerprint != spec.fingerprint:
-        # A change accepted with allow_mix_change / allow_code_change changes the stream on
+        # A change accepted with allow_mix_change / allow_code_change / allow_batch_change
+        # changes the stream on
         # purpose: the windows recorded before it are not the ones to expect.
         if not quiet:
             _log.info(
                 "the pipeline changed since the checkpoint at step %d (accepted with "
-                "allow_mix_change or allow_code_change): its next windows are not verified",
+                "allow_mix_change, allow_code_change or allow_batch_change): its next windows "
+                "are not verified",
                 loaded.step,
             )
         verify = False
@@ -654,7 +673,7 @@ def build_lane_runners(
             lane=lane,
             lanes=spec.lanes,
             seed=spec.seed,
-            window=spec.per_lane,
+            window=spec.per_lane_at if spec.batch_schedule.constant is None else spec.per_lane,
             state=lane_state,
             chunk_records=chunk_records,
             depth=depth,

@@ -131,7 +131,9 @@ class GlobalBatches(beam.PTransform):  # type: ignore[misc]
         self._how = Translation(
             lanes=spec.lanes,
             seed=spec.seed,
-            per_lane=spec.per_lane,
+            # Its windows are fixed-size (runners/beam/windows.py): a schedule is refused by name.
+            per_lane=spec.fixed_batch_size("GlobalBatches (zephon materialize, the Beam translation)")
+            // spec.lanes,
             passes=passes,
             chunk_records=chunk_records,
         )

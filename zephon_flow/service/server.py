@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError, StateError, ZephonError
-from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.lanes import RankRows, RankSlice
 from zephon_flow.core.state import LoaderState, load_state, save_state
 from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.loader import Loader
@@ -392,27 +392,29 @@ class BatchServer:
                 f"fingerprint {self.fingerprint}: connect to the server of that pipeline",
             )
 
-    def _rank_slice(self, rank: int, world_size: int, context: grpc.ServicerContext) -> RankSlice:
+    def _rank_slice(
+        self, rank: int, world_size: int, context: grpc.ServicerContext, step: int
+    ) -> RankSlice:
+        """``rank``'s rows of step ``step``; under a batch size schedule, ``world_size`` must
+        divide the size of every step from ``step`` on (``rows_at`` gives the later ones)."""
         try:
-            return RankSlice(
-                rank=rank,
-                world_size=world_size,
-                lanes=self.spec.lanes,
-                global_batch_size=self.spec.global_batch_size,
+            rows = RankRows(
+                rank=rank, world_size=world_size, lanes=self.spec.lanes, schedule=self.spec.batch_schedule
             )
+            rows.check_from(step)
+            return rows.at(step)
         except SpecError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))
 
     def _stream(self, request: pb.StreamBatchesRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         self._check_fingerprint(request.fingerprint, context)
         rank, world_size, step = int(request.rank), int(request.world_size), int(request.start_step)
-        rows = self._rank_slice(rank, world_size, context)
+        rows = self._rank_slice(rank, world_size, context, step)
         held = self._held
         try:
             stream = held.join(rank, world_size, step)
         except HeldStepsError as exc:
             _abort(context, exc.code, str(exc))
-        start, stop = rows.start, rows.stop
         me = _OpenStream(rank, world_size, context, step, time.monotonic())
         with self._open_lock:
             self._open.add(me)
@@ -428,7 +430,7 @@ class BatchServer:
                     step,
                     self._rows_of(step, batch, rows, context)
                     if self._balance
-                    else slice_rows(batch, start, stop),
+                    else slice_rows(batch, *rows_at(self.spec, rows, step)),
                     chunk_bytes=self._chunk_bytes,
                     ahead=held.advised_ahead(),
                 )
@@ -455,7 +457,7 @@ class BatchServer:
     def _ack(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
         self._check_fingerprint(request.fingerprint, context)
         rank, world_size = int(request.rank), int(request.world_size)
-        self._rank_slice(rank, world_size, context)
+        self._rank_slice(rank, world_size, context, int(request.step))
         try:
             self._held.ack(rank, world_size, int(request.step))
         except HeldStepsError as exc:
@@ -566,6 +568,16 @@ class _Balanced:
                 while len(self._made) > self._keep:
                     self._made.popitem(last=False)
         return self.balance.select(batch, made[rank], where=where)
+
+
+def rows_at(spec: LoaderSpec, rows: RankSlice, step: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``rows.rank``'s rows of global batch ``step`` (its size under
+    ``spec``'s batch size schedule; ``rows`` is the rank's slice of some step)."""
+    size = spec.batch_size(step)
+    if size == rows.global_batch_size:
+        return rows.start, rows.stop
+    per_rank = size // rows.world_size
+    return rows.rank * per_rank, (rows.rank + 1) * per_rank
 
 
 def serve_forever(server: BatchServer) -> int:
