@@ -30,8 +30,9 @@ def require_ray(feature: str) -> ModuleType:
 def connect(feature: str, address: str | None = None, *, num_cpus: int | None = None) -> bool:
     """Makes sure this process is connected to Ray; returns True when this call started it.
 
-    ``address=None`` joins the cluster this process is already connected to, or else starts a
-    local Ray on loopback (``num_cpus`` caps it; the default is every core). An address
+    ``address=None`` joins the cluster this process is already connected to, or the one
+    ``$RAY_ADDRESS`` names, or else starts a local Ray of its own on loopback (``num_cpus``
+    caps it; the default is every core), never joining another local instance. An address
     (``"ray://host:10001"``, ``"host:6379"`` or ``"auto"``) joins that cluster; if it cannot be
     reached the error names it.
     """
@@ -44,7 +45,12 @@ def connect(feature: str, address: str | None = None, *, num_cpus: int | None = 
         "log_to_driver": False,
         "configure_logging": False,
     }
+    if address is None and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]
     if address is None:
+        # "local": a new instance of its own, even when another Ray runs on this machine (a
+        # bare ray.init() would join that one, and refuse num_cpus).
+        options["address"] = "local"
         options["num_cpus"] = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
         options["_node_ip_address"] = "127.0.0.1"
     else:
