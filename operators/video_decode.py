@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -12,9 +13,13 @@ import numpy as np
 
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators._video_index import ffmpeg_reason, open_container, pyav, video_stream
+from zephon_flow.operators._video_scale import INTERPOLATION, SCALER, FrameScaler, rgb
 from zephon_flow.operators._video_tar import Member
 from zephon_flow.operators.image_resize import ResizeImage
 from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
+
+#: Containers a worker thread keeps open (see ``DecodeVideo._opened``).
+KEPT_CONTAINERS = 4
 
 
 class DecodeVideo(beam.DoFn):  # type: ignore[misc]
@@ -23,18 +28,21 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     The decoder seeks to the key frame the plan names, decodes forward and keeps the planned
     frames: a clip costs at most a group of pictures of decoding, never the video before it,
     and only one clip's frames are held. With ``size`` each frame is resized as it is decoded
-    (``ResizeImage``'s ``mode``, ``resample``: the image path's crop and pad), so no clip is
-    held at full resolution. The output is a C-contiguous ``uint8 [T, H, W, 3]`` array; the
-    plan field is dropped. A frame whose stream carries a display rotation (phone videos) is
-    turned upright first (multiples of 90 degrees).
+    (``ResizeImage``'s ``mode`` and ``resample``: the image path's crop and pad), by FFmpeg's
+    swscale in the same pass as its conversion to RGB, so no frame is held at full resolution
+    (``resample="hamming"``, which swscale lacks, converts then resizes with Pillow). The
+    output is a C-contiguous ``uint8 [T, H, W, 3]`` array; the plan field is dropped. A frame
+    whose stream carries a display rotation (phone videos) is turned upright (multiples of 90
+    degrees).
 
     **Bytes**: the frames are a pure function of the file, the plan and the options for one
     FFmpeg build. A clip is always decoded from the same key frame (the plan's), whichever
     lane, worker or resume point decodes it, and the decoder runs single-threaded
     (``thread_type="NONE"``, one thread): frame-threaded H.264 and VP9 decoding is exact too,
     but error concealment on damaged streams is not, and a thread pool per worker process
-    would oversubscribe the cores the backend already fills. FFmpeg's conversion to RGB and
-    its decoders may change between releases: PyAV (which bundles FFmpeg) is pinned by the
+    would oversubscribe the cores the backend already fills. The conversion to RGB and the
+    resize run single-threaded with bit-exact rounding (``_video_scale``). FFmpeg's decoders
+    and swscale may change between releases: PyAV (which bundles FFmpeg) is pinned by the
     ``video`` extra; its version is not in the fingerprint, like Pillow's.
 
     **Errors** (``DataError`` naming the file and the clip): a file FFmpeg cannot open or
@@ -59,6 +67,10 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
             raise SpecError(f"DecodeVideo: max_pixels must be a positive integer, got {max_pixels!r}")
         self.resizer = None if size is None else ResizeImage(size, mode=mode, resample=resample)
+        self.scaler = None
+        if self.resizer is not None and resample in INTERPOLATION:
+            r = self.resizer
+            self.scaler = FrameScaler(r.size, r.mode, r.resample, r.pad_value)
         self.output = output
         self.max_pixels = max_pixels
         self.rotate = bool(rotate)
@@ -66,6 +78,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     def params(self) -> dict[str, Any]:
         return {
             "resize": None if self.resizer is None else self.resizer.params(),
+            "scaler": SCALER if self.scaler is not None else "pillow",
             "output": self.output,
             "max_pixels": self.max_pixels,
             "rotate": self.rotate,
@@ -99,7 +112,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                     break
                 got.clear()
         except BaseException:
-            self._close_held()  # the next clip opens the file afresh
+            self._close_held((path, plan.member))  # the next clip opens the file afresh
             raise
         missing = sorted(wanted - set(got))
         if missing:
@@ -115,21 +128,28 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                 f"DecodeVideo: {where} of {path} changes frame size mid-clip ({sorted(shapes)}); "
                 "give DecodeVideo(size=...) to resize every frame"
             )
-        return np.ascontiguousarray(np.stack(frames))
+        return np.stack(frames)  # C-contiguous: the clip's one copy of its frames
 
     def _opened(self, path: str, operator: str, member: Member | None = None) -> tuple[Any, Any]:
-        """``path``'s container and video stream, opened once per thread and kept while the
-        thread's clips come from that file (a split is a run of clips of one video): opening
-        parses the container's index, which for a long ``.mp4`` costs more than a clip. Every
-        clip seeks, which flushes the decoder, so a kept container gives the bytes a fresh one
-        does."""
+        """``path``'s container and video stream, opened once per thread and kept for its next
+        clips (the last ``KEPT_CONTAINERS`` files a thread decoded): opening parses the
+        container's index, which for a long ``.mp4`` costs more than a clip, and a worker takes
+        clips from several lanes' videos in turn. Every clip seeks, which flushes the decoder,
+        so a kept container gives the bytes a fresh one does."""
         local = self.__dict__.get("_held")
         if local is None:
             local = self._held = threading.local()
-        held = getattr(local, "video", None)
-        if held is not None and held[0] == (path, member):
-            return held[2], held[3]
-        self._close_held()
+        held: OrderedDict[tuple[str, Member | None], tuple[Any, Any, Any]] | None = getattr(
+            local, "videos", None
+        )
+        if held is None:
+            held = local.videos = OrderedDict()
+        key = (path, member)
+        if key in held:
+            held.move_to_end(key)
+            return held[key][1], held[key][2]
+        while len(held) >= KEPT_CONTAINERS:
+            held.popitem(last=False)[1][0].close()
         stack = contextlib.ExitStack()
         try:
             container = stack.enter_context(open_container(path, operator, member))
@@ -142,15 +162,18 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         except BaseException:
             stack.close()
             raise
-        local.video = ((path, member), stack, container, stream)
+        held[key] = (stack, container, stream)
         return container, stream
 
-    def _close_held(self) -> None:
-        local = self.__dict__.get("_held")
-        held = getattr(local, "video", None)
-        if local is not None and held is not None:
-            local.video = None
-            held[1].close()
+    def _close_held(self, key: tuple[str, Member | None] | None = None) -> None:
+        """Closes this thread's kept container of ``key`` (None: all of them)."""
+        held = getattr(self.__dict__.get("_held"), "videos", None)
+        if not held:
+            return
+        for k in [key] if key is not None else list(held):
+            entry = held.pop(k, None)
+            if entry is not None:
+                entry[0].close()
 
     def teardown(self) -> None:
         self._close_held()
@@ -199,10 +222,13 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         return True
 
     def _pixels(self, frame: Any, path: str, where: str) -> np.ndarray:
-        arr = frame.to_ndarray(format="rgb24")
+        """One kept frame, upright, resized: a view (the clip's ``np.stack`` is its one copy)."""
         turns = (round(frame.rotation / 90) % 4) if self.rotate and frame.rotation else 0
+        if self.scaler is not None:
+            return self.scaler(frame, turns)
+        arr = rgb(frame)
         if turns:
             arr = np.rot90(arr, k=turns)
-        if self.resizer is not None:
+        if self.resizer is not None:  # a filter swscale lacks: Pillow's
             return self.resizer.resize(np.ascontiguousarray(arr), f"{where} of {path}")
-        return np.ascontiguousarray(arr)
+        return arr

@@ -47,6 +47,10 @@ class ClipPlan:
     #: The tar shard member holding the video, and its caption member (None for plain files).
     member: Member | None = None
     caption: Member | None = None
+    #: The bytes of its kept frames as RGB before any resize: what the lane's feed weighs a
+    #: record by when it cuts chunks for the workers (about 128 KB a chunk), so a chunk of
+    #: clips is one clip (or a few small ones), not a hundred clips of 1 KiB each.
+    nbytes: int = 0
 
 
 def _positive(name: str, value: Any, kind: type = int) -> Any:
@@ -219,7 +223,10 @@ class ReadVideo(Source):
                 k += 1
         for clip, (a, b, t0, t1) in enumerate(windows):
             keep = self._sample(index, a, b, t0, t1)
-            out.append(ClipPlan(clip, index.key_before(min(keep)), keep, index.time_base, t0, t1))
+            size = len(keep) * index.width * index.height * 3
+            out.append(
+                ClipPlan(clip, index.key_before(min(keep)), keep, index.time_base, t0, t1, nbytes=size)
+            )
         return out
 
     def _random_window(

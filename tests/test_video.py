@@ -15,6 +15,7 @@ from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.source import START
 from zephon_flow.operators import _video_index
 from zephon_flow.operators._video_index import read_index
+from zephon_flow.operators._video_scale import rgb
 from zephon_flow.operators.video_source import ClipPlan
 
 
@@ -28,7 +29,7 @@ def linear(path: Path) -> dict[int, np.ndarray]:
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         stream.codec_context.thread_type = "NONE"
-        return {f.pts: f.to_ndarray(format="rgb24") for f in container.decode(stream)}
+        return {f.pts: rgb(f).copy() for f in container.decode(stream)}
 
 
 def elements(source: ops.ReadVideo, lanes: int = 1, position: int = START) -> list[dict[str, Any]]:
@@ -65,6 +66,21 @@ def test_a_kept_container_gives_the_bytes_of_a_fresh_one_in_any_clip_order(tmp_p
     kept.teardown()
 
 
+@pytest.mark.parametrize("ext", [".mp4", ".webm"])
+def test_ffmpeg_decoder_threads_give_the_single_threaded_bytes(tmp_path: Path, ext: str) -> None:
+    # Why DecodeVideo's one decoder thread is a choice, not a necessity, on valid streams: frame
+    # and slice threading give the same frames (H.264, VP9), so no byte depends on it.
+    path = make_video(tmp_path / f"a{ext}", 40)
+    single = linear(path)
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_type = "AUTO"
+        stream.codec_context.thread_count = 3
+        threaded = {f.pts: rgb(f).copy() for f in container.decode(stream)}
+    assert sorted(threaded) == sorted(single)
+    assert all(np.array_equal(threaded[p], single[p]) for p in single)
+
+
 def test_uniform_sampling_by_index_and_resize_per_frame(tmp_path: Path) -> None:
     path = make_video(tmp_path / "a.mp4", 24)
     source = ops.ReadVideo(str(path), clip_frames=8, frames=3)
@@ -74,10 +90,23 @@ def test_uniform_sampling_by_index_and_resize_per_frame(tmp_path: Path) -> None:
     out = next(ops.DecodeVideo(size=(16, 12), mode="pad").process(clips[1]))
     assert out["frames"].shape == (3, 16, 12, 3)
     assert "clip_plan" not in out and out["__key__"] == "a.mp4#1"
-    resize = ops.ResizeImage((16, 12), mode="pad", resample="bilinear")
+    # 64x48 fits 12 columns: 12x9 by swscale, rows 3 to 12 of a zero canvas.
+    with av.open(str(path)) as container:
+        small = {f.pts: rgb(f, width=12, height=9).copy() for f in container.decode(video=0)}
+    expected = np.zeros((3, 16, 12, 3), np.uint8)
+    expected[:, 3:12] = np.stack([small[p] for p in clips[1]["clip_plan"].pts])
+    assert np.array_equal(out["frames"], expected)
+    # center_crop: 64x48 covers 24x24 at 32x24, the central 24 columns; Pillow's for hamming.
+    crop = next(ops.DecodeVideo(size=24).process(clips[1]))["frames"]
+    with av.open(str(path)) as container:
+        cover = {f.pts: rgb(f, width=32, height=24)[:, 4:28].copy() for f in container.decode(video=0)}
+    assert np.array_equal(crop, np.stack([cover[p] for p in clips[1]["clip_plan"].pts]))
+    hamming = next(ops.DecodeVideo(size=24, resample="hamming").process(clips[1]))["frames"]
+    resize = ops.ResizeImage(24, resample="hamming")
     whole = linear(path)
-    expected = [resize.resize(whole[p], "x") for p in clips[1]["clip_plan"].pts]
-    assert np.array_equal(out["frames"], np.stack(expected))
+    assert np.array_equal(
+        hamming, np.stack([resize.resize(whole[p], "x") for p in clips[1]["clip_plan"].pts])
+    )
 
 
 def test_fps_sampling_follows_the_timestamps_of_a_variable_frame_rate(tmp_path: Path) -> None:
@@ -106,6 +135,10 @@ def test_rotation_metadata_turns_frames_upright(tmp_path: Path) -> None:
     assert upright.shape == (8, 64, 48, 3)
     assert np.array_equal(upright, np.rot90(next(ops.DecodeVideo().process(a))["frames"], k=1, axes=(1, 2)))
     assert next(ops.DecodeVideo(rotate=False).process(b))["frames"].shape == (8, 48, 64, 3)
+    # Resized, the rotated frame's geometry: 16 rows x 12 columns upright, 12 x 16 as stored.
+    small = next(ops.DecodeVideo(size=(16, 12)).process(b))["frames"]
+    stored = next(ops.DecodeVideo(size=(12, 16)).process(a))["frames"]
+    assert small.shape == (8, 16, 12, 3) and np.array_equal(small, np.rot90(stored, k=1, axes=(1, 2)))
 
 
 def test_resume_inside_a_long_video_reads_from_the_clip(tmp_path: Path) -> None:
@@ -190,11 +223,21 @@ def audio_only(path: Path) -> Path:
     return path
 
 
+def unknown_codec(mkv: bytes, path: Path) -> Path:
+    """A Matroska file whose video track names a codec FFmpeg does not know."""
+    assert mkv.count(b"V_MPEG4/ISO/AVC") == 1
+    path.write_bytes(mkv.replace(b"V_MPEG4/ISO/AVC", b"V_ZEPHON/NONE!!"))  # same length
+    return path
+
+
 def test_bad_files_are_refused_by_name_at_listing(tmp_path: Path) -> None:
     good = make_video(tmp_path / "good.mkv", 40).read_bytes()
     (tmp_path / "empty.mp4").write_bytes(b"")
     (tmp_path / "text.mp4").write_bytes(b"not a video at all\n" * 20)
     (tmp_path / "cut.mkv").write_bytes(good[: len(good) * 6 // 10])
+    mp4 = make_video(tmp_path / "src" / "whole.mp4", 40).read_bytes()
+    (tmp_path / "cut.mp4").write_bytes(mp4[: len(mp4) * 6 // 10])  # its index (moov) is at the end
+    unknown_codec(good, tmp_path / "unknown.mkv")
     audio_only(tmp_path / "sound.mkv")
     make_video(tmp_path / "short.mp4", 4)
     make_video(tmp_path / "huge.mp4", 8, width=64, height=64)
@@ -202,6 +245,8 @@ def test_bad_files_are_refused_by_name_at_listing(tmp_path: Path) -> None:
         "empty.mp4": "is empty (0 bytes), not a video; remove it or narrow the glob",
         "text.mp4": "is not a video container FFmpeg can read (truncated or damaged?): Invalid data found",
         "cut.mkv": "is truncated: its header says 5.000 s but its video frames end at",
+        "cut.mp4": "is not a video container FFmpeg can read (truncated or damaged?)",
+        "unknown.mkv": "has a video stream in a codec FFmpeg cannot decode",
         "sound.mkv": "has no video stream (it has audio)",
         "short.mp4": "has 4 frames, not one whole clip of 8 frames; remove it or shorten the clips",
         "huge.mp4": "has 64x64 frames, outside 1..max_pixels=4000 pixels; raise max_pixels=",
@@ -232,6 +277,27 @@ def test_damage_inside_a_clip_is_a_data_error_naming_file_and_clip(tmp_path: Pat
             failed.append(str(exc))
     assert failed and all(f.startswith("DecodeVideo: ") and str(path) in f for f in failed)
     assert any("clip 2 (2.000s to 3.000s)" in f for f in failed)
+
+
+def test_a_file_changed_after_listing_is_refused_at_decode_naming_file_and_clip(tmp_path: Path) -> None:
+    path = make_video(tmp_path / "a.mkv", 24)
+    good = path.read_bytes()
+    plan = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))[2]
+    clip = r"DecodeVideo \[clip 2 \(2.000s to 3.000s\)\]: "
+    changes = {
+        "is not a video container FFmpeg can read": b"",
+        "has a video stream in a codec FFmpeg cannot decode": unknown_codec(
+            good, tmp_path / "u.mkv"
+        ).read_bytes(),
+        "has no video stream": audio_only(tmp_path / "s.mkv").read_bytes(),
+        r"did not give \d of the 8 frames of clip 2 \(2.000s to 3.000s\)": good[: len(good) * 9 // 10],
+    }
+    for message, data in changes.items():
+        path.write_bytes(data)
+        where = clip if "did not" not in message else "DecodeVideo: "
+        with pytest.raises(DataError, match=f"{where}.*{message}") as info:
+            ops.DecodeVideo().decode(str(path), plan)
+        assert str(path) in str(info.value)
 
 
 def test_a_plan_the_file_does_not_have_is_refused(tmp_path: Path) -> None:
