@@ -10,10 +10,13 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import Corpus, example_spec
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zephon_flow as zf
 from zephon_flow.core.errors import FingerprintMismatchError
 from zephon_flow.engine.simulate import global_batches, global_digests
+from zephon_flow.engine.verify import OK, verify_state
 from zephon_flow.service.server import BatchServer
 
 LANES, STEPS = 4, 10
@@ -87,6 +90,37 @@ def test_a_resume_on_either_side_of_a_change_continues_the_batches(
         spec, steps=STEPS - cut, world_size=after, backend="threads", workers=2, state=state
     )
     assert first + rest == reference
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([4, 8, 16]), min_size=1, max_size=4),
+    at=st.lists(st.integers(1, 7), min_size=3, max_size=3, unique=True),
+    cut=st.integers(1, 7),
+    worlds=st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4])),
+)
+def test_any_schedule_world_sizes_and_resume_point_give_the_batches_of_one_rank(
+    fixed: zf.LoaderSpec,
+    sizes: list[int],
+    at: list[int],
+    cut: int,
+    worlds: tuple[int, int],
+) -> None:
+    steps = sorted(at)[: len(sizes) - 1]
+    schedule = zf.BatchSchedule({0: sizes[0], **dict(zip(steps, sizes[1:], strict=False))})
+    spec = zf.LoaderSpec(fixed.build, lanes=LANES, seed=0, global_batch_size=schedule)
+    reference = global_digests(spec, steps=8)
+    final: list[dict[str, Any]] = []
+    head = global_digests(spec, steps=cut, world_size=worlds[0], final_state=final)
+    tail = global_digests(spec, steps=8 - cut, world_size=worlds[1], state=zf.encode_state(final[0]))
+    assert head + tail == reference
+
+
+def test_zephon_verify_checks_a_schedules_checkpoint(spec: zf.LoaderSpec) -> None:
+    final: list[dict[str, Any]] = []
+    global_digests(spec, steps=6, world_size=2, final_state=final)  # step 6: inside the change
+    verdicts = verify_state(spec, zf.encode_state(final[0]))
+    assert [v.verdict for v in verdicts] == [OK] * LANES and {v.step for v in verdicts} == {6}
 
 
 def test_a_size_the_lanes_do_not_divide_is_refused_naming_the_step(fixed: zf.LoaderSpec) -> None:
