@@ -5,6 +5,7 @@ point; sizes that the lanes or the world size do not divide are refused naming t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -243,6 +244,44 @@ def test_the_server_slices_each_step_by_its_size(
         zf.Client(f"127.0.0.1:{server.port}", 0, 16, retries=0) as client,
     ):
         next(iter(client))
+
+
+def test_zephon_serve_takes_a_schedule_change_on_resume_only_when_allowed(
+    fixed: zf.LoaderSpec, tmp_path: Path
+) -> None:
+    with zf.Loader(fixed) as loader:
+        for step, _ in loader:
+            if step == 3:
+                break
+        zf.save_state(loader.state(), str(tmp_path / "step-4.zfstate"))
+    changed = zf.LoaderSpec(fixed.build, lanes=LANES, global_batch_size={0: 8, 6: 16})
+    resume = str(tmp_path / "step-4.zfstate")
+    with pytest.raises(FingerprintMismatchError, match=r"zephon serve: pass --allow-batch-change"):
+        BatchServer(changed, host="127.0.0.1", port=0, resume=resume)
+    embedded = []
+    with zf.Loader(changed, state=zf.load_state(resume), allow_batch_change=True) as loader:
+        for step, batch in loader:
+            embedded.append(zf.batch_digest(batch))
+            if step == 7:
+                break
+    srv = BatchServer(changed, host="127.0.0.1", port=0, resume=resume, allow_batch_change=True).start()
+    try:
+        with zf.Client(f"127.0.0.1:{srv.port}", 0, 1, start_step=4) as client:
+            served = []
+            for step, batch in client:
+                served.append(zf.batch_digest(dict(batch)))
+                if step == 7:
+                    break
+    finally:
+        srv.stop(grace=None)
+    assert served == embedded
+
+
+def test_zephon_serve_ray_refuses_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from zephon_flow.cli import main
+
+    assert main(["serve", "nowhere.py:spec", "--port", "0", "--ray", "--allow-batch-change"]) == 2
+    assert "--allow-batch-change is not supported with --ray" in capsys.readouterr().err
 
 
 def test_the_paths_without_schedules_refuse_them_by_name(spec: zf.LoaderSpec) -> None:

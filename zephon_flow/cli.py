@@ -430,6 +430,11 @@ def _serve(args: argparse.Namespace) -> int:
             "zephon serve: --balance is not supported with --ray (lane owners send each rank the rows "
             "of its own lanes); serve without --ray, or balance in the trainer with Loader(balance=...)"
         )
+    if args.ray and args.allow_batch_change:
+        raise UsageError(
+            "zephon serve: --allow-batch-change is not supported with --ray (lane owners take one "
+            "fixed global batch size); resume the changed spec without --ray"
+        )
     if args.ray:  # lanes on Ray lane owners (zephon_flow/cluster/serve.py)
         from zephon_flow.cluster import serve as owners
 
@@ -463,6 +468,7 @@ def _serve(args: argparse.Namespace) -> int:
             ray_address=args.ray_address,
             verify_resume=not args.no_verify_resume,
             allow_mix_change=args.allow_mix_change,
+            allow_batch_change=args.allow_batch_change,
         )
     server = BatchServer(
         spec,
@@ -484,6 +490,7 @@ def _serve(args: argparse.Namespace) -> int:
         loader=loader,
         verify_resume=not args.no_verify_resume,
         allow_mix_change=args.allow_mix_change,
+        allow_batch_change=args.allow_batch_change,
         balance=args.balance,
     )
     return serve_forever(server)
@@ -616,6 +623,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --resume: accept a checkpoint whose pipeline differs only in its Mix's weights, "
         "schedule or interpolation; the new mixture applies from the checkpoint's step on",
+    )
+    s.add_argument(
+        "--allow-batch-change",
+        action="store_true",
+        help="with --resume: accept a checkpoint whose pipeline differs only in its global_batch_size "
+        "(an int or a schedule); the new sizes apply from the checkpoint's step on",
     )
     s.add_argument(
         "--ahead",

@@ -117,6 +117,9 @@ class BatchServer:
     differs only in its ``Mix``'s weights, schedule or interpolation, as ``zf.Loader`` does.
     ``ChangeMixture`` (``zephon mix``) puts new weights in force from a step the loader has not
     begun, while it runs; checkpoints written from then on record it (``mix_history``).
+    ``allow_batch_change`` (``--allow-batch-change``) accepts a ``resume`` checkpoint whose
+    pipeline differs only in its ``global_batch_size`` (an int or a schedule): the new sizes
+    apply from the checkpoint's step on, as ``zf.Loader(allow_batch_change=True)`` does.
 
     ``balance`` (``zephon serve --balance``: ``"tokens"``, ``"attention"``, ``"images"``, or
     here a function of a row; see ``zf.RankBalance``) sends each rank, instead of its
@@ -150,6 +153,7 @@ class BatchServer:
         window: int | None = None,
         verify_resume: bool = True,
         allow_mix_change: bool = False,
+        allow_batch_change: bool = False,
         balance: str | RowCost | RankBalance | None = None,
     ) -> None:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
@@ -180,6 +184,7 @@ class BatchServer:
                 chunk_timeout=chunk_timeout,
                 verify_resume=verify_resume,
                 allow_mix_change=allow_mix_change,
+                allow_batch_change=allow_batch_change,
             )
         self._loader = loader
         first = self._state_now()
@@ -392,9 +397,7 @@ class BatchServer:
                 f"fingerprint {self.fingerprint}: connect to the server of that pipeline",
             )
 
-    def _rank_slice(
-        self, rank: int, world_size: int, context: grpc.ServicerContext, step: int
-    ) -> RankSlice:
+    def _rank_slice(self, rank: int, world_size: int, context: grpc.ServicerContext, step: int) -> RankSlice:
         """``rank``'s rows of step ``step``; under a batch size schedule, ``world_size`` must
         divide the size of every step from ``step`` on (``rows_at`` gives the later ones)."""
         try:
@@ -622,6 +625,7 @@ def _embedded_loader(
     chunk_timeout: float,
     verify_resume: bool = True,
     allow_mix_change: bool = False,
+    allow_batch_change: bool = False,
 ) -> Loader:
     """The server's own Loader: world size 1, every lane, from ``resume`` or the start (its
     lanes' first windows verified against the checkpoint unless ``verify_resume`` is False;
@@ -638,9 +642,13 @@ def _embedded_loader(
             chunk_timeout=chunk_timeout,
             verify_resume=verify_resume,
             allow_mix_change=allow_mix_change,
+            allow_batch_change=allow_batch_change,
         )
     except FingerprintMismatchError as exc:
-        raise naming_the_flag(exc, "zephon serve") from exc
+        named = naming_the_flag(exc, "zephon serve")
+        if "allow_batch_change=True" in str(exc):  # a changed global_batch_size: its flag
+            named = FingerprintMismatchError(f"{named}; zephon serve: pass --allow-batch-change")
+        raise named from exc
 
 
 def _hold(
