@@ -57,6 +57,10 @@ class OwnerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The id of the Ray node it runs on."""
+        return str(_ray().get_runtime_context().get_node_id())
+
     def rows(self, reader: int, step: int, lanes: list[int] | None, timeout: float) -> OwnerRows | None:
         return self._owner.rows(reader, step, lanes, timeout)
 
@@ -124,7 +128,16 @@ def owner_launcher(
         handle = actor.options(
             num_cpus=owner_cpus, max_concurrency=OWNER_CONCURRENCY, scheduling_strategy="SPREAD"
         ).remote(spec, lanes, state, readers, options, name, serving)
-        ray.get(handle.pid.remote())
+        try:
+            ray.get(handle.pid.remote(), timeout=options.start_timeout)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(handle)
+            raise OwnerError(
+                f"{name} (lanes {lanes}) did not start within {options.start_timeout:g} s "
+                f"(start_timeout): no node of the cluster has room for it (it asks for "
+                f"num_cpus={owner_cpus:g}), or building its lanes took longer; add nodes, lower "
+                f"owner_cpus, or raise start_timeout"
+            ) from None
         return handle
 
     return launch
@@ -195,6 +208,10 @@ class CoordinatorActor:
 
     def join(self, rank: int, world_size: int, first_step: int) -> OwnerTable:
         return self._coordinator.join(rank, world_size, first_step)
+
+    def node(self) -> str:
+        """The id of the Ray node it runs on."""
+        return str(_ray().get_runtime_context().get_node_id())
 
     def describe(self) -> dict[str, Any]:
         """What this run is: its pipeline's fingerprint, owner count, world size, first step."""
@@ -287,8 +304,18 @@ def coordinator_handle(
     ray = _ray()
     ship_user_code(spec)
     actor = ray.remote(CoordinatorActor)
+    # On this process's node, not on an owner's: losing an owner's node then costs that owner,
+    # which is replaced, never the coordinator with it. (Not soft: Ray's soft affinity moves an
+    # actor off a node whose CPUs are all taken, even one that asks for none.)
+    here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+        node_id=ray.get_runtime_context().get_node_id(), soft=False
+    )
     handle = actor.options(
-        name=name, get_if_exists=True, num_cpus=0, max_concurrency=OWNER_CONCURRENCY
+        name=name,
+        get_if_exists=True,
+        num_cpus=0,
+        max_concurrency=OWNER_CONCURRENCY,
+        scheduling_strategy=here,
     ).remote(
         spec,
         owners,

@@ -47,7 +47,8 @@ class OwnedLoader:
     lanes' last snapshot, gathered every ``snapshot_every`` steps; ``checkpoint()`` gathers
     every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``).
     A resumed owner verifies its lanes' first windows against ``state`` (``verify_resume``, as
-    ``zf.Loader``'s), and a replaced one against the snapshot it restarts from.
+    ``zf.Loader``'s), and a replaced one against the snapshot it restarts from. An owner that
+    no node can place within ``start_timeout`` seconds is an error naming it and its lanes.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class OwnedLoader:
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
         verify_resume: bool = True,
+        start_timeout: float = 120.0,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
@@ -95,6 +97,7 @@ class OwnedLoader:
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
             verify_resume=verify_resume,
+            start_timeout=start_timeout,
         )
         start = None if state is None else to_loader_state(state)
         self._prefetch, self._timeout, self._clock = prefetch, timeout, clock
@@ -257,6 +260,10 @@ class OwnedLoader:
     def owner_pids(self) -> list[int]:
         """The process id of each owner (for fault tests and monitoring)."""
         return [int(self._call(h.pid.remote())) for h in self._table.handles]
+
+    def owner_nodes(self) -> list[str]:
+        """The id of the Ray node each owner runs on (for monitoring and node-loss tests)."""
+        return [str(self._call(h.node.remote())) for h in self._table.handles]
 
     def close(self) -> None:
         if self._closed:

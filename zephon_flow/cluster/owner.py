@@ -50,6 +50,10 @@ class OwnerOptions:
     allow_code_change: bool = False
     #: Verify a restored lane's first window against the check its state recorded.
     verify_resume: bool = True
+    #: How long an owner (or its replacement) may take to be placed on a node and build its
+    #: lanes before it counts as not startable (seconds): a cluster without the resources for
+    #: it is reported, not waited on for ever.
+    start_timeout: float = 120.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -63,6 +67,9 @@ class OwnerOptions:
                 raise SpecError(f"lane owners: {name} must be a positive integer, got {value!r}")
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 0:
             raise SpecError(f"lane owners: keep must be an integer >= 0, got {self.keep!r}")
+        timeout = self.start_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise SpecError(f"lane owners: start_timeout must be a number of seconds > 0, got {timeout!r}")
 
 
 @dataclass(frozen=True)
