@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Corpus, example_spec
+from helpers import Corpus, DocKey, chain_spec, example_spec, write_jsonl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +122,23 @@ def test_zephon_verify_checks_a_schedules_checkpoint(spec: zf.LoaderSpec) -> Non
     global_digests(spec, steps=6, world_size=2, final_state=final)  # step 6: inside the change
     verdicts = verify_state(spec, zf.encode_state(final[0]))
     assert [v.verdict for v in verdicts] == [OK] * LANES and {v.step for v in verdicts} == {6}
+
+
+def test_a_finite_pass_under_a_ramp_delivers_every_record_once(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [f"web {i} x" for i in range(101)])
+    base = chain_spec(path, ("key", DocKey()), lanes=LANES, global_batch_size=LANES, epochs=1)
+    spec = zf.LoaderSpec(
+        base.build, lanes=LANES, global_batch_size={0: 4, 3: zf.Ramp(start=8, stop=24, steps=4)}
+    )
+    batches = list(global_batches(spec, steps=100))
+    assert [(len(b["doc"]), int(b["valid"].sum())) for _, b in batches][-3:] == [(16, 16), (24, 24), (24, 17)]
+    real = sorted(int(doc) for _, b in batches for doc, ok in zip(b["doc"], b["valid"], strict=True) if ok)
+    assert real == list(range(101))
+    digests = [(s, zf.batch_digest(b)) for s, b in batches]
+    assert global_digests(spec, steps=100, world_size=4, backend="threads", workers=2) == digests
+    final: list[dict[str, Any]] = []
+    head = global_digests(spec, steps=4, world_size=2, final_state=final)
+    assert head + global_digests(spec, steps=100, world_size=4, state=zf.encode_state(final[0])) == digests
 
 
 def test_a_size_the_lanes_do_not_divide_is_refused_naming_the_step(fixed: zf.LoaderSpec) -> None:
