@@ -7,14 +7,10 @@ import os
 from types import ModuleType
 from typing import Any
 
-from zephon_flow.core.errors import SpecError
+from zephon_flow.core.errors import RayUnavailableError
 
 #: What a user runs when Ray is missing.
 RAY_INSTALL_HINT = "pip install 'zephon-flow[ray]'"
-
-
-class RayUnavailableError(SpecError):
-    """Ray is not installed, or the cluster at the given address cannot be reached."""
 
 
 def require_ray(feature: str) -> ModuleType:

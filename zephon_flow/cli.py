@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from zephon_flow import __version__
-from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.errors import SpecError, UsageError, ZephonError
 from zephon_flow.engine.balance import COSTS as BALANCE_COSTS
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.progress import Progress
@@ -32,10 +32,6 @@ from zephon_flow.runners.backends.base import BACKENDS
 logger = logging.getLogger("zephon_flow.cli")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
-
-
-class UsageError(SpecError):
-    """The command line itself is wrong: exit code 2, like argparse's own errors."""
 
 
 def _import_file(module_name: str) -> Any:

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imported from here
+from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.loader import apply_mix_change, checked_mix_change, refused_mix_step, restore_lanes
@@ -29,10 +30,6 @@ from zephon_flow.engine.spec import LoaderSpec
 #: Owners asked at once for their snapshots (a gather is bounded by the slowest of a batch).
 GATHER_THREADS = 16
 _T = TypeVar("_T")
-
-
-class OwnerLostError(ZephonError, RuntimeError):
-    """A lane owner died and could not be replaced; the message names its lanes and the step."""
 
 
 def plan_owners(lanes: int, owners: int) -> list[list[int]]:

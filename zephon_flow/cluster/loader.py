@@ -12,10 +12,10 @@ import numpy as np
 
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
-from zephon_flow.cluster.owner import OwnerError, OwnerOptions
+from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.core.batches import VALID_FIELD, Batch, concat
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
-from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.state import LoaderState, to_loader_state
 from zephon_flow.engine.spec import LoaderSpec
@@ -25,11 +25,6 @@ from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_
 def default_name(spec: LoaderSpec) -> str:
     """The coordinator's Ray actor name for ``spec`` when none is given."""
     return f"zephon-owners-{spec.fingerprint['total'][:16]}"
-
-
-class CoordinatorLostError(ZephonError, RuntimeError):
-    """The lane owners' coordinator failed to start or died; its owners end with it, so the run
-    resumes from its last checkpoint (the message names the coordinator and the call)."""
 
 
 class OwnedLoader:

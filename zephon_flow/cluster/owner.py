@@ -19,7 +19,8 @@ from typing import Any
 
 from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout
-from zephon_flow.core.errors import SpecError, ZephonError
+from zephon_flow.core.errors import OwnerError as OwnerError  # also imported from here
+from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.resume_check import MadeWindow, WindowCheck
 from zephon_flow.core.state import LaneState, LoaderState
@@ -28,10 +29,6 @@ from zephon_flow.engine.loader import apply_mix_change, build_lane_runners, rest
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.streams import CHUNK_RECORDS
-
-
-class OwnerError(ZephonError, RuntimeError):
-    """A lane owner's pipeline failed, or a step it was asked for is no longer held."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,6 +3,8 @@
     ZephonError
      +-- SpecError            the pipeline, the spec or a topology is invalid (before any work)
      |    +-- UnsupportedTransformError   the runner cannot run a transform of the graph
+     |    +-- UsageError                  the command line is wrong (the CLI exits 2)
+     |    +-- RayUnavailableError         Ray is not installed, or its cluster cannot be reached
      +-- DataError            bad input: names the file, the offset or row, and the operator
      +-- StageError           a DoFn raised; carries the worker's traceback
      |    +-- WorkerLostError         a worker process died on the same chunk too many times
@@ -19,6 +21,9 @@
           +-- RecipeMismatchError         a recipe restore did not give back the saved sequences
           +-- ResumeMismatchError         a restored lane's first window is not the one recorded
      +-- ServiceError         the batch service refused a call or failed (carries its message)
+     +-- OwnerError           a lane owner's pipeline failed, or a step it no longer holds was asked
+     +-- OwnerLostError       a lane owner died and could not be replaced (names lanes and step)
+     +-- CoordinatorLostError the lane owners' coordinator failed to start or died
 
 Every class also derives from the builtin a caller would naturally catch (``ValueError``
 for invalid input, ``RuntimeError`` for failures while running).
@@ -114,14 +119,39 @@ class ServiceError(ZephonError, RuntimeError):
         self.code = code
 
 
+class UsageError(SpecError):
+    """The command line itself is wrong: exit code 2, like argparse's own errors."""
+
+
+class RayUnavailableError(SpecError):
+    """Ray is not installed, or the cluster at the given address cannot be reached."""
+
+
+class OwnerError(ZephonError, RuntimeError):
+    """A lane owner's pipeline failed, or a step it was asked for is no longer held."""
+
+
+class OwnerLostError(ZephonError, RuntimeError):
+    """A lane owner died and could not be replaced; the message names its lanes and the step."""
+
+
+class CoordinatorLostError(ZephonError, RuntimeError):
+    """The lane owners' coordinator failed to start or died; its owners end with it, so the run
+    resumes from its last checkpoint (the message names the coordinator and the call)."""
+
+
 __all__ = [
     "ChunkTimeoutError",
+    "CoordinatorLostError",
     "CorruptStateError",
     "DataError",
     "FingerprintMismatchError",
     "FormatVersionError",
     "LaneCountMismatchError",
+    "OwnerError",
+    "OwnerLostError",
     "RankLostError",
+    "RayUnavailableError",
     "RecipeMismatchError",
     "RecipeRefusedError",
     "ResumeMismatchError",
@@ -131,6 +161,7 @@ __all__ = [
     "StateConflictError",
     "StateError",
     "UnsupportedTransformError",
+    "UsageError",
     "WorkerLostError",
     "ZephonError",
 ]
