@@ -344,10 +344,6 @@ def test_serve_takes_ahead_held_bytes_and_the_former_window_flag(
     target = f"{pipeline_file}:spec"
     assert main(["serve", target, "--port", "0", "--ahead", "5", "--held-bytes", "2MiB"]) == 0
     assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (5, 2 << 20)
-    with caplog.at_level("WARNING", logger="zephon_flow"):
-        assert main(["serve", target, "--port", "0", "--window", "6", "--window-bytes", "1000"]) == 0
-    assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (6, 1000)
-    assert "zephon serve: --window is now --ahead (the old name still works)" in caplog.messages
     assert main(["serve", target, "--port", "0"]) == 0
     assert (started[-1]._held.ahead, started[-1]._held.max_bytes) == (32, None)
     for srv in started:

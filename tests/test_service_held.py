@@ -4,7 +4,6 @@ topology changes, timeouts on a manual clock."""
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import numpy as np
 import pytest
@@ -273,15 +272,3 @@ def test_waits_run_on_the_injected_clock() -> None:
     assert held.wait_for_room(stop_after_three) is False
     assert [round(b - a, 6) for a, b in itertools.pairwise(polls)] == [0.2, 0.2, 0.2]
 
-
-def test_the_former_names_still_import_with_a_warning() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from zephon_flow.service import window as former
-
-        assert former.StepWindow is HeldSteps
-        assert former.WindowError is HeldStepsError
-    assert [str(w.message) for w in caught] == [
-        "zephon_flow.service.window.StepWindow is now zephon_flow.service.held.HeldSteps",
-        "zephon_flow.service.window.WindowError is now zephon_flow.service.held.HeldStepsError",
-    ]

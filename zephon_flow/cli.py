@@ -378,16 +378,6 @@ POSITIVE = _int_from(1)
 NON_NEGATIVE = _int_from(0)
 
 
-def _ahead(args: argparse.Namespace) -> int:
-    """``--ahead``, or its former name ``--window`` (with a notice); 32 if neither is given."""
-    if args.window is not None:
-        if args.ahead is not None:
-            raise UsageError("zephon serve: --window is the former name of --ahead: give only --ahead")
-        logger.warning("zephon serve: --window is now --ahead (the old name still works)")
-        return int(args.window)
-    return 32 if args.ahead is None else int(args.ahead)
-
-
 _SIZE_UNITS = {
     "": 1,
     "B": 1,
@@ -420,7 +410,6 @@ def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.auth import read_token
     from zephon_flow.service.server import BatchServer, serve_forever
 
-    args.ahead = _ahead(args)
     if args.ray and args.balance is not None:
         raise UsageError(
             "zephon serve: --balance is not supported with --ray (lane owners send each rank the rows "
@@ -629,14 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--ahead",
         type=POSITIVE,
-        default=None,
+        default=32,
         metavar="N",
         help="steps produced ahead of the slowest rank (default 32)",
     )
-    s.add_argument("--window", type=POSITIVE, default=None, help=argparse.SUPPRESS)  # --ahead's former name
     s.add_argument(
         "--held-bytes",
-        "--window-bytes",
         type=_byte_size,
         default=None,
         metavar="SIZE",

@@ -15,8 +15,7 @@ rank that has not connected yet holds production back, as it would hold back tra
 the world size can change only while no rank is connected.
 
 (*Window* is the runner's word for a lane's outputs of one step; the service says *held
-steps* and *ahead*. ``service/window.py`` still answers to the names this had before,
-``StepWindow`` and ``WindowError``, with a deprecation warning.)
+steps* and *ahead*.)
 """
 
 from __future__ import annotations

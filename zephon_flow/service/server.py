@@ -9,7 +9,6 @@ import os
 import re
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent import futures
@@ -150,7 +149,6 @@ class BatchServer:
         keep_checkpoints: int = 3,
         stream_timeout: float = 300.0,
         chunk_timeout: float = 300.0,
-        window: int | None = None,
         verify_resume: bool = True,
         allow_mix_change: bool = False,
         allow_batch_change: bool = False,
@@ -158,9 +156,6 @@ class BatchServer:
     ) -> None:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
         # streams, listen.
-        if window is not None:
-            warnings.warn("BatchServer(window=) is now BatchServer(ahead=)", DeprecationWarning, stacklevel=2)
-            ahead = window
         _check_options(
             ahead=ahead,
             keep=keep,
