@@ -301,11 +301,39 @@ def test_zephon_serve_ray_refuses_the_flag(capsys: pytest.CaptureFixture[str]) -
     assert "--allow-batch-change is not supported with --ray" in capsys.readouterr().err
 
 
+def test_materialize_through_beam_writes_the_loaders_batches(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [f"web {i} x" for i in range(61)])
+    base = chain_spec(path, ("key", DocKey()), lanes=LANES, global_batch_size=LANES, epochs=1)
+    spec = zf.LoaderSpec(
+        base.build, lanes=LANES, global_batch_size={0: 4, 2: zf.Ramp(start=8, stop=16, steps=2)}
+    )
+    expected = [zf.batch_digest(b) for _, b in global_batches(spec, steps=100)]
+    done = zf.materialize(spec, steps=100, out=str(tmp_path / "out"))
+    assert (
+        done.ended
+        and [zf.batch_digest(b) for _, b in zf.read_materialized(str(tmp_path / "out"))] == expected
+    )
+
+
+def test_a_mixture_moving_by_step_under_a_ramp_is_the_same_everywhere(corpus: Corpus, tmp_path: Path) -> None:
+    # The Mix's weights move with the step, so where the sizes cut a lane's outputs decides
+    # each draw: every way of running the lanes must cut them alike (Beam's fused lane stage).
+    from test_conformance import text_mix
+
+    base = text_mix(corpus, tmp_path, epochs=1, schedule=True)
+    spec = zf.LoaderSpec(
+        base.build, lanes=LANES, seed=7, global_batch_size=zf.Ramp(start=4, stop=16, steps=6)
+    )
+    expected = [(s, zf.batch_digest(b)) for s, b in global_batches(spec, steps=1000)]
+    fixed = zf.LoaderSpec(base.build, lanes=LANES, seed=7, global_batch_size=4)
+    assert expected[:2] == global_digests(fixed, steps=2)  # the first steps: the same 4 rows each
+    assert expected[3] not in global_digests(fixed, steps=12)  # later: the draws moved with the sizes
+    assert global_digests(spec, steps=1000, world_size=4, backend="threads", workers=2) == expected
+    zf.materialize(spec, steps=1000, out=str(tmp_path / "out"))
+    assert [(s, zf.batch_digest(b)) for s, b in zf.read_materialized(str(tmp_path / "out"))] == expected
+
+
 def test_the_paths_without_schedules_refuse_them_by_name(spec: zf.LoaderSpec) -> None:
-    with pytest.raises(
-        zf.SpecError, match=r"GlobalBatches \(zephon materialize, the Beam translation\) takes one"
-    ):
-        zf.GlobalBatches(spec)
     with pytest.raises(zf.SpecError, match=r"not yet on lane owners \(zephon_flow.cluster"):
         zf.cluster.OwnedLoader(spec, rank=0, world_size=1, lane_owners=1)
 

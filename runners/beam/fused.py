@@ -20,6 +20,7 @@ from apache_beam.coders import PickleCoder
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
 from zephon_flow.core.markers import DocId
+from zephon_flow.core.schedule import WindowLengths, window_step
 from zephon_flow.runners.beam.mix import MixDraw, MixLane
 from zephon_flow.runners.beam.pieces import END, Piece, SourceChunk
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, StatelessInvoker, dofn_errors
@@ -43,7 +44,7 @@ class LaneStage(beam.DoFn):  # type: ignore[misc]
 
     STATE = ReadModifyWriteStateSpec("zephon_lane", PickleCoder())
 
-    def __init__(self, draw: MixDraw, back: list[BackStage], *, per_lane: int) -> None:
+    def __init__(self, draw: MixDraw, back: list[BackStage], *, per_lane: int | WindowLengths) -> None:
         super().__init__()
         self._draw, self._back, self._per_lane = draw, back, per_lane
         self._stages: list[StatelessInvoker | StatefulInvoker] = []
@@ -75,7 +76,7 @@ class LaneStage(beam.DoFn):  # type: ignore[misc]
             }
             out: list[tuple[Any, DocId | None]] = []
             while True:
-                what, record = self._draw.next(lane, st.mix, st.outputs // self._per_lane)
+                what, record = self._draw.next(lane, st.mix, window_step(self._per_lane, st.outputs))
                 if what != "record":
                     break
                 doc, values = record

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import apache_beam as beam
 
+from zephon_flow.core.schedule import WindowLengths
 from zephon_flow.runners.beam.fused import BackStage, LaneStage
 from zephon_flow.runners.beam.mix import MixDraw, MixStage
 from zephon_flow.runners.beam.order import OrderedStage, StatelessStage
@@ -48,7 +49,8 @@ class Translation:
 
     lanes: int
     seed: int
-    per_lane: int
+    #: A lane's window length, or by step under a batch size schedule (``WindowLengths``).
+    per_lane: int | WindowLengths
     passes: int = 1
     chunk_records: int = 64
 

@@ -20,6 +20,7 @@ from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
 from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout, stack
+from zephon_flow.core.schedule import WindowLengths, window_length
 from zephon_flow.runners.beam.order import Resequencer
 from zephon_flow.runners.beam.pieces import END, LaneWindow, Piece
 
@@ -39,9 +40,9 @@ class LaneWindows(beam.DoFn):  # type: ignore[misc]
 
     STATE = ReadModifyWriteStateSpec("zephon_windows", PickleCoder())
 
-    def __init__(self, per_lane: int) -> None:
+    def __init__(self, per_lane: int | WindowLengths) -> None:
         super().__init__()
-        self._per_lane = per_lane
+        self._per_lane = per_lane  # a length, or each step's (a batch size schedule)
 
     def process(
         self, element: tuple[int, Piece], state: Any = beam.DoFn.StateParam(STATE)
@@ -55,7 +56,7 @@ class LaneWindows(beam.DoFn):  # type: ignore[misc]
                 if not st.seen:
                     st.layout, st.seen = SampleLayout.of(value), True
                 st.partial.append(value)
-                if len(st.partial) == self._per_lane:
+                if len(st.partial) == window_length(self._per_lane, st.step):
                     yield st.step, LaneWindow(lane, st.partial, st.layout)
                     st.step, st.partial = st.step + 1, []
             if ready.stop == END and st.partial:
@@ -68,7 +69,7 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
     """``(step, windows) -> (step, global batch)``, the lanes' windows in lane order, padded as
     every way of running lanes pads (``core/assemble.py``)."""
 
-    def __init__(self, *, lanes: int, per_lane: int, finite: bool, padding: Any) -> None:
+    def __init__(self, *, lanes: int, per_lane: int | WindowLengths, finite: bool, padding: Any) -> None:
         super().__init__()
         self._lanes, self._per_lane, self._finite, self._padding = lanes, per_lane, finite, padding
 
@@ -76,9 +77,10 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
         step, windows = element
         by_lane = {lane: (samples, layout) for lane, samples, layout in windows}
         where = f"global batch {step}"
+        per_lane = window_length(self._per_lane, step)
         if not self._finite:
             # Past the passes read some lane's window is not whole: that step is not made.
-            if len(by_lane) == self._lanes and all(len(s) == self._per_lane for s, _ in by_lane.values()):
+            if len(by_lane) == self._lanes and all(len(s) == per_lane for s, _ in by_lane.values()):
                 yield step, stack([v for lane in range(self._lanes) for v in by_lane[lane][0]], where=where)
         else:
             empty: tuple[list[Any], SampleLayout | None] = ([], None)
@@ -90,7 +92,7 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
                     [window for window, _ in lanes],
                     [(lane, layout) for lane, (_, layout) in enumerate(lanes)],
                     rows=slice(None),
-                    per_lane=self._per_lane,
+                    per_lane=per_lane,
                     finite=True,
                     padding=self._padding,
                 ),

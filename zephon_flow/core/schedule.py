@@ -182,3 +182,41 @@ def as_schedule(value: Any) -> BatchSchedule:
     if isinstance(value, int) and value < 1:
         raise SpecError(f"global_batch_size must be a positive integer, got {value!r}")
     return BatchSchedule(value)
+
+
+@dataclass(frozen=True)
+class WindowLengths:
+    """Each lane's window length by step under ``schedule`` with ``lanes`` lanes (a picklable
+    callable, for runners that cut a lane's outputs into windows): ``self(step)`` is
+    ``size(step) / lanes``; ``step_of(n)`` is the step whose window holds the lane's output
+    ``n`` (counted from 0)."""
+
+    schedule: BatchSchedule
+    lanes: int
+    _outputs: tuple[int, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        changes, before, outputs = self.schedule.changes, 0, []
+        for i, (step, size) in enumerate(changes):  # a lane's outputs before each change
+            outputs.append(before)
+            if i + 1 < len(changes):
+                before += (changes[i + 1][0] - step) * (size // self.lanes)
+        object.__setattr__(self, "_outputs", tuple(outputs))
+
+    def __call__(self, step: int) -> int:
+        return self.schedule.size(step) // self.lanes
+
+    def step_of(self, n: int) -> int:
+        i = bisect.bisect_right(self._outputs, n) - 1
+        step, size = self.schedule.changes[i]
+        return step + (n - self._outputs[i]) // (size // self.lanes)
+
+
+def window_length(per_lane: int | WindowLengths, step: int) -> int:
+    """A lane's window length at ``step``: ``per_lane`` itself for a fixed size."""
+    return per_lane if isinstance(per_lane, int) else per_lane(step)
+
+
+def window_step(per_lane: int | WindowLengths, n: int) -> int:
+    """The step whose window holds a lane's output ``n``: ``n // per_lane`` for a fixed size."""
+    return n // per_lane if isinstance(per_lane, int) else per_lane.step_of(n)

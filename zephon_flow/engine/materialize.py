@@ -26,6 +26,7 @@ from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 from zephon_flow.core.batches import RAGGED_FIELDS, Batch
 from zephon_flow.core.errors import DataError, SpecError, StageError
 from zephon_flow.core.files import atomic_write
+from zephon_flow.core.schedule import WindowLengths
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.beam import Translation, translate
 
@@ -131,9 +132,10 @@ class GlobalBatches(beam.PTransform):  # type: ignore[misc]
         self._how = Translation(
             lanes=spec.lanes,
             seed=spec.seed,
-            # Its windows are fixed-size (runners/beam/windows.py): a schedule is refused by name.
-            per_lane=spec.fixed_batch_size("GlobalBatches (zephon materialize, the Beam translation)")
-            // spec.lanes,
+            # Under a batch size schedule the windows' length by step.
+            per_lane=spec.per_lane
+            if spec.batch_schedule.constant is not None
+            else WindowLengths(spec.batch_schedule, spec.lanes),
             passes=passes,
             chunk_records=chunk_records,
         )

@@ -103,10 +103,10 @@ class LoaderSpec:
             raise SpecError(
                 f"{what} takes one fixed global batch size, but this spec's global_batch_size is a "
                 f"schedule ({self.batch_schedule!r}); schedules run on zf.Loader, "
-                f"zephon_flow.torch.ZephonDataset and zephon serve with zf.Client, not yet on lane "
-                f"owners (zephon_flow.cluster, zephon serve --ray), the Beam translation "
-                f"(zephon materialize) or the trainer integrations: use one of those, or an int "
-                f"global_batch_size"
+                f"zephon_flow.torch.ZephonDataset, zephon serve with zf.Client and the Beam "
+                f"translation (zephon materialize), not yet on lane owners (zephon_flow.cluster, "
+                f"zephon serve --ray) or the trainer integrations (ZephonTrainer, torchtitan): use "
+                f"one of the former, or an int global_batch_size"
             )
         return size
 
