@@ -518,7 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"zephon-flow {__version__}")
     _common(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_digest, _add_diff, _add_inspect, add_verify_command, _add_demo, _add_materialize):
+        add(sub)
+    _add_serve(sub)
+    add_mix_command(sub)
+    return parser
 
+
+def _add_digest(sub: Any) -> None:
+    """``zephon digest``."""
     d = add_command(sub, "digest", _digest, "print STEP SHA256 for each global batch")
     d.add_argument("target", metavar="MODULE:SPEC")
     d.add_argument("--steps", type=NON_NEGATIVE, required=True)
@@ -531,10 +539,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--save-state", help="write the merged checkpoint after the last step here")
     d.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
 
+
+def _add_diff(sub: Any) -> None:
+    """``zephon diff``."""
     f = add_command(sub, "diff", _diff, "name the first step where two digest files differ")
     f.add_argument("a")
     f.add_argument("b")
 
+
+def _add_inspect(sub: Any) -> None:
+    """``zephon inspect``."""
     i = add_command(
         sub,
         "inspect",
@@ -556,8 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.add_argument("--no-progress", action="store_true", help="no progress bar (shown on a terminal)")
 
-    add_verify_command(sub)
 
+def _add_demo(sub: Any) -> None:
+    """``zephon demo``."""
     m = add_command(sub, "demo", _demo, "build a small real corpus and show elastic determinism")
     m.add_argument(
         "--steps", type=_int_from(2), default=300, help="at least 2: it resumes halfway (default 300)"
@@ -565,6 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", choices=BACKENDS, default="processes")
     m.add_argument("--workers", type=POSITIVE, default=2)
 
+
+def _add_materialize(sub: Any) -> None:
+    """``zephon materialize``."""
     z = add_command(
         sub,
         "materialize",
@@ -580,6 +598,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--passes", type=POSITIVE, default=1, help="passes of each endless source to read (default 1)"
     )
 
+
+def _add_serve(sub: Any) -> None:
+    """``zephon serve``: what it serves and from where, then its held steps, its guard, its checkpoints and Ray."""
     s = add_command(sub, "serve", _serve, "serve every rank its slice of each global batch over gRPC")
     s.add_argument("target", metavar="MODULE:SPEC")
     s.add_argument(
@@ -615,6 +636,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --resume: accept a checkpoint whose pipeline differs only in its global_batch_size "
         "(an int or a schedule); the new sizes apply from the checkpoint's step on",
     )
+    _serve_holding(s)
+    _serve_guard(s)
+    _serve_checkpoints(s)
+    _serve_ray(s)
+    s.set_defaults(func=_serve)
+
+
+def _serve_holding(s: argparse.ArgumentParser) -> None:
+    """``zephon serve``: the steps it holds for the ranks."""
     s.add_argument(
         "--ahead",
         type=POSITIVE,
@@ -633,9 +663,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--keep", type=NON_NEGATIVE, default=8, help="steps held behind the slowest rank, for reconnects"
     )
+
+
+def _serve_guard(s: argparse.ArgumentParser) -> None:
+    """``zephon serve``: its token and TLS."""
     s.add_argument("--token-file", help="shared token required on every call (default: $ZEPHON_TOKEN)")
     s.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS")
     s.add_argument("--tls-key", help="PEM private key of --tls-cert")
+
+
+def _serve_checkpoints(s: argparse.ArgumentParser) -> None:
+    """``zephon serve``: its checkpoints and timeouts."""
     s.add_argument(
         "--checkpoint-every",
         type=POSITIVE,
@@ -663,6 +701,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="a stateless call running longer than this fails the pipeline (default 300)",
     )
+
+
+def _serve_ray(s: argparse.ArgumentParser) -> None:
+    """``zephon serve --ray``: lanes on Ray lane owners."""
     s.add_argument(
         "--ray-address",
         "--address",
@@ -681,9 +723,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="with --ray: dead owners replaced over the run before it stops with status 3 (default 3)",
     )
-    s.set_defaults(func=_serve)
-    add_mix_command(sub)
-    return parser
 
 
 def configure_logging(level: str, *, verbose: bool) -> None:
