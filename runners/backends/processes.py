@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import multiprocessing
 import os
 import queue
@@ -245,6 +246,23 @@ def _send_all(worker: _Worker) -> None:
             return
 
 
+def _why_no_start(exc: BaseException) -> str:
+    """What a failed worker start means, by its error: the system refused a process, or the
+    forkserver died while it started one."""
+    what = f"{type(exc).__name__}: {exc}" if not isinstance(exc, OSError) or not exc.strerror else str(exc)
+    if isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.ENOMEM):
+        return (
+            f"{what}. The system refused a new process: too many processes for this user or "
+            f"container (ulimit -u, the pids cgroup limit) or too little memory; lower "
+            f"Loader(workers=...) or make room"
+        )
+    if isinstance(exc, ConnectionError | EOFError | FileNotFoundError):
+        return (
+            f"{what}. multiprocessing's forkserver, which starts the workers, died while it started this one"
+        )
+    return what
+
+
 def _start_failure_message(note: str, count: int) -> str:
     return (
         f"worker processes die as they start: {count} in a row, none of them ready to run the "
@@ -287,14 +305,23 @@ class ProcessBackend:
         self._numbers = 0
         self._closing = False
         self._broken: Failure | None = None
+        #: Why no worker can be started (set with ``_broken``): each chunk's failure names it.
+        self._cannot_start: str | None = None
         self._start_failures = 0  # workers in a row that died before they were ready
         # The first workers are forked from this process when it is single-threaded (see
         # ``can_fork``), all before any thread of ours starts; replacements come from the
         # forkserver (by then the dispatcher runs).
         fork = multiprocessing.get_context("fork") if can_fork() else None
         self._workers: list[_Worker] = []
-        for _ in range(workers):
-            self._workers.append(self._start_worker(fork, sender=False))
+        try:
+            for _ in range(workers):
+                self._workers.append(self._start_worker(fork, sender=False))
+        except Exception as exc:
+            self._stop_started()
+            raise WorkerLostError(
+                f"the processes backend cannot start worker {len(self._workers)} of {workers} "
+                f"for {self._dofns()}: {_why_no_start(exc)}"
+            ) from exc
         for worker in self._workers:
             _start_sender(worker)
         self._thread = threading.Thread(target=self._dispatch, name="zephon-workers", daemon=True)
@@ -309,8 +336,12 @@ class ProcessBackend:
             if self._closing:
                 future.cancel()
                 return future
-            self._pending.append(Task(self._next_id, chunk, future, lane))
+            task = Task(self._next_id, chunk, future, lane)
             self._next_id += 1
+            if self._broken is not None:  # no dispatcher may be left to settle it
+                self._fail(task)
+                return future
+            self._pending.append(task)
             wake, self._woken = not self._woken, True
         if wake:  # one wake-up in the pipe is enough: the dispatcher takes every pending chunk
             self._wake()
@@ -369,8 +400,13 @@ class ProcessBackend:
             name=f"zephon-worker-{self._numbers}",
             daemon=True,
         )
-        process.start()
-        child.close()
+        try:
+            process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
         worker = _Worker(self._numbers, process, parent, progress)
         self._numbers += 1
         if sender:
@@ -381,12 +417,53 @@ class ProcessBackend:
         try:
             self._serve()
         except Exception as exc:  # a bug here must fail the loader, not hang it
-            self._broken = Failure.of(exc, f"the processes backend's dispatcher failed: {exc}")
+            self._break(Failure.of(exc, f"the processes backend's dispatcher failed: {exc}"))
             for worker in self._workers:
                 for task in worker.tasks.values():
-                    settle(task.future, self._broken)
+                    self._fail(task)
             for task in self._drain():
-                settle(task.future, self._broken)
+                self._fail(task)
+
+    def _break(self, failure: Failure, cannot_start: str | None = None) -> None:
+        """Marks the backend broken (the first cause stays): from now on every chunk waiting
+        for a worker and every chunk submitted fails with ``failure`` (or, when no worker can
+        be started, a ``WorkerLostError`` naming the chunk and ``cannot_start``)."""
+        with self._lock:
+            if self._broken is None:
+                self._broken, self._cannot_start = failure, cannot_start
+
+    def _fail(self, task: Task) -> None:
+        """Settles ``task`` with the reason the backend is broken."""
+        assert self._broken is not None
+        if self._cannot_start is None:
+            settle(task.future, self._broken)
+            return
+        where = ""
+        if task.chunk:
+            index, record = task.chunk[0]
+            where = f" (from {record.path} {record.where}, via {self._segment.sources[index].operator_name})"
+        message = (
+            f"lane {task.lane}: the processes backend cannot run a chunk of {len(task.chunk)} "
+            f"record(s){where} through {self._dofns()}: {self._cannot_start}. Chunks already "
+            f"on a live worker finish; every other chunk fails."
+        )
+        settle(task.future, Failure.of(WorkerLostError(message)))
+
+    def _dofns(self) -> str:
+        labels = [step.label for step in self._segment.stages]
+        if not labels:
+            return "its sources' decode"
+        return ("DoFn " if len(labels) == 1 else "DoFns ") + ", ".join(map(repr, labels))
+
+    def _stop_started(self) -> None:
+        """Kills the workers started so far (a constructor that cannot start them all)."""
+        self._alive_w.close()
+        for worker in self._workers:
+            worker.process.kill()
+            worker.process.join(timeout=CLOSE_GRACE)
+            worker.conn.close()
+        for conn in (self._alive_r, self._wake_r, self._wake_w):
+            conn.close()
 
     def _serve(self) -> None:
         # One poll object for the wake-up pipe and every worker's pipe and sentinel, rebuilt
@@ -428,7 +505,7 @@ class ProcessBackend:
     def _assign(self) -> None:
         if self._broken is not None:
             for task in self._drain():
-                settle(task.future, self._broken)
+                self._fail(task)
             return
         for worker in breadth_first(self._workers, lambda w: len(w.tasks), PER_WORKER):
             with self._lock:
@@ -450,9 +527,9 @@ class ProcessBackend:
             while _has_input(worker.conn):
                 task_id, result = oob.recv(worker.conn)
                 if task_id == -1:  # the worker could not install the DoFns: no worker can
-                    self._broken = result
+                    self._break(result)
                     for task in [*worker.tasks.values(), *self._drain()]:
-                        settle(task.future, result)
+                        self._fail(task)
                     worker.tasks.clear()
                     return
                 if task_id in worker.tasks:
@@ -501,8 +578,8 @@ class ProcessBackend:
             self._start_failures = 0
         else:
             self._start_failures += 1
-            if self._start_failures >= START_ATTEMPTS and self._broken is None:
-                self._broken = Failure.of(WorkerLostError(_start_failure_message(note, self._start_failures)))
+            if self._start_failures >= START_ATTEMPTS:
+                self._break(Failure.of(WorkerLostError(_start_failure_message(note, self._start_failures))))
         running, where = self._running(worker)
         again: list[Task] = []
         for task in sorted(worker.tasks.values(), key=lambda t: t.id):
@@ -528,7 +605,11 @@ class ProcessBackend:
             self._pending.extendleft(reversed(again))
             if self._closing or self._broken is not None:
                 return
-        self._workers.append(self._start_worker())
+        try:
+            self._workers.append(self._start_worker())
+        except Exception as exc:  # a refused fork, a forkserver that died while starting it
+            why = f"{note}, and a worker to replace it cannot be started: {_why_no_start(exc)}"
+            self._break(Failure.of(WorkerLostError(why)), cannot_start=why)
 
     def _next_deadline(self) -> float | None:
         starts = [float(w.progress[_STARTED]) for w in self._workers if w.progress[_TASK] != _IDLE]
@@ -550,7 +631,8 @@ class ProcessBackend:
                 f"Loader(chunk_timeout=...) if such records legitimately take this long."
             )
             worker.process.join(timeout=CLOSE_GRACE)
-            self._replace(worker, "killed", failed=task, error=Failure.of(ChunkTimeoutError(message)))
+            note = f"worker {worker.number} (pid {worker.process.pid}) was killed past chunk_timeout"
+            self._replace(worker, note, failed=task, error=Failure.of(ChunkTimeoutError(message)))
 
     def _orphan(self, tasks: Any) -> None:
         for task in tasks:
