@@ -595,20 +595,24 @@ def serve_forever(server: BatchServer) -> int:
     server.start()
     print(f"zephon serve: listening on {server.host}:{server.port}", flush=True)
     print(f"zephon serve: fingerprint {server.fingerprint}", file=sys.stderr, flush=True)
-    while not done.wait(0.2):
-        if server.failed is not None:
-            print(
-                f"zephon serve: error: the pipeline failed: {server.failed}\n"
-                f"zephon serve: exiting with status {EXIT_PIPELINE_FAILED}; restart with --resume "
-                f"from the last checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-            done.wait(FAILURE_NOTICE_SECONDS)  # streams waiting on held steps get the error
-            server.stop(grace=1.0)
-            return EXIT_PIPELINE_FAILED
+    while server.failed is None and not done.wait(0.2):
+        pass
+    # Read before stopping, whatever ended the wait: a signal that came after a failure (even
+    # before this loop saw it) still exits as a failure, and stopping itself fails nothing.
+    failed = server.failed
+    if failed is None:
+        server.stop(grace=1.0)
+        return 0
+    print(
+        f"zephon serve: error: the pipeline failed: {failed}\n"
+        f"zephon serve: exiting with status {EXIT_PIPELINE_FAILED}; restart with --resume "
+        f"from the last checkpoint",
+        file=sys.stderr,
+        flush=True,
+    )
+    done.wait(FAILURE_NOTICE_SECONDS)  # streams waiting on held steps get the error (unless signalled)
     server.stop(grace=1.0)
-    return 0
+    return EXIT_PIPELINE_FAILED
 
 
 def _embedded_loader(
