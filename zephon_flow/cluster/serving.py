@@ -1,8 +1,10 @@
 """The LaneOwners gRPC service: each owner streams ranks their rows; the coordinator, its table.
 
 An owner's ``StreamRows`` sends rank ``r`` of ``W``, step by step, the rows of ``r``'s slice
-that lie on the owner's lanes, as the batch service's ``BatchChunk`` messages (``wire``); the
-client concatenates the owners' shares in lane order (``zephon_flow.service.fanin``). The
+that lie on the owner's lanes, as the batch service's ``BatchChunk`` messages (``wire``), over
+one long call: the client acknowledges on the call's request stream the step it needs next,
+and the owner sends at most the client's ``window`` steps past it; the client concatenates the
+owners' shares in lane order (``zephon_flow.service.fanin``). The
 coordinator's endpoint (in the ``zephon serve --ray`` process) answers ``Table``, ``Replace``
 and ``Checkpoint`` by asking the coordinator actor. Nothing here holds a batch for long.
 
@@ -36,6 +38,7 @@ from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
+from zephon_flow.service.fanin import ACKS_METADATA
 from zephon_flow.service.rpc import unary_handler
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, encode_step
 
@@ -54,6 +57,51 @@ def _abort(context: grpc.ServicerContext, code: str, message: str) -> NoReturn:
 ASK_SLACK = 24
 #: Requests are small; a larger one is refused before it is read.
 MAX_REQUEST_BYTES = 64 << 10
+
+
+class _Acks:
+    """A ``StreamRows`` call's acknowledgements, read from its request stream by a thread of
+    their own: the owner sends step ``s`` only once the client needs a step past
+    ``s - window`` (so a rank holds at most ``window`` steps it has not taken)."""
+
+    def __init__(self, requests: Iterator[lo.RowsRequest], window: int, first: int) -> None:
+        self._requests, self._window, self._taken = requests, window, first
+        self._cond = threading.Condition()
+        self._ended = False
+        self._thread = threading.Thread(target=self._read, name="zephon-owner-acks", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for request in self._requests:
+                with self._cond:
+                    self._taken = max(self._taken, int(request.taken))
+                    self._cond.notify_all()
+        except Exception:  # the call ended (cancelled, closed): the sender sees it too
+            pass
+        finally:
+            with self._cond:
+                self._ended = True
+                self._cond.notify_all()
+
+    def wait_for(self, step: int, context: grpc.ServicerContext, timeout: float) -> bool:
+        """Waits until ``step`` may be sent; False if no acknowledgement allowed it within
+        ``timeout`` seconds while the call was active."""
+        waited = 0.0
+        with self._cond:
+            while step >= self._taken + self._window:
+                if not context.is_active():
+                    return True  # the caller's loop ends
+                if waited >= timeout:
+                    return False
+                if not self._cond.wait(POLL):
+                    waited += POLL
+        return True
+
+    def close(self) -> None:
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -184,7 +232,7 @@ class OwnerServer:
             serving.host,
             port,
             {
-                "StreamRows": grpc.unary_stream_rpc_method_handler(
+                "StreamRows": grpc.stream_stream_rpc_method_handler(
                     self._stream, request_deserializer=lo.RowsRequest.FromString
                 ),
                 "Live": unary_handler(self._live, lo.LiveRequest, lo.LiveReply),
@@ -251,35 +299,58 @@ class OwnerServer:
                 f"--ray with --resume from a checkpoint of that step",
             )
 
-    def _stream(self, request: lo.RowsRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        owner = self._owner
+    def _stream(self, requests: Iterator[lo.RowsRequest], context: grpc.ServicerContext) -> Iterator[bytes]:
+        request = next(requests, None)
+        if request is None:
+            _abort(context, "INVALID_ARGUMENT", "StreamRows: no RowsRequest was sent")
         rs = self._rank_slice(request, context)
         step, stop = int(request.start_step), int(request.stop_step) or None
         self._check_step(rs.rank, step, context)
         with self._limit.enter(context, f"rank {rs.rank}'s rows of step {step}"):
-            waited = 0.0
-            while context.is_active() and (stop is None or step < stop):
-                try:
-                    part = owner.share(rs, step, timeout=POLL)
-                except OwnerError as exc:
-                    if "no longer held" in str(exc):
-                        _abort(context, "OUT_OF_RANGE", str(exc))
-                    self._fail(context, exc)
-                if part is None:
-                    waited += POLL
-                    if waited >= self._serving.stream_timeout:
+            paced = _Acks(requests, int(request.window), step) if request.window else None
+            if paced is not None:
+                context.send_initial_metadata(((ACKS_METADATA, "1"),))
+            try:
+                while context.is_active() and (stop is None or step < stop):
+                    if paced is not None and not paced.wait_for(step, context, self._serving.stream_timeout):
                         _abort(
                             context,
                             "DEADLINE_EXCEEDED",
-                            f"{owner.name} (lanes {owner.lanes}) did not make step {step} within "
-                            f"{self._serving.stream_timeout:g} s (--stream-timeout): another rank reading "
-                            f"these lanes has stopped taking steps (the owner runs at most "
-                            f"{owner.options.ahead} steps past its slowest reader)",
+                            f"rank {rs.rank} asked for no step past {step - 1} on {self._owner.name} for "
+                            f"{self._serving.stream_timeout:g} s (--stream-timeout): its stream is dropped",
                         )
-                    continue
-                waited = 0.0
-                yield from encode_step(step, part, ahead=owner.options.ahead)
-                step += 1
+                    part = self._part(rs, step, context)
+                    if part is not None:
+                        yield from encode_step(step, part, ahead=self._owner.options.ahead)
+                        step += 1
+            finally:
+                if paced is not None:
+                    paced.close()
+
+    def _part(self, rs: RankSlice, step: int, context: grpc.ServicerContext) -> Any:
+        """``rs``'s rows of ``step`` on this owner (which thereby counts ``step`` as asked for),
+        waiting up to ``--stream-timeout`` for it to be made."""
+        owner, waited = self._owner, 0.0
+        while context.is_active():
+            try:
+                part = owner.share(rs, step, timeout=POLL)
+            except OwnerError as exc:
+                if "no longer held" in str(exc):
+                    _abort(context, "OUT_OF_RANGE", str(exc))
+                self._fail(context, exc)
+            if part is not None:
+                return part
+            waited += POLL
+            if waited >= self._serving.stream_timeout:
+                _abort(
+                    context,
+                    "DEADLINE_EXCEEDED",
+                    f"{owner.name} (lanes {owner.lanes}) did not make step {step} within "
+                    f"{self._serving.stream_timeout:g} s (--stream-timeout): another rank reading "
+                    f"these lanes has stopped taking steps (the owner runs at most "
+                    f"{owner.options.ahead} steps past its slowest reader)",
+                )
+        return None
 
     def _live(self, request: lo.LiveRequest, context: grpc.ServicerContext) -> lo.LiveReply:
         step = int(request.step)

@@ -2,8 +2,9 @@
 
 Used by ``zf.Client(address, ..., lane_owners=True)`` against ``zephon serve --ray
 --lane-owners N``: ``address`` is the coordinator's, which answers the owner table; each owner
-streams this rank its share of every step (``StreamRows``), and the shares, concatenated in
-lane order, are exactly the rank's slice. An owner whose stream breaks is reported to the
+streams this rank its share of every step over one long ``StreamRows`` call, a few steps past
+the step the rank acknowledges on the same call, and the shares, concatenated in lane order,
+are exactly the rank's slice. An owner whose stream breaks is reported to the
 coordinator (``Replace``), which starts a replacement from its lanes' last snapshot; the stream
 is reopened there at the step this rank is at, so nothing is lost or repeated.
 
@@ -16,6 +17,7 @@ ends a blocked iteration cleanly.
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -42,6 +44,8 @@ _OWNER_LOST = frozenset(
 )
 #: Worth another try after a pause, without reporting the owner: it has no room for the call now.
 _BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+#: The initial metadata by which an owner says it takes acknowledgements on its ``StreamRows``.
+ACKS_METADATA = "zephon-rows-acks"
 
 
 class _Closed(Exception):
@@ -66,13 +70,112 @@ class _Owner:
     generation: int
 
 
+class _DeadlineExceeded(grpc.RpcError):  # type: ignore[misc]
+    """No step came from an owner's stream within the client's timeout."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "no step within the client's timeout"
+
+
 class _OwnerStream:
-    """One owner's shares for this rank, asked ``prefetch`` steps ahead, one call per step (so
-    the owner knows which steps the rank has taken and runs a bounded distance past them)."""
+    """One owner's shares for this rank over one long ``StreamRows`` call: the owner sends up
+    to ``prefetch`` steps past the step the rank needs next, which the rank acknowledges on the
+    call's request stream as it goes (so the owner knows which steps the rank has taken and
+    runs a bounded distance past them). A thread reads the call; each step is waited for at
+    most the client's timeout. An owner that does not take acknowledgements (its initial
+    metadata lacks ``ACKS_METADATA``) is read one call per step from its second step on."""
 
     def __init__(self, fan: OwnerFanIn, owner: _Owner, step: int, prefetch: int) -> None:
         self.owner, self._fan, self._prefetch = owner, fan, prefetch
         self._channel = open_channel(owner.address, fan.root_certificates, fan.channel_options)
+        method = self._channel.stream_stream(
+            _METHOD + "StreamRows", request_serializer=lo.RowsRequest.SerializeToString
+        )
+        first = lo.RowsRequest(
+            fingerprint=fan.fingerprint,
+            rank=fan.rank,
+            world_size=fan.world_size,
+            start_step=step,
+            window=prefetch,
+        )
+        self._acks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._got: queue.SimpleQueue[tuple[int, dict[str, Any]] | BaseException | None] = queue.SimpleQueue()
+        self._call = method(self._requests(first), metadata=fan.metadata)
+        self._next, self._first = step, step
+        self._steps_by_call: _StepCalls | None = None
+        self._reader = threading.Thread(target=self._read, name="zephon-owner-rows", daemon=True)
+        self._reader.start()
+
+    def _requests(self, first: lo.RowsRequest) -> Iterator[lo.RowsRequest]:
+        yield first
+        while (taken := self._acks.get()) is not None:
+            yield lo.RowsRequest(taken=taken)
+
+    def _read(self) -> None:
+        assembler = StepAssembler()
+        try:
+            for raw in self._call:
+                got = assembler.feed(raw)
+                if got is not None:
+                    self._got.put(got)
+            self._got.put(None)
+        except BaseException as exc:  # handed to the reader of the steps, in order
+            self._got.put(exc)
+
+    def next(self, step: int) -> dict[str, Any]:
+        if self._steps_by_call is not None:
+            return self._steps_by_call.next(step)
+        if step != self._next:
+            raise ServiceError(
+                f"rank {self._fan.rank} asked lane owner {self.owner.index} for step {step}, expected {self._next}"
+            )
+        if step != self._first:
+            self._acks.put(step)
+        try:
+            got = self._got.get(timeout=self._fan.timeout)
+        except queue.Empty:
+            raise _DeadlineExceeded from None
+        if isinstance(got, BaseException):
+            raise got
+        if got is None:
+            raise ServiceError(
+                f"lane owner {self.owner.index} at {self.owner.address} sent nothing for step {step}"
+            )
+        if got[0] != step:
+            raise ServiceError(
+                f"lane owner {self.owner.index} at {self.owner.address} sent step {got[0]}, expected {step}"
+            )
+        self._next += 1
+        if step == self._first and ACKS_METADATA not in dict(self._call.initial_metadata() or ()):
+            self._end_call()  # an owner of the former protocol: a call per step from here
+            self._steps_by_call = _StepCalls(self._fan, self.owner, step + 1, self._prefetch, self._channel)
+        return got[1]
+
+    def _end_call(self) -> None:
+        self._acks.put(None)
+        self._call.cancel()
+
+    def close(self) -> None:
+        self._end_call()
+        self._got.put(_Closed())
+        if self._steps_by_call is not None:
+            self._steps_by_call.close()
+        self._channel.close()
+
+
+class _StepCalls:
+    """One owner's shares for this rank, asked ``prefetch`` steps ahead, one call per step (so
+    the owner knows which steps the rank has taken and runs a bounded distance past them): how
+    an owner that takes no acknowledgements on its stream is read."""
+
+    def __init__(
+        self, fan: OwnerFanIn, owner: _Owner, step: int, prefetch: int, channel: grpc.Channel
+    ) -> None:
+        self.owner, self._fan, self._prefetch = owner, fan, prefetch
+        self._channel = channel
         self._method = self._channel.unary_stream(
             _METHOD + "StreamRows", request_serializer=lo.RowsRequest.SerializeToString
         )
@@ -130,7 +233,6 @@ class _OwnerStream:
         for _, _, call in self._calls:
             call.cancel()
         self._calls.clear()
-        self._channel.close()
 
 
 class OwnerFanIn:

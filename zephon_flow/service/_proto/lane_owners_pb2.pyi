@@ -47,18 +47,22 @@ class ReplaceRequest(_message.Message):
     def __init__(self, owner: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
-    __slots__ = ("fingerprint", "rank", "world_size", "start_step", "stop_step")
+    __slots__ = ("fingerprint", "rank", "world_size", "start_step", "stop_step", "window", "taken")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     STOP_STEP_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
     rank: int
     world_size: int
     start_step: int
     stop_step: int
-    def __init__(self, fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_step: _Optional[int] = ..., stop_step: _Optional[int] = ...) -> None: ...
+    window: int
+    taken: int
+    def __init__(self, fingerprint: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., start_step: _Optional[int] = ..., stop_step: _Optional[int] = ..., window: _Optional[int] = ..., taken: _Optional[int] = ...) -> None: ...
 
 class LiveRequest(_message.Message):
     __slots__ = ("step",)

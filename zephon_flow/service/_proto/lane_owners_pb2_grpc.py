@@ -61,7 +61,7 @@ class LaneOwnersStub:
                 request_serializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.SerializeToString,
                 response_deserializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.FromString,
                 _registered_method=True)
-        self.StreamRows = channel.unary_stream(
+        self.StreamRows = channel.stream_stream(
                 '/zephon.v1.LaneOwners/StreamRows',
                 request_serializer=zephon_dot_v1_dot_lane__owners__pb2.RowsRequest.SerializeToString,
                 response_deserializer=zephon_dot_v1_dot_batch__service__pb2.BatchChunk.FromString,
@@ -112,8 +112,13 @@ class LaneOwnersServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def StreamRows(self, request, context):
-        """On each owner's address.
+    def StreamRows(self, request_iterator, context):
+        """On each owner's address. The first RowsRequest opens the stream; with a window, the
+        client then sends a RowsRequest with `taken` each time it needs its next step, and the
+        owner sends steps up to taken + window - 1 (one long call per owner, flow-controlled).
+        An owner that takes these acknowledgements says so in its initial metadata
+        (zephon-rows-acks: 1); a caller that sends one request (no window) is served as before:
+        from start_step to stop_step, each step sent counted as asked.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -153,7 +158,7 @@ def add_LaneOwnersServicer_to_server(servicer, server):
                     request_deserializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureRequest.FromString,
                     response_serializer=zephon_dot_v1_dot_batch__service__pb2.ChangeMixtureReply.SerializeToString,
             ),
-            'StreamRows': grpc.unary_stream_rpc_method_handler(
+            'StreamRows': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamRows,
                     request_deserializer=zephon_dot_v1_dot_lane__owners__pb2.RowsRequest.FromString,
                     response_serializer=zephon_dot_v1_dot_batch__service__pb2.BatchChunk.SerializeToString,
@@ -310,7 +315,7 @@ class LaneOwners:
             _registered_method=True)
 
     @staticmethod
-    def StreamRows(request,
+    def StreamRows(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -320,8 +325,8 @@ class LaneOwners:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/zephon.v1.LaneOwners/StreamRows',
             zephon_dot_v1_dot_lane__owners__pb2.RowsRequest.SerializeToString,
