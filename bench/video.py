@@ -2,27 +2,30 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.video            # 8 videos of 20 s at 320x240, a 12-minute 160x120 one
-    .venv/bin/python -m bench.video --quick    # a smoke run
+    .venv/bin/python -m bench.video                    # 240p H.264, 360p VP9, 720p H.264
+    .venv/bin/python -m bench.video --configs 240p-h264 --repeats 5
+    .venv/bin/python -m bench.video --quick            # a smoke run
 
-The videos are synthesised here with PyAV (H.264, 24 fps, a key frame every 24 frames; no
-downloads). Every clip is 16 frames of which 8 are kept (``frames=8``), resized to 112x112
-(center crop, bilinear). Contenders, each in ``--procs`` processes:
+The videos are synthesised here with PyAV (24 fps, a key frame every 24 frames; a moving
+gradient with noise, so it compresses like footage; no downloads). Every clip is 16 frames of
+which 8 are kept (``frames=8``), resized to 112x112 (center crop, bilinear). Contenders, each
+in ``--procs`` processes, run back to back in each repeat (so a noisy neighbour hurts all
+alike), medians reported:
 
 * **zephon**: ``zf.Loader`` over ``ReadVideo -> DecodeVideo -> Map(frames only)``, the
   processes backend with ``--procs`` workers, world size 1; frames delivered in batches.
-* **alone**: ``multiprocessing.Pool(--procs)`` mapping ``DecodeVideo.decode`` over the same
-  clip plans: the seek, decode and resize with no engine.
-* **torch**: a ``torch.utils.data.DataLoader`` (``num_workers=--procs``) whose dataset opens
-  the file with PyAV, seeks to the clip's key frame, decodes with FFmpeg's default threading,
-  keeps the same frames and resizes them with Pillow (the common hand-written loader); and
-  **torch_1thread**, the same with the decoder single-threaded as ``DecodeVideo``'s.
+* **alone** (the limit): ``multiprocessing.Pool(--procs)`` mapping ``DecodeVideo.decode`` over
+  the same clip plans: the same seek, decode and resize with no engine.
+* **torch** (what a user would write): a ``torch.utils.data.DataLoader``
+  (``num_workers=--procs``) whose dataset opens the file with PyAV, seeks to the clip's key
+  frame, decodes with FFmpeg's default threading, keeps the same frames and resizes them with
+  Pillow; **torch_1thread**, the same with the decoder single-threaded as ``DecodeVideo``'s;
+  **torch_swscale**, the same resizing in FFmpeg (``to_ndarray(width=, height=)``, FFmpeg's
+  default threads and rounding) as ``DecodeVideo`` does.
 
-Also: the loader's first-batch latency; the peak RSS of one process streaming clips of the long
-video (inline backend) next to what the whole video decoded at its size would take; and the
-time to read and decode the first clip when resuming at clip 1 and at clip 1,000 of the long
-video (``read_split`` at the position plus one ``DecodeVideo``, operator level). Nothing here
-is asserted; results go to ``bench/results/video.json``.
+Also the first batch of the loader and of the torch DataLoader (seconds from constructing
+it). The two-hour 1080p video's memory and resume costs are ``bench/video_long.py``. Nothing
+here is asserted; results go to ``bench/results/video.json``.
 """
 
 from __future__ import annotations
@@ -32,46 +35,93 @@ import json
 import multiprocessing
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import apache_beam as beam
 import av
 import numpy as np
+import psutil
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.operators.video_source import ClipPlan
 
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss``, not inherited through exec
-    from the parent that forked it)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
-IMPORTED_RSS_MB = peak_rss_mb()
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "video.json")
 CLIP, KEEP, SIZE, BATCH = 16, 8, 112, 8
 
 
-def synthesise(path: Path, seconds: int, width: int, height: int, *, seed: int = 0) -> Path:
-    """An H.264 video of a moving gradient with noise (so it compresses like footage)."""
+class Config(NamedTuple):
+    width: int
+    height: int
+    codec: str
+    videos: int
+    seconds: int
+
+
+CONFIGS = {
+    "240p-h264": Config(320, 240, "libx264", 8, 20),
+    "360p-vp9": Config(640, 360, "libvpx-vp9", 4, 6),
+    "720p-h264": Config(1280, 720, "libx264", 2, 6),
+    "1080p-h264": Config(1920, 1080, "libx264", 2, 4),
+}
+CONTENDERS = ("zephon", "alone", "torch", "torch_1thread", "torch_swscale")
+#: The fewest clips a contender decodes in a run (30 batches).
+MIN_CLIPS = 240
+
+
+class Rate(NamedTuple):
+    """Frames/s of wall time, and frames per CPU-second of the whole process tree (this process,
+    its workers and theirs), both from the first batch to the last: on a shared machine a
+    contender with more threads takes more of the cores from the neighbours, which the wall
+    rate rewards and the CPU rate does not."""
+
+    wall: float
+    cpu: float
+
+
+def tree_cpu() -> float:
+    """CPU seconds used so far by this process and every live descendant."""
+    me = psutil.Process()
+    total = 0.0
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # gone meanwhile
+            continue
+        total += times.user + times.system
+    return total
+
+
+class Clock:
+    """Wall and tree CPU from ``start()`` to ``rate(frames)``."""
+
+    def start(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), tree_cpu()
+
+    def rate(self, frames: int) -> Rate:
+        return Rate(frames / (time.perf_counter() - self.wall), frames / max(1e-9, tree_cpu() - self.cpu))
+
+
+def synthesise(
+    path: Path, seconds: int, width: int, height: int, *, seed: int = 0, codec: str = "libx264"
+) -> Path:
+    """A video of a moving gradient with noise (so it compresses like footage)."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
-    noise = rng.integers(0, 24, size=(8, height, width, 3), dtype=np.uint8)
+    amplitude = 24 if width * height <= 320 * 240 else 8  # finer grain at higher resolutions
+    noise = rng.integers(0, amplitude, size=(8, height, width, 3), dtype=np.uint8)
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=24)
+        stream = container.add_stream(codec, rate=24)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.gop_size = 24
-        stream.codec_context.options = {"preset": "ultrafast", "sc_threshold": "0"}
+        if codec == "libx264":
+            stream.codec_context.options = {"preset": "ultrafast", "sc_threshold": "0"}
+        else:  # libvpx-vp9: fast, a key frame exactly every 24 frames
+            stream.codec_context.options = {"deadline": "realtime", "cpu-used": "8", "keyint_min": "24"}
         for i in range(seconds * 24):
             rgb = np.stack([(x + i * 3) % 256, (y + seed * 40) % 256, (x + y + i) % 256], -1).astype(np.uint8)
             frame = av.VideoFrame.from_ndarray(rgb + noise[i % 8], format="rgb24")
@@ -93,22 +143,23 @@ def zephon_spec(pattern: str) -> zf.LoaderSpec:
     return zf.LoaderSpec(build, lanes=4, seed=0, global_batch_size=BATCH)
 
 
-def run_zephon(pattern: str, clips: int, procs: int) -> tuple[float, float]:
-    """(frames/s, first-batch seconds) delivering ``clips`` clips."""
-    start = time.perf_counter()
+def run_zephon(pattern: str, clips: int, procs: int) -> tuple[Rate, float]:
+    """(rates after the first batch, first-batch seconds) delivering ``clips`` clips."""
+    start, clock = time.perf_counter(), Clock()
     loader = zf.Loader(zephon_spec(pattern), rank=0, world_size=1, backend="processes", workers=procs)
     frames, first = 0, 0.0
     try:
         for _, batch in loader:
             if not first:
                 first = time.perf_counter() - start
-                t0, frames = time.perf_counter(), 0
+                clock.start()
+                continue
             frames += int(np.asarray(batch["frames"]).shape[0]) * KEEP
             if frames >= clips * KEEP:
                 break
+        return clock.rate(frames), first
     finally:
         loader.close()
-    return frames / (time.perf_counter() - t0), first
 
 
 _DECODER = ops.DecodeVideo(size=SIZE, resample="bilinear")
@@ -118,28 +169,31 @@ def _decode_one(job: tuple[str, ClipPlan]) -> int:
     return int(_DECODER.decode(*job).shape[0])
 
 
-def run_alone(jobs: list[tuple[str, ClipPlan]], procs: int) -> float:
+def run_alone(jobs: list[tuple[str, ClipPlan]], procs: int) -> Rate:
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         pool.map(_decode_one, jobs[: procs * 2])  # warm: imports and first opens, as the loader's first batch
-        start = time.perf_counter()
+        clock = Clock()
+        clock.start()
         # Chunks of about a split's clips (runs of one video), as the loader's lanes read them.
         frames = sum(pool.map(_decode_one, jobs, chunksize=max(1, len(jobs) // (procs * 8))))
-    return frames / (time.perf_counter() - start)
+        return clock.rate(frames)
 
 
 class TorchClips:
-    """A map-style dataset: a clip per index, decoded the hand-written way."""
+    """A map-style dataset: a clip per index, decoded the hand-written way (``swscale``: resized
+    by FFmpeg in the conversion to RGB, as ``DecodeVideo`` does, instead of by Pillow)."""
 
-    def __init__(self, jobs: list[tuple[str, ClipPlan]], *, single_thread: bool = False) -> None:
+    def __init__(
+        self, jobs: list[tuple[str, ClipPlan]], *, single_thread: bool = False, swscale: bool = False
+    ) -> None:
         self.jobs = jobs
         self.single_thread = single_thread
+        self.swscale = swscale
 
     def __len__(self) -> int:
         return len(self.jobs)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        from PIL import Image
-
         path, plan = self.jobs[i]
         wanted, got = set(plan.pts), {}
         with av.open(path) as container:
@@ -150,135 +204,121 @@ class TorchClips:
             container.seek(plan.seek, stream=stream, backward=True)
             for frame in container.decode(stream):
                 if frame.pts in wanted:
-                    im = frame.to_image()
-                    side = min(im.size)
-                    box = (
-                        (im.width - side) / 2,
-                        (im.height - side) / 2,
-                        (im.width + side) / 2,
-                        (im.height + side) / 2,
-                    )
-                    got[frame.pts] = np.asarray(im.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=box))
+                    got[frame.pts] = self._resized(frame)
                 if frame.pts >= plan.pts[-1]:
                     break
         return np.stack([got[p] for p in plan.pts])
 
+    def _resized(self, frame: Any) -> np.ndarray:
+        if self.swscale:  # cover SIZE x SIZE, keep the centre
+            scale = SIZE / min(frame.width, frame.height)
+            w, h = round(frame.width * scale), round(frame.height * scale)
+            arr = frame.to_ndarray(format="rgb24", width=w, height=h)
+            top, left = (h - SIZE) // 2, (w - SIZE) // 2
+            return np.ascontiguousarray(arr[top : top + SIZE, left : left + SIZE])
+        from PIL import Image
 
-def run_torch(jobs: list[tuple[str, ClipPlan]], procs: int, *, single_thread: bool = False) -> float:
+        im = frame.to_image()
+        side = min(im.size)
+        box = ((im.width - side) / 2, (im.height - side) / 2, (im.width + side) / 2, (im.height + side) / 2)
+        return np.asarray(im.resize((SIZE, SIZE), Image.Resampling.BILINEAR, box=box))
+
+
+def run_torch(jobs: list[tuple[str, ClipPlan]], procs: int, **how: bool) -> tuple[Rate, float]:
+    """(rates after the first batch, first-batch seconds)."""
     import torch.utils.data
 
-    dataset: Any = TorchClips(jobs, single_thread=single_thread)  # a map-style dataset by protocol
+    start, clock = time.perf_counter(), Clock()
+    dataset: Any = TorchClips(jobs, **how)  # a map-style dataset by protocol
     loader: Any = torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=procs)
-    frames, start = 0, 0.0
+    batches = -(-len(jobs) // BATCH)
+    frames, first = 0, 0.0
     for i, batch in enumerate(loader):
         if i == 0:
-            start, frames = time.perf_counter(), 0
+            first = time.perf_counter() - start
+            clock.start()
             continue
         frames += int(batch.shape[0]) * KEEP
-    return frames / (time.perf_counter() - start)
+        if i == batches - 1:  # before the DataLoader ends its workers (their CPU with them)
+            rate = clock.rate(frames)
+    return rate, first
 
 
-def long_video(path: str, clips: int) -> dict[str, Any]:
-    """Peak RSS streaming ``clips`` clips of one long video inline, and resume costs."""
-    source = ops.ReadVideo(path, clip_frames=CLIP, frames=KEEP, clips_per_split=10**6)
-    (split,) = source.splits(1)
-    listed = peak_rss_mb()
-    for _, record in source.read_split(split, 0):
-        (clip,) = source.decode(record, "bench")
-        next(_DECODER.process(clip))
-        if record.offset + 1 >= clips:
-            break
-    peak = peak_rss_mb()
-    index = source.clips(path)
-    resume: dict[str, float] = {}
-    for at in (1, min(1000, split.stop - 1)):
-        t0 = time.perf_counter()
-        _, record = next(iter(source.read_split(split, at)))
-        next(_DECODER.process(source.decode(record, "bench")[0]))
-        resume[f"clip {at}"] = time.perf_counter() - t0
-    with av.open(path) as container:
-        s = container.streams.video[0]
-        whole_mb = s.frames * s.codec_context.width * s.codec_context.height * 3 / 2**20
+def run_config(
+    name: str, config: Config, root: Path, repeats: int, procs: int, passes: int
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    folder = root / name
+    folder.mkdir()
+    for v in range(config.videos):
+        synthesise(
+            folder / f"v{v}.mp4", config.seconds, config.width, config.height, seed=v, codec=config.codec
+        )
+    made = time.perf_counter() - t0
+    pattern = str(folder / "*.mp4")
+    source = ops.ReadVideo(pattern, clip_frames=CLIP, frames=KEEP)
+    # Each contender decodes the clips ``passes`` times over (and at least MIN_CLIPS clips), so
+    # what its prefetch does before the clock starts (at its first batch) is a small part.
+    once = [(p, plan) for p in source.paths() for plan in source.clips(p)]
+    passes = max(passes, -(-MIN_CLIPS // len(once)))
+    jobs = once * passes
+    rates: dict[str, list[Rate]] = {k: [] for k in CONTENDERS}
+    firsts: dict[str, list[float]] = {"zephon": [], "torch": []}
+    for _ in range(repeats):
+        rates["alone"].append(run_alone(jobs, procs))
+        rate, first = run_zephon(pattern, len(jobs), procs)
+        rates["zephon"].append(rate)
+        firsts["zephon"].append(first)
+        rate, first = run_torch(jobs, procs)
+        rates["torch"].append(rate)
+        firsts["torch"].append(first)
+        rates["torch_1thread"].append(run_torch(jobs, procs, single_thread=True)[0])
+        rates["torch_swscale"].append(run_torch(jobs, procs, swscale=True)[0])
+    median = {k: statistics.median(r.wall for r in v) for k, v in rates.items()}
+    per_cpu = {k: statistics.median(r.cpu for r in v) for k, v in rates.items()}
     return {
-        "clips_planned": len(index),
-        "peak_rss_mb_after_imports": round(IMPORTED_RSS_MB, 1),
-        "peak_rss_mb_after_listing": round(listed, 1),
-        "peak_rss_mb_after_streaming": round(peak, 1),
-        "whole_video_decoded_mb": round(whole_mb, 1),
-        "resume_seconds": {k: round(v, 4) for k, v in resume.items()},
+        "videos": config.videos,
+        "seconds": config.seconds,
+        "size": f"{config.width}x{config.height}",
+        "codec": config.codec,
+        "clips": len(once),
+        "passes": passes,
+        "synthesis_seconds": round(made, 1),
+        "frames_per_second": {k: round(v, 1) for k, v in median.items()},
+        "frames_per_cpu_second": {k: round(v, 1) for k, v in per_cpu.items()},
+        "ratios": {
+            f"zephon/{k}": round(median["zephon"] / median[k], 3) for k in CONTENDERS if k != "zephon"
+        },
+        "ratios_per_cpu_second": {
+            f"zephon/{k}": round(per_cpu["zephon"] / per_cpu[k], 3) for k in CONTENDERS if k != "zephon"
+        },
+        "first_batch_seconds": {k: round(statistics.median(v), 3) for k, v in firsts.items()},
+        "runs": {k: [[round(r.wall, 1), round(r.cpu, 1)] for r in v] for k, v in rates.items()},
     }
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--videos", type=int, default=8)
-    parser.add_argument("--seconds", type=int, default=20)
-    parser.add_argument("--long-minutes", type=float, default=12)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--configs", default="240p-h264,360p-vp9,720p-h264", help=f"of {sorted(CONFIGS)}")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--passes", type=int, default=3, help="times each contender decodes every clip")
     parser.add_argument("--out", default=DEFAULT_OUT)
-    parser.add_argument("--quick", action="store_true", help="2 short videos and a 2-minute long one")
-    parser.add_argument("--long-only", help=argparse.SUPPRESS)  # the fresh process's part
+    parser.add_argument("--quick", action="store_true", help="2 videos of 4 s at 240p, once")
     args = parser.parse_args(argv)
-    if args.long_only:
-        long = long_video(args.long_only, 200)
-        print(json.dumps(long))
-        return long
+    names = args.configs.split(",")
+    configs = {n: CONFIGS[n] for n in names}
     if args.quick:
-        args.videos, args.seconds, args.long_minutes, args.repeats = 2, 4, 2, 1
+        configs, args.repeats = {"240p-h264": Config(320, 240, "libx264", 2, 4)}, 1
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        t0 = time.perf_counter()
-        for v in range(args.videos):
-            synthesise(root / f"v{v}.mp4", args.seconds, 320, 240, seed=v)
-        (root / "long").mkdir()
-        long_path = synthesise(root / "long" / "long.mp4", int(args.long_minutes * 60), 160, 120)
-        made = time.perf_counter() - t0
-        pattern = str(root / "*.mp4")
-        source = ops.ReadVideo(pattern, clip_frames=CLIP, frames=KEEP)
-        jobs = [(p, plan) for p in source.paths() for plan in source.clips(p)]
-        rates: dict[str, list[float]] = {"zephon": [], "alone": [], "torch": [], "torch_1thread": []}
-        firsts = []
-        for _ in range(args.repeats):  # back to back, so a noisy neighbour hurts all alike
-            rates["alone"].append(run_alone(jobs, args.procs))
-            zephon, first = run_zephon(pattern, len(jobs), args.procs)
-            rates["zephon"].append(zephon)
-            firsts.append(first)
-            rates["torch"].append(run_torch(jobs, args.procs))
-            rates["torch_1thread"].append(run_torch(jobs, args.procs, single_thread=True))
-        zephon, alone, torch_rate = (statistics.median(rates[k]) for k in ("zephon", "alone", "torch"))
-        # In a fresh interpreter, so its peak RSS is its own: imports, listing, then 200 clips.
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.video", "--long-only", str(long_path)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        long = json.loads(done.stdout)
-        result = {
-            "setup": {
-                "videos": args.videos,
-                "seconds": args.seconds,
-                "clips": len(jobs),
-                "procs": args.procs,
-                "cpus": os.cpu_count(),
-                "synthesis_seconds": round(made, 1),
-                "av": av.__version__,
-            },
-            "frames_per_second": {
-                "zephon": round(zephon, 1),
-                "alone": round(alone, 1),
-                "torch": round(torch_rate, 1),
-                "torch_1thread": round(statistics.median(rates["torch_1thread"]), 1),
-            },
-            "ratios": {
-                "zephon/alone": round(zephon / alone, 3),
-                "zephon/torch": round(zephon / torch_rate, 3),
-            },
-            "runs": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-            "first_batch_seconds": round(statistics.median(firsts), 3),
-            "long_video": {"minutes": args.long_minutes, "size": "160x120", **long},
+        results = {
+            name: run_config(name, c, Path(tmp), args.repeats, args.procs, args.passes)
+            for name, c in configs.items()
         }
+    result = {
+        "setup": {"procs": args.procs, "repeats": args.repeats, "cpus": os.cpu_count(), "av": av.__version__},
+        "configs": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
