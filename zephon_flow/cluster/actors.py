@@ -66,11 +66,18 @@ class OwnerActor:
 
     def share(self, rank: int, world_size: int, step: int, timeout: float) -> Batch | None:
         """Rank ``rank`` of ``world_size``'s rows of step ``step`` on this owner's lanes."""
+        return self._owner.share(self._rank_slice(rank, world_size), step, timeout)
+
+    def _rank_slice(self, rank: int, world_size: int) -> RankSlice:
         spec = self._owner.spec
-        rs = RankSlice(
+        return RankSlice(
             rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
         )
-        return self._owner.share(rs, step, timeout)
+
+    def shares(self, rank: int, world_size: int, step: int, count: int, timeout: float) -> list[Batch] | None:
+        """Rank ``rank`` of ``world_size``'s rows of a run of up to ``count`` steps from ``step``
+        (``LaneOwner.shares``): one call and one reply for several steps."""
+        return self._owner.shares(self._rank_slice(rank, world_size), step, count, timeout)
 
     def live(self, step: int, timeout: float) -> bool | None:
         return self._owner.live(step, timeout)

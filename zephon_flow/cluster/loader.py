@@ -95,7 +95,11 @@ class OwnedLoader:
             start_timeout=start_timeout,
         )
         start = None if state is None else to_loader_state(state)
-        self._prefetch, self._timeout, self._clock = prefetch, timeout, clock
+        self._timeout, self._clock = timeout, clock
+        # Steps fetched per call: the rank holds at most this many it has not taken while the
+        # next run is asked for, and asking moves its position on the owner there, so its
+        # steps from ``prefetch - 1`` back stay held (``keep``); at most ``ahead``.
+        self._run = max(1, min(prefetch - 1, ahead))
         self._snapshot_every = snapshot_every
         self.name = name or default_name(spec)
         self._ray = require_ray(actors.FEATURE)
@@ -151,10 +155,10 @@ class OwnedLoader:
 
     # -- iteration -----------------------------------------------------------------------------
     def _ask(self, owner: int, step: int) -> tuple[Any, int]:
-        """Asks ``owner`` for this rank's share of step ``step``: the pending reply, and the
-        generation of the owner asked (the one to report if it turns out dead)."""
+        """Asks ``owner`` for this rank's shares of a run of steps from ``step``: the pending
+        reply, and the generation of the owner asked (the one to report if it turns out dead)."""
         handle, rs = self._table.handles[owner], self._slice
-        ref = handle.share.remote(rs.rank, rs.world_size, step, actors.CALL_WAIT)
+        ref = handle.shares.remote(rs.rank, rs.world_size, step, self._run, actors.CALL_WAIT)
         return ref, self._table.generations[owner]
 
     def _replace(self, owner: int, generation: int) -> None:
@@ -164,19 +168,19 @@ class OwnedLoader:
             f"the replacement of owner {owner}", self._coordinator.replace.remote(owner, generation)
         )
 
-    def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> Batch:
-        """This rank's share of step ``step`` from ``owner``: asks again while the owner has not
-        produced the step yet, and replaces the owner if it died."""
+    def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> list[Batch]:
+        """This rank's shares of a run of steps from ``step`` from ``owner``: asks again while
+        the owner has not produced the step yet, and replaces the owner if it died."""
         waited = 0.0
         ref, generation = asked
         while True:
             try:
-                got: Batch | None = self._call(ref)
+                got: list[Batch] | None = self._call(ref)
             except self._ray.exceptions.RayActorError:
                 self._replace(owner, generation)
                 ref, generation = self._ask(owner, step)
                 continue
-            if got is not None:
+            if got:
                 return got
             waited += actors.CALL_WAIT
             if waited >= self._timeout:
@@ -194,14 +198,10 @@ class OwnedLoader:
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
         owners = [o for o, _ in self._table.groups_for(self._slice.lane_ids)]
-        pending: deque[tuple[int, list[Any]]] = deque()
-        asked = self._step
+        runs = {o: _Run(self._step) for o in owners}
         while True:
-            while len(pending) < self._prefetch:
-                pending.append((asked, [self._ask(o, asked) for o in owners]))
-                asked += 1
-            step, refs = pending.popleft()
-            parts = [self._fetch(step, o, ref) for o, ref in zip(owners, refs, strict=True)]
+            step = self._step
+            parts = [self._take(o, runs[o], step) for o in owners]
             if not self._goes_on(step, parts):
                 return
             batch = parts[0] if len(parts) == 1 else concat(parts)
@@ -209,6 +209,19 @@ class OwnedLoader:
             if self._step % self._snapshot_every == 0:
                 self._coordinator.progress.remote(self._slice.rank, self._step)
             yield step, batch
+
+    def _take(self, owner: int, run: _Run, step: int) -> Batch:
+        """``owner``'s share of ``step`` (the next one of ``run``): from the run already
+        fetched, else from the call in flight. The next run is asked for as soon as one
+        arrives, so one call is always on its way while this rank takes the steps it has."""
+        if not run.shares:
+            if run.pending is None:
+                run.pending = self._ask(owner, run.asked)
+            got = self._fetch(run.asked, owner, run.pending)
+            run.shares.extend(got)
+            run.asked += len(got)
+            run.pending = self._ask(owner, run.asked)
+        return run.shares.popleft()
 
     def _goes_on(self, step: int, parts: list[Batch]) -> bool:
         """As ``zf.Loader``: an endless pipeline always goes on; a finite one while any lane
@@ -293,6 +306,16 @@ class OwnedLoader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+class _Run:
+    """One owner's shares for this rank: those fetched and not yet taken, the first step not
+    yet asked for, and the call in flight (with the generation of the owner asked)."""
+
+    def __init__(self, step: int) -> None:
+        self.shares: deque[Batch] = deque()
+        self.asked = step
+        self.pending: tuple[Any, int] | None = None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -279,6 +279,48 @@ class LaneOwner:
             padding=self._padding,
         )
 
+    def shares(self, rs: RankSlice, step: int, count: int, timeout: float = 5.0) -> list[Batch] | None:
+        """As ``share``, for a run of steps: rank ``rs``'s rows of ``step`` and the ``count - 1``
+        steps after it, in one reply. Waits up to ``timeout`` seconds for ``step`` (None if not
+        made by then), then for the rest of the run while production can go on (it cannot while
+        a slower reader holds it back, or a mixture change is pending): what is made by then is
+        the run. Asking counts ``step`` as asked, as ``share`` does; the steps after it do not
+        move the rank's position, so they stay held until the rank asks past them."""
+        first = self.share(rs, step, timeout)
+        if first is None:
+            return None
+        lanes, rows = share_of(rs, self.lanes)
+        index = [self.lanes.index(lane) for lane in lanes]
+        with self._cond:
+            self._cond.wait_for(
+                lambda: (
+                    self._hold.produced >= step + count
+                    or self._error is not None
+                    or self._stop.is_set()
+                    or not self._hold.has_room()
+                    or self._fenced()
+                ),
+                timeout,
+            )
+            made = [
+                (later, self._windows[later], self._layouts[later])
+                for later in range(step + 1, min(step + count, self._hold.produced))
+            ]
+        run = [first]
+        for later, windows, layouts in made:
+            run.append(
+                assemble_rows(
+                    later,
+                    [windows[i] for i in index],
+                    [(lane, layouts[i]) for lane, i in zip(lanes, index, strict=True)],
+                    rows=rows,
+                    per_lane=self.spec.per_lane,
+                    finite=self._finite,
+                    padding=self._padding,
+                )
+            )
+        return run
+
     def live(self, step: int, timeout: float = 5.0) -> bool | None:
         """Whether any of its lanes has a real sample at ``step`` (a finite pass goes on while
         some lane has one); None if not known within ``timeout`` seconds."""
