@@ -34,8 +34,9 @@ class OwnedLoader:
     Every rank of a job constructs one with the same ``spec``, ``lane_owners``, ``world_size``,
     ``state`` and ``name``: the first starts the coordinator (a Ray actor named ``name``, by
     default from the pipeline's fingerprint) and the owners; the others join it. Each rank then
-    fetches its rows from the owners of its lanes, ``prefetch`` steps ahead, and merges them in
-    lane order: batches never pass through one process. ``ray_address=None`` joins the Ray this
+    fetches its rows from the owners of its lanes, a run of up to ``prefetch - 1`` steps per
+    call with the next call in flight, and merges them in lane order: batches never pass
+    through one process. ``ray_address=None`` joins the Ray this
     process is connected to or starts a local one; an address joins that cluster. Owners run
     their stateless work on ``backend`` with ``workers`` each; ``owner_cpus`` is what each
     owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
