@@ -41,9 +41,12 @@ class ReadArrow(ColumnSource):
     - **Epochs**: ``epochs=None`` reads forever, each epoch dealing the batches anew; with a
       number, a lane's stream of this source ends after that many passes.
     - **Errors** (``DataError``, naming the file and this operator): an empty (0-byte) file, a
-      file that is not Arrow IPC, a schema without ``column`` (the message lists the columns
-      it has), a batch that is gone since listing, and in ``decode`` a value that is not a
-      string (naming the batch and row). ``on_error="skip"`` lets the runner drop such records.
+      file that is not Arrow IPC, a damaged schema, a schema without ``column`` (the message
+      lists the columns it has), a batch that is gone since listing, a batch whose column is
+      damaged (its offsets, lengths or buffers disagree: the column is checked in full before
+      any value is read, ``check_column``, so a damaged file never crashes the process; names
+      the batch and its file rows), and in ``decode`` a value that is not a string (naming the
+      batch and row). ``on_error="skip"`` lets the runner drop such records.
     """
 
     unit_name = "record batch"
@@ -98,10 +101,19 @@ class _IpcFile:
         except DataError:
             self.__exit__()
             raise
-        self._index = self._column_index(self._reader.schema)
+        try:
+            names: list[str] = self._reader.schema.names
+        except UnicodeDecodeError as exc:  # a damaged schema: field names must be UTF-8
+            self.__exit__()
+            raise DataError(
+                f"{self._op}: {path} has a damaged schema (a field name is not UTF-8: {exc})"
+            ) from exc
+        self._index = self._column_index(self._reader.schema, names)
         self._stream_batches: list[pa.RecordBatch] = []
         try:
             if self._is_file:
+                # Row counts come from each batch's metadata: no data is touched (and none
+                # checked) until a batch's column is read.
                 n = int(self._reader.num_record_batches)
                 self.rows = [self._batch(b).num_rows for b in range(n)]
             else:
@@ -117,8 +129,7 @@ class _IpcFile:
             self._map.close()
             self._map = None
 
-    def _column_index(self, schema: pa.Schema) -> int:
-        names: list[str] = schema.names
+    def _column_index(self, schema: pa.Schema, names: list[str]) -> int:
         if names.count(self._column) != 1:
             self.__exit__()
             available = ", ".join(repr(n) for n in names) or "none"
@@ -138,16 +149,28 @@ class _IpcFile:
         return index
 
     def column(self, batch: int) -> pa.Array:
-        """The source's column of record batch ``batch``."""
+        """The source's column of record batch ``batch``, its buffers checked in full first
+        (``check_column``): a damaged file is a ``DataError`` naming the batch and its rows,
+        never a read out of bounds."""
         rb = self._batch(batch) if self._is_file else self._stream_batches[batch]
-        return rb.column(self._index)
+        try:
+            values = rb.column(self._index)
+            check_column(values)
+        except (OSError, pa.ArrowException) as exc:
+            first = sum(self.rows[:batch])
+            rows = f"file rows {first}-{first + rb.num_rows - 1}"
+            raise DataError(
+                f"{self._op}: record batch {batch} ({rows}) of {self.path} is damaged: column "
+                f"{self._column!r}: {exc}"
+            ) from exc
+        return values
 
     def close(self) -> None:
         self.__exit__()
 
     def _batch(self, batch: int) -> pa.RecordBatch:
         try:
-            return _validated(self._reader.get_batch(batch))
+            return self._reader.get_batch(batch)
         except (OSError, pa.ArrowException) as exc:
             raise self._unreadable(batch, exc) from exc
 
@@ -156,7 +179,7 @@ class _IpcFile:
         b = 0
         while True:
             try:
-                rb = _validated(self._reader.read_next_batch())
+                rb = self._reader.read_next_batch()
             except StopIteration:
                 return
             except (OSError, pa.ArrowException) as exc:
@@ -168,8 +191,16 @@ class _IpcFile:
         return DataError(f"{self._op}: cannot read record batch {batch} of {self.path}: {exc}")
 
 
-def _validated(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """``batch`` after a full check of its buffers (offsets, lengths, UTF-8): a damaged IPC file
-    could otherwise make pyarrow read out of bounds and crash the process."""
-    batch.validate(full=True)
-    return batch
+#: Types with the layout of string types but no UTF-8 to check (see ``check_column``).
+_AS_BYTES = {pa.string(): pa.binary(), pa.large_string(): pa.large_binary()}
+
+
+def check_column(values: pa.Array) -> None:
+    """Checks every offset, length and buffer of ``values`` against its buffers (Arrow's full
+    validation), raising ``pa.ArrowInvalid``: reading a damaged IPC file's values unchecked
+    makes pyarrow read out of bounds and crash the process (SIGSEGV, SIGBUS). A batch's other
+    columns are never read, so they are not checked. Strings are checked as bytes: the UTF-8
+    check is the decoder's (a ``DataError`` naming the rows, ``_column.py``): with it, the check
+    took 13 % of a text read's time, without it 0.4 % (``bench/arrow_validation.py``)."""
+    as_bytes = _AS_BYTES.get(values.type)
+    (values.view(as_bytes) if as_bytes is not None else values).validate(full=True)

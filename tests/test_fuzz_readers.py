@@ -56,6 +56,15 @@ def _arrow() -> bytes:
     return sink.getvalue()
 
 
+def _arrow_stream() -> bytes:
+    sink = io.BytesIO()
+    table = pa.table({"text": TEXTS, "n": list(range(len(TEXTS)))})
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=8):
+            writer.write_batch(batch)
+    return sink.getvalue()
+
+
 def _tar() -> bytes:
     sink = io.BytesIO()
     with tarfile.open(fileobj=sink, mode="w", format=tarfile.USTAR_FORMAT) as tar:
@@ -86,6 +95,7 @@ READERS: dict[str, tuple[str, bytes, Callable[[str], Source]]] = {
     "zst": (".jsonl.zst", zstandard.ZstdCompressor().compress(_jsonl()), lambda p: ops.ReadJsonl(p)),
     "parquet": (".parquet", _parquet(), lambda p: ops.ReadParquet(p, column="text")),
     "arrow": (".arrow", _arrow(), lambda p: ops.ReadArrow(p, column="text")),
+    "arrows": (".arrows", _arrow_stream(), lambda p: ops.ReadArrow(p, column="text")),
     "tar": (".tar", _tar(), lambda p: ops.ReadWebDataset(p, fields=("txt",), samples_per_split=4)),
 }
 IMAGES = {
@@ -278,3 +288,81 @@ def test_a_mutated_arrow_file_does_not_crash_the_process(tmp_path: Path) -> None
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+
+
+def _with_a_wild_offset(path: Path) -> None:
+    """Writes an Arrow file of 3 record batches of 8 rows whose batch 1 has one string offset in
+    the middle (slot 4) pointing far past its data: its first and last offsets, and so Arrow's
+    cheap checks, are intact, and an unchecked read goes out of bounds."""
+    table = pa.table({"text": TEXTS[:24], "other": list(range(24))})
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=8):
+            writer.write_batch(batch)
+    data = bytearray(sink.getvalue())
+    lengths = [len(t.encode()) for t in TEXTS[8:16]]
+    offsets = np.cumsum([0, *lengths], dtype=np.int32)
+    at = bytes(data).find(offsets.tobytes())
+    assert at > 0 and bytes(data).find(offsets.tobytes(), at + 1) == -1
+    data[at + 4 * 4 : at + 5 * 4] = np.int32(0x7FFF0000).tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.timeout(120)
+def test_a_wild_offset_inside_a_batch_is_a_data_error_naming_the_batch_and_its_rows(tmp_path: Path) -> None:
+    # In a subprocess: were the check missing, the read would crash the process, not fail.
+    path = tmp_path / "wild.arrow"
+    _with_a_wild_offset(path)
+    script = (
+        "from zephon_flow import operators as ops\n"
+        "from zephon_flow.core.errors import DataError\n"
+        "from zephon_flow.core.source import START\n"
+        f"source = ops.ReadArrow({str(path)!r}, column='text')\n"
+        "n = 0\n"
+        "try:\n"
+        "    for split in source.splits(1):\n"
+        "        for _, record in source.read_split(split, START):\n"
+        "            source.decode(record, source.operator_name)\n"
+        "            n += 1\n"
+        "except DataError as exc:\n"
+        "    print(n, exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    read, _, message = done.stdout.strip().partition(" ")
+    assert read == "8", done.stdout  # batch 0's rows were read; batch 1 is refused whole
+    assert message.startswith(
+        f"ReadArrow('ReadArrow'): record batch 1 (file rows 8-15) of {path} is damaged: "
+    ), message
+    assert "column 'text': " in message and "offset for slot 4 out of bounds" in message, message
+
+
+#: Found by a longer fuzz run: a field name of a stream's schema made invalid UTF-8 escaped
+#: ``schema.names`` as a raw ``UnicodeDecodeError``.
+ARROWS_BAD_NAME = [("repeat", 0.4347058259358644, 51, 39), ("flip", 0.47721967231887263, 130, 27)]
+ARROWS_BAD_NAME += [("set", 0.042144921965515336, 204, 2), ("truncate", 0.5032763503275149, 1, 49)]
+
+
+def test_a_schema_field_name_that_is_not_utf8_is_a_data_error(tmp_path: Path) -> None:
+    path = tmp_path / "input.arrows"
+    path.write_bytes(mutate(READERS["arrows"][1], ARROWS_BAD_NAME))
+    with pytest.raises(
+        ZephonError, match=r"input\.arrows has a damaged schema \(a field name is not UTF-8: "
+    ):
+        read_everything(ops.ReadArrow(str(path), column="text"))
+
+
+def test_invalid_utf8_in_an_arrow_string_column_is_a_data_error_naming_the_rows(tmp_path: Path) -> None:
+    # The column check leaves UTF-8 to the decoder (check_column): it must still be refused.
+    offsets = np.array([0, 2, 4, 6], dtype=np.int32).tobytes()
+    text = pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(offsets), pa.py_buffer(b"okok\xff\xfe")])
+    path = tmp_path / "bad.arrow"
+    with (
+        pa.OSFile(str(path), "wb") as sink,
+        pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as writer,
+    ):
+        writer.write_batch(pa.record_batch([text], names=["text"]))
+    with pytest.raises(
+        ZephonError, match=r"bad\.arrow record batch 0 rows 0\.\.2 do not decode: UnicodeDecodeError"
+    ):
+        read_everything(ops.ReadArrow(str(path), column="text"))

@@ -145,7 +145,7 @@ def test_a_forkserver_killed_while_it_starts_a_worker_fails_every_chunk(
         # before it answers: the start finds nobody listening.
         server = forkserver._forkserver
         server.ensure_running()
-        pid = server._forkserver_pid
+        pid = server._forkserver_pid  # type: ignore[attr-defined]
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # gone, left for ensure_running to reap
