@@ -165,3 +165,27 @@ def test_a_forkserver_killed_while_it_starts_a_worker_fails_every_chunk(
         assert "through DoFn 'echo': worker 0 (pid " in message, message
         assert "a worker to replace it cannot be started: [Errno 111]" in message, message
         assert "forkserver, which starts the workers, died while it started this one" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_cannot_start_at_all_fail_the_backend_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _refuse_after(monkeypatch, 1, _eagain)
+    started: list[Any] = []
+    original = ProcessBackend._start_worker
+
+    def start(self: ProcessBackend, *args: Any, **kwargs: Any) -> Any:
+        worker = original(self, *args, **kwargs)
+        started.append(worker.process)
+        return worker
+
+    monkeypatch.setattr(ProcessBackend, "_start_worker", start)  # wraps the refusing start
+    with pytest.raises(WorkerLostError) as info:
+        _backend(tmp_path, 2)
+    text = str(info.value)
+    assert text.startswith("the processes backend cannot start worker 1 of 2 for DoFn 'echo': [Errno 11]"), (
+        text
+    )
+    assert "too many processes" in text, text
+    assert len(started) == 1 and not started[0].is_alive()  # the one that started is stopped
