@@ -1,6 +1,7 @@
 """The processes backend when a replacement worker cannot start (the system refuses a fork with
 EAGAIN, or the forkserver dies while it starts one): every pending and later chunk fails with
-``WorkerLostError`` naming the lane, the chunk, the DoFns and why, never a hang."""
+``WorkerLostError`` naming the lane, the chunk, the DoFns and why, never a hang. And on the ray
+backend, chunks submitted after its dispatcher died fail instead of waiting forever."""
 
 from __future__ import annotations
 
@@ -189,3 +190,28 @@ def test_workers_that_cannot_start_at_all_fail_the_backend_by_name(
     )
     assert "too many processes" in text, text
     assert len(started) == 1 and not started[0].is_alive()  # the one that started is stopped
+
+
+@pytest.mark.timeout(180)
+def test_chunks_submitted_after_the_ray_dispatcher_died_fail_instead_of_waiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("ray")
+    from zephon_flow.runners.backends.ray import RayBackend
+
+    def broken(self: RayBackend) -> None:
+        raise RuntimeError("injected dispatcher fault")
+
+    monkeypatch.setattr(RayBackend, "_serve", broken)
+    source = Lines(write_lines(tmp_path / "values.txt", range(8)), per_split=8)
+    source.bind_label("numbers")
+    backend = make_backend(
+        "ray", workers=1, segment=FrontSegment([source], [[StatelessInvoker("echo", Echo())]], [])
+    )
+    try:
+        backend._thread.join()  # type: ignore[attr-defined]  # the dispatcher is gone
+        result = _settled(backend.submit(_chunk(source, 0), lane=2))
+    finally:
+        backend.close()
+    assert isinstance(result, Failure), result
+    assert result.message == "the ray backend's dispatcher failed: injected dispatcher fault", result

@@ -193,6 +193,9 @@ class RayBackend:
             if self._closing:
                 future.cancel()
                 return future
+            if self._broken is not None:  # no dispatcher may be left to settle it
+                settle(future, self._broken)
+                return future
             self._pending.append(_Task(self._next_id, chunk, future, lane))
             self._next_id += 1
         self._events.put(("wake",))
@@ -251,7 +254,8 @@ class RayBackend:
         try:
             self._serve()
         except Exception as exc:  # a bug here must fail the loader, not hang it
-            self._broken = Failure.of(exc, f"the ray backend's dispatcher failed: {exc}")
+            with self._lock:  # chunks submitted from now on fail in submit()
+                self._broken = self._broken or Failure.of(exc, f"the ray backend's dispatcher failed: {exc}")
             for actor in self._actors:
                 for task in _tasks(actor):
                     settle(task.future, self._broken)
