@@ -187,8 +187,9 @@ def check_image(data: bytes) -> None:
 
 #: Found by these tests and fixed: invalid UTF-8 in a Parquet or Arrow string column escaped
 #: ``_column.py`` as a raw ``UnicodeDecodeError`` (now a ``DataError`` naming the rows), and a
-#: mutated Arrow IPC file crashed the process inside pyarrow (batches are now validated in full
-#: before they are read). Nothing is marked: every reader is fuzzed in-process.
+#: mutated Arrow IPC file crashed the process inside pyarrow (the column read of each batch is
+#: now checked in full before it is read, ``operators/arrow.check_column``). Nothing is marked:
+#: every reader is fuzzed in-process.
 KNOWN: dict[str, Any] = {}
 #: The smallest crash found: 11 bytes repeated three times at 44 % of a valid 40-row file.
 ARROW_CRASH = [("repeat", 0.4446974551196967, 128, 11)]
