@@ -271,4 +271,3 @@ def test_waits_run_on_the_injected_clock() -> None:
 
     assert held.wait_for_room(stop_after_three) is False
     assert [round(b - a, 6) for a, b in itertools.pairwise(polls)] == [0.2, 0.2, 0.2]
-
