@@ -7,7 +7,7 @@ import os
 from types import ModuleType
 from typing import Any
 
-from zephon_flow.core.errors import RayUnavailableError
+from zephon_flow.core.errors import RayUnavailableError as RayUnavailableError  # also imported from here
 
 #: What a user runs when Ray is missing.
 RAY_INSTALL_HINT = "pip install 'zephon-flow[ray]'"

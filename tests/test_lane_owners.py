@@ -152,7 +152,7 @@ def _in_process(
 
 
 def _read(coord: Coordinator, rank: int, world_size: int, step: int, spec: zf.LoaderSpec) -> Any:
-    from zephon_flow.engine.loader import assemble_rows
+    from zephon_flow.core.assemble import assemble_rows
 
     rs = RankSlice(rank=rank, world_size=world_size, lanes=LANES, global_batch_size=BATCH)
     table = coord.table()

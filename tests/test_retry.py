@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import zephon_flow as zf
@@ -30,7 +32,9 @@ def test_pauses_double_up_to_the_maximum_on_the_clock() -> None:
         ({"backoff": "1"}, "backoff='1'"),
     ],
 )
-def test_bad_retry_options_are_refused_by_the_client_before_connecting(options: dict, shown: str) -> None:
+def test_bad_retry_options_are_refused_by_the_client_before_connecting(
+    options: dict[str, Any], shown: str
+) -> None:
     with pytest.raises(
         SpecError, match=r"^Client: retries must be >= 0 and 0 < backoff <= max_backoff, got .*"
     ):
