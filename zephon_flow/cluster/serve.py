@@ -40,7 +40,7 @@ from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 from zephon_flow.service import auth
 from zephon_flow.service.mixing import naming_the_flag
-from zephon_flow.service.server import EXIT_PIPELINE_FAILED, FAILURE_NOTICE_SECONDS
+from zephon_flow.service.server import exit_status
 
 
 class OwnersServer:
@@ -247,17 +247,4 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         failed = server.poll() if ticks % int(POLL_SECONDS / 0.2) == 0 else server.failed
     # Asked once more before stopping, whatever ended the wait: a signal that came after a
     # failure this loop had not seen yet still exits as a failure (as zephon serve does).
-    failed = failed or server.failed
-    if failed is None:
-        server.stop()
-        return 0
-    print(
-        f"zephon serve: error: the run cannot go on: {failed}\n"
-        f"zephon serve: exiting with status {EXIT_PIPELINE_FAILED}; restart with --resume "
-        f"from the last checkpoint",
-        file=sys.stderr,
-        flush=True,
-    )
-    done.wait(FAILURE_NOTICE_SECONDS)  # ranks waiting on the owners get the error (unless signalled)
-    server.stop()
-    return EXIT_PIPELINE_FAILED
+    return exit_status(failed or server.failed, "the run cannot go on", done, server.stop)

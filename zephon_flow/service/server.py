@@ -7,10 +7,11 @@ import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
@@ -583,7 +584,6 @@ def serve_forever(server: BatchServer) -> int:
     0), or until the pipeline fails: then, once connected clients have had the error, it exits
     with ``EXIT_PIPELINE_FAILED`` for a supervisor to restart it with ``--resume``."""
     import signal
-    import sys
 
     done = threading.Event()
 
@@ -599,19 +599,25 @@ def serve_forever(server: BatchServer) -> int:
         pass
     # Read before stopping, whatever ended the wait: a signal that came after a failure (even
     # before this loop saw it) still exits as a failure, and stopping itself fails nothing.
-    failed = server.failed
+    return exit_status(server.failed, "the pipeline failed", done, lambda: server.stop(grace=1.0))
+
+
+def exit_status(failed: object | None, what: str, done: threading.Event, stop: Callable[[], None]) -> int:
+    """How ``zephon serve`` (and ``serve --ray``) ends once its wait is over: 0 after a signal
+    with nothing failed; else the failure said on stderr, ``FAILURE_NOTICE_SECONDS`` for the
+    ranks' streams to get it (unless a signal came), and ``EXIT_PIPELINE_FAILED``."""
     if failed is None:
-        server.stop(grace=1.0)
+        stop()
         return 0
     print(
-        f"zephon serve: error: the pipeline failed: {failed}\n"
+        f"zephon serve: error: {what}: {failed}\n"
         f"zephon serve: exiting with status {EXIT_PIPELINE_FAILED}; restart with --resume "
         f"from the last checkpoint",
         file=sys.stderr,
         flush=True,
     )
-    done.wait(FAILURE_NOTICE_SECONDS)  # streams waiting on held steps get the error (unless signalled)
-    server.stop(grace=1.0)
+    done.wait(FAILURE_NOTICE_SECONDS)
+    stop()
     return EXIT_PIPELINE_FAILED
 
 
