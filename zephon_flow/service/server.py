@@ -9,7 +9,6 @@ import os
 import re
 import sys
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -20,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.core.batches import Batch
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError, StateError, ZephonError
 from zephon_flow.core.lanes import RankRows, RankSlice
 from zephon_flow.core.state import LoaderState, load_state, save_state
@@ -126,6 +126,9 @@ class BatchServer:
     contiguous rows, the rows of each held global batch that even out that cost across the
     ranks of its world size, with a ``rows`` field (their global indices); the held batches
     and the checkpoints are the same as without it.
+
+    ``clock`` is what the held steps' waits, the streams' idle timeouts and the rate read
+    (tests pass a ``ManualClock``).
     """
 
     def __init__(
@@ -154,9 +157,11 @@ class BatchServer:
         allow_mix_change: bool = False,
         allow_batch_change: bool = False,
         balance: str | RowCost | RankBalance | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
         # streams, listen.
+        self._clock = clock
         _check_options(
             ahead=ahead,
             keep=keep,
@@ -185,7 +190,12 @@ class BatchServer:
         self._loader = loader
         first = self._state_now()
         self._held = _hold(
-            first, ahead=ahead, keep=keep, held_bytes=held_bytes, checkpoint_every=checkpoint_every
+            first,
+            ahead=ahead,
+            keep=keep,
+            held_bytes=held_bytes,
+            checkpoint_every=checkpoint_every,
+            clock=clock,
         )
         self._set_up_checkpoints(checkpoint_dir, checkpoint_every, keep_checkpoints, first.step)
         self._set_up_streams(stream_timeout, chunk_bytes)
@@ -223,7 +233,7 @@ class BatchServer:
         self._watchdog = threading.Thread(target=self._watch, name="zephon-serve-watchdog", daemon=True)
         self._bytes_served = 0
         self._bytes_lock = threading.Lock()
-        self._started = time.monotonic()
+        self._started = self._clock.now()
         self._health = health.HealthServicer()
 
     def _grpc_server(self, token: str | None, max_streams: int) -> grpc.Server:
@@ -338,7 +348,7 @@ class BatchServer:
             _log.info("zephon serve: wrote %s", path)
 
     def _drop_idle(self) -> None:
-        now = time.monotonic()
+        now = self._clock.now()
         with self._open_lock:
             idle = [
                 o
@@ -360,7 +370,7 @@ class BatchServer:
 
     def _touch(self, rank: int, world_size: int) -> None:
         """``rank``'s client acknowledged: its stream is alive."""
-        now = time.monotonic()
+        now = self._clock.now()
         with self._open_lock:
             for o in self._open:
                 if o.rank == rank and o.world_size == world_size:
@@ -414,7 +424,7 @@ class BatchServer:
             stream = held.join(rank, world_size, step)
         except HeldStepsError as exc:
             _abort(context, exc.code, str(exc))
-        me = _OpenStream(rank, world_size, context, step, time.monotonic())
+        me = _OpenStream(rank, world_size, context, step, self._clock.now())
         with self._open_lock:
             self._open.add(me)
         try:
@@ -437,7 +447,7 @@ class BatchServer:
                     self._bytes_served += sum(len(m) for m in messages)
                 for message in messages:
                     yield message
-                    me.progress = time.monotonic()
+                    me.progress = self._clock.now()
                 step += 1
                 me.step = step
         finally:
@@ -527,7 +537,7 @@ class BatchServer:
             )
             for r in sorted(st.positions)
         ]
-        elapsed = max(time.monotonic() - self._started, 1e-9)
+        elapsed = max(self._clock.now() - self._started, 1e-9)
         return pb.StatusReply(
             fingerprint=self.fingerprint,
             world_size=st.world_size,
@@ -657,7 +667,13 @@ def _embedded_loader(
 
 
 def _hold(
-    first: LoaderState, *, ahead: int, keep: int, held_bytes: int | None, checkpoint_every: int | None
+    first: LoaderState,
+    *,
+    ahead: int,
+    keep: int,
+    held_bytes: int | None,
+    checkpoint_every: int | None,
+    clock: Clock,
 ) -> HeldSteps[LoaderState]:
     """The held steps, from the loader's first state. Resumed from its own --checkpoint-every
     checkpoint, the server can be up to N steps (plus ``ahead`` and an acknowledgement stride)
@@ -665,7 +681,13 @@ def _hold(
     between."""
     reach = ahead if checkpoint_every is None else 2 * ahead + checkpoint_every
     return HeldSteps(
-        first_step=first.step, first_state=first, ahead=ahead, keep=keep, reach=reach, max_bytes=held_bytes
+        first_step=first.step,
+        first_state=first,
+        ahead=ahead,
+        keep=keep,
+        reach=reach,
+        max_bytes=held_bytes,
+        clock=clock,
     )
 
 
