@@ -13,13 +13,13 @@ world size. It runs as a named Ray actor (``coordinator_actor``), or in-process 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imported from here
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
@@ -96,7 +96,8 @@ class Coordinator:
     for snapshots, ``stop`` ends one, ``address_of`` says where one serves and ``alive`` whether
     one still answers (the Ray ones are in ``actors``).
     At most ``max_replacements`` dead owners are replaced over the run; an owner reported dead
-    that still answers (``alive``) is not replaced, and counts for nothing."""
+    that still answers (``alive``) is not replaced, and counts for nothing. ``clock`` is what
+    a checkpoint's wait for the owners' snapshots reads."""
 
     def __init__(
         self,
@@ -114,8 +115,10 @@ class Coordinator:
         max_replacements: int = 3,
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the topology, restore where the lanes start, launch the owners.
+        self._clock = clock
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
             raise SpecError(f"lane owners: snapshot_every must be a positive integer, got {snapshot_every!r}")
         RankSlice(rank=0, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
@@ -291,7 +294,7 @@ class Coordinator:
         with self._lock:
             self.messages += 1
             handles = list(enumerate(self._handles))
-        deadline = time.monotonic() + timeout
+        deadline = self._clock.now() + timeout
 
         def ask(item: tuple[int, Any]) -> Mapping[int, LaneState]:
             i, handle = item
@@ -299,13 +302,13 @@ class Coordinator:
                 snaps = self._gather(handle, step)
                 if snaps is not None:
                     return snaps
-                if time.monotonic() > deadline:
+                if self._clock.now() > deadline:
                     raise OwnerLostError(
                         f"checkpoint at step {step}: {self._owner_name(i)} (lanes {self._groups[i]}) "
                         f"does not hold that step within {timeout:g} s: checkpoint a step the ranks "
                         f"are at (an owner holds a few steps around its readers)"
                     )
-                time.sleep(0.05)
+                self._clock.sleep(0.05)
 
         lanes: dict[int, LaneState] = {}
         for snaps in self._parallel(ask, handles):
