@@ -215,3 +215,31 @@ def test_chunks_submitted_after_the_ray_dispatcher_died_fail_instead_of_waiting(
         backend.close()
     assert isinstance(result, Failure), result
     assert result.message == "the ray backend's dispatcher failed: injected dispatcher fault", result
+
+
+def test_a_threads_chunk_is_settled_even_when_its_deadline_machinery_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure of the thread backend's own wrapper (not of the DoFn, which it reports as a
+    ``Failure``) settles the chunk's future with it, instead of leaving the lane waiting."""
+    from zephon_flow.runners.backends.threads import Deadlines, ThreadBackend
+
+    source = Lines(write_lines(tmp_path / "values.txt", range(8)), per_split=8)
+    source.bind_label("numbers")
+    segment = FrontSegment([source], [[StatelessInvoker("echo", Echo())]], [])
+    backend = make_backend("threads", workers=1, segment=segment)
+    assert isinstance(backend, ThreadBackend)
+
+    def broken(self: Deadlines, call: Any) -> Any:
+        raise RuntimeError("the deadline bookkeeping failed")
+
+    try:
+        assert _settled(backend.submit(_chunk(source, 0))) == [[0]]
+        monkeypatch.setattr(Deadlines, "run", broken)
+        failed = backend.submit(_chunk(source, 1))
+        with pytest.raises(RuntimeError, match="the deadline bookkeeping failed"):
+            _settled(failed)
+        monkeypatch.undo()
+        assert _settled(backend.submit(_chunk(source, 2))) == [[2]]  # its thread is still there
+    finally:
+        backend.close()

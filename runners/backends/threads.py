@@ -119,7 +119,12 @@ class ThreadBackend:
                 future.cancel()
             if future.cancelled():
                 return
-            result = self._deadlines.run(call)
+            try:
+                result = self._deadlines.run(call)
+            except BaseException as exc:  # a failure of the machinery itself: settle, never strand
+                with contextlib.suppress(InvalidStateError):
+                    future.set_exception(exc)
+                return
             with contextlib.suppress(InvalidStateError):
                 future.set_result(result)
 
