@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from bench.owners_speed import spawned_server, time_batches
 from bench.stats import median
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "owners.json")
@@ -40,39 +39,6 @@ TOKENS_PER_STEP = 32 * 512
 #: Steps every contender may make ahead of its reader (server window, owners' ``ahead``): small,
 #: so that what was made before the clock starts hardly counts.
 AHEAD = 4
-
-
-def _serve_loader(root: str, ports: Any) -> None:
-    from zephon_flow.demo import demo_spec
-    from zephon_flow.service.server import BatchServer
-
-    server = BatchServer(demo_spec(root), ahead=AHEAD).start()
-    ports.put(server.port)
-    server.wait()
-
-
-@contextmanager
-def _server(root: str) -> Iterator[int]:
-    ctx = get_context("spawn")
-    ports = ctx.Queue()
-    proc = ctx.Process(target=_serve_loader, args=(root, ports), daemon=True)
-    proc.start()
-    try:
-        yield int(ports.get(timeout=300))
-    finally:
-        if proc.pid is not None:
-            os.kill(proc.pid, 15)
-        proc.join(timeout=10)
-
-
-def _time(batches: Iterator[tuple[int, Any]], warmup: int, steps: int) -> float:
-    """Seconds for ``steps`` batches after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        next(batches)
-    start = time.perf_counter()
-    for _ in range(steps):
-        next(batches)
-    return time.perf_counter() - start
 
 
 def contenders(root: str) -> dict[str, Callable[[], AbstractContextManager[Iterator[tuple[int, Any]]]]]:
@@ -97,7 +63,7 @@ def contenders(root: str) -> dict[str, Callable[[], AbstractContextManager[Itera
 
     @contextmanager
     def server() -> Iterator[Iterator[tuple[int, Any]]]:
-        with _server(root) as port, zf.Client(f"127.0.0.1:{port}", 0, 1) as client:
+        with spawned_server(root, AHEAD, "inline", 1) as port, zf.Client(f"127.0.0.1:{port}", 0, 1) as client:
             yield iter(client)
 
     @contextmanager
@@ -138,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             order = order[repeat % len(order) :] + order[: repeat % len(order)]
             for name in order:
                 with runs[name]() as batches:
-                    seconds[name].append(_time(batches, args.warmup, args.steps))
+                    seconds[name].append(time_batches(batches, args.warmup, args.steps))
                 print(f"repeat {repeat}: {name}: {args.steps / seconds[name][-1]:.2f} batches/s", flush=True)
     finally:
         disconnect_if_started(started)

@@ -62,7 +62,7 @@ def _serve_loader(root: str, ahead: int, backend: str, workers: int, ports: Any)
 
 
 @contextmanager
-def _server(root: str, ahead: int, backend: str, workers: int) -> Iterator[int]:
+def spawned_server(root: str, ahead: int, backend: str, workers: int) -> Iterator[int]:
     ctx = get_context("spawn")
     ports = ctx.Queue()
     proc = ctx.Process(target=_serve_loader, args=(root, ahead, backend, workers, ports), daemon=True)
@@ -75,7 +75,7 @@ def _server(root: str, ahead: int, backend: str, workers: int) -> Iterator[int]:
         proc.join(timeout=10)
 
 
-def _time(batches: Iterator[tuple[int, Any]], warmup: int, steps: int) -> float:
+def time_batches(batches: Iterator[tuple[int, Any]], warmup: int, steps: int) -> float:
     """Seconds for ``steps`` batches after ``warmup`` untimed ones."""
     for _ in range(warmup):
         next(batches)
@@ -107,7 +107,7 @@ def contenders(root: str, *, backend: str, workers: int, ahead: int) -> dict[str
     @contextmanager
     def server() -> Iterator[Iterator[tuple[int, Any]]]:
         with (
-            _server(root, ahead, backend, workers) as port,
+            spawned_server(root, ahead, backend, workers) as port,
             zf.Client(f"127.0.0.1:{port}", 0, 1) as client,
         ):
             yield iter(client)
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(runs)
                 order = order[round_ % len(order) :] + order[: round_ % len(order)]
                 for name in order:
-                    seconds[name].append(_time(batches[name], args.warmup, args.steps))
+                    seconds[name].append(time_batches(batches[name], args.warmup, args.steps))
                 print(
                     f"round {round_}: "
                     + ", ".join(f"{name} {args.steps / seconds[name][-1]:.1f}" for name in runs)
