@@ -52,8 +52,8 @@ import apache_beam as beam
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.core import codec
-from zephon_flow.core.state import to_loader_state
+from zephon_flow.core.checkpoint import blob
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.demo_data import DemoData, build_demo_data
 from zephon_flow.engine import recipe
 
@@ -117,7 +117,7 @@ def peak_rss() -> Iterator[dict[str, int]]:
 
 def save_format_2(state: dict[str, Any], path: str) -> None:  # returns nothing, like it did
     """How ``zf.save_state`` wrote checkpoints before format 3: one blob built in memory."""
-    data = codec.encode({**to_loader_state(state).to_plain(), "format_version": 2})
+    data = blob.encode({**to_loader_state(state).to_plain(), "format_version": 2})
     with open(path, "wb") as f:
         f.write(data)
         f.flush()

@@ -83,7 +83,7 @@ class FakeOwner:
     """An owner answering at once: synthetic snapshots of its lanes, counting its calls."""
 
     def __init__(self, lanes: list[int], lane_state_bytes: int, sources: int) -> None:
-        from zephon_flow.core.state import FeedCursor, LaneState, StageState
+        from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, StageState
 
         self.lanes, self.calls = lanes, 0
         # Random bytes: the encoded checkpoint cannot compress them away.
@@ -133,8 +133,8 @@ def simulate(
     """One configuration: a run of ``steps`` steps through the real coordinator."""
     from zephon_flow.cluster.coordinator import Coordinator
     from zephon_flow.cluster.owner import share_of
+    from zephon_flow.core.checkpoint.store import encode_state
     from zephon_flow.core.lanes import RankSlice
-    from zephon_flow.core.state import encode_state
 
     spec = _spec(lanes, ranks, root)
     sources = len(spec.compile().sources)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from bench.stats import median
-from zephon_flow.core.state import LoaderState
+from zephon_flow.core.checkpoint.state import LoaderState
 
 COLS = 4096  # int32 tokens per row: 16 KiB rows
 SIZES = {"1MiB": 64, "4MiB": 252}  # rows per message; 252 rows stay under the 4 MiB chunk

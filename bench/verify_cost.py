@@ -26,8 +26,8 @@ from typing import Any
 
 import zephon_flow as zf
 from bench.state_dict_cost import make_spec  # the README's pipeline
-from zephon_flow.core.resume_check import WindowCheck
-from zephon_flow.core.state import to_loader_state
+from zephon_flow.core.checkpoint.store import to_loader_state
+from zephon_flow.core.checkpoint.window_check import WindowCheck
 
 
 def per_batch(

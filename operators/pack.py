@@ -17,7 +17,8 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
-from zephon_flow.core import derived, recipe
+from zephon_flow.core import recipe
+from zephon_flow.core.checkpoint import derived_fields
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.markers import ProvenanceParam
 from zephon_flow.operators import _best_fit
@@ -64,7 +65,7 @@ class PackedSegments:
 
     name = "pack.segments/1"
 
-    def reduce(self, columns: Mapping[str, derived.Column]) -> derived.Reduced | None:
+    def reduce(self, columns: Mapping[str, derived_fields.Column]) -> derived_fields.Reduced | None:
         ids, pos, seg = (columns.get(k) for k in ("input_ids", "position_ids", "segment_ids"))
         if not (isinstance(ids, np.ndarray) and isinstance(pos, np.ndarray) and isinstance(seg, np.ndarray)):
             return None
@@ -89,26 +90,26 @@ class PackedSegments:
             if not _follows_starts(pos[block], seg[block], valid[block], starts[block]):
                 return None
         rows, cols = np.nonzero(starts)
-        stored: dict[str, derived.Column] = {
-            "piece_starts": derived.Ragged(
+        stored: dict[str, derived_fields.Column] = {
+            "piece_starts": derived_fields.Ragged(
                 cols.astype(np.int32), np.bincount(rows, minlength=ids.shape[0]).astype(np.int32)
             ),
             "valid": valid.sum(axis=1, dtype=np.int32),
         }
-        return derived.Reduced(
+        return derived_fields.Reduced(
             stored, ("position_ids", "segment_ids", *(("labels",) if labels is not None else ()))
         )
 
     def rebuild(
         self,
-        columns: Mapping[str, derived.Column],
-        stored: Mapping[str, derived.Column],
+        columns: Mapping[str, derived_fields.Column],
+        stored: Mapping[str, derived_fields.Column],
         names: tuple[str, ...],
-    ) -> dict[str, derived.Column]:
+    ) -> dict[str, derived_fields.Column]:
         ids, starts, valid = columns["input_ids"], stored["piece_starts"], stored["valid"]
         if not (
             isinstance(ids, np.ndarray)
-            and isinstance(starts, derived.Ragged)
+            and isinstance(starts, derived_fields.Ragged)
             and isinstance(valid, np.ndarray)
         ):
             raise ValueError(f"{self.name}: input_ids, piece_starts or valid have the wrong form")
@@ -134,7 +135,7 @@ class PackedSegments:
         else:
             pos = np.zeros((rows, width), dtype=np.int32)
         pos[pad] = 0
-        out: dict[str, derived.Column] = {"position_ids": pos, "segment_ids": seg}
+        out: dict[str, derived_fields.Column] = {"position_ids": pos, "segment_ids": seg}
         if "labels" in names:
             out["labels"] = np.where(pos == 0, np.int32(IGNORE), ids).astype(np.int32)
         unknown = set(names) - set(out)
@@ -158,7 +159,7 @@ def _follows_starts(pos: np.ndarray, seg: np.ndarray, valid: np.ndarray, starts:
     return not np.any(valid[:, 1:] & ~(step_seg & step_pos))
 
 
-PACKED_SEGMENTS = derived.register(PackedSegments())
+PACKED_SEGMENTS = derived_fields.register(PackedSegments())
 
 
 def _open(held: Any) -> tuple[list[np.ndarray], list[np.ndarray]]:

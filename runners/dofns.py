@@ -16,10 +16,10 @@ from apache_beam.transforms.core import get_function_arguments
 from apache_beam.utils.timestamp import Timestamp
 from apache_beam.utils.windowed_value import WindowedValue
 
+from zephon_flow.core.checkpoint.state import StageState
 from zephon_flow.core.errors import DataError, SpecError, StageError, ZephonError
 from zephon_flow.core.markers import DocId, _ProvenanceParam, _SeedParam
 from zephon_flow.core.rng import stable_hash
-from zephon_flow.core.state import StageState
 from zephon_flow.runners.userstate import (
     StateValues,
     TimerDeadlines,

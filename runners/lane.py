@@ -6,12 +6,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from zephon_flow.core.batches import SampleLayout
+from zephon_flow.core.checkpoint.state import FeedCursor, LaneState
+from zephon_flow.core.checkpoint.window_check import FedOutputs, MadeWindow, difference
 from zephon_flow.core.errors import CorruptStateError, ResumeMismatchError
 from zephon_flow.core.markers import DocId
-from zephon_flow.core.resume_check import FedOutputs, MadeWindow, difference
 from zephon_flow.core.roles import MixPolicy
 from zephon_flow.core.source import START
-from zephon_flow.core.state import FeedCursor, LaneState
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan

@@ -17,9 +17,9 @@ from helpers import chain_spec, write_jsonl
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest
+from zephon_flow.core.checkpoint.store import encode_state
 from zephon_flow.core.code import function_code_digest
 from zephon_flow.core.errors import FingerprintMismatchError
-from zephon_flow.core.state import encode_state
 
 MODULE_V1 = '''
 import apache_beam as beam

@@ -14,13 +14,14 @@ import pytest
 from helpers import Corpus, example_spec
 
 import zephon_flow as zf
-from zephon_flow.core import codec
+from zephon_flow.core.checkpoint import FORMAT_VERSION, blob
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
-from zephon_flow.core.state import LoaderState, to_loader_state
 
 
 def roundtrip(value: Any) -> Any:
-    return codec.decode(codec.encode(value))
+    return blob.decode(blob.encode(value))
 
 
 def with_version(data: bytes, version: int) -> bytes:
@@ -102,21 +103,21 @@ def test_structured_arrays_are_refused_with_their_place_and_dtype() -> None:
     with pytest.raises(
         StateError, match=r"state at state\.a holds a .*'x', '<i4'.* array; .*no object or structured"
     ):
-        codec.encode({"a": array})
+        blob.encode({"a": array})
 
 
 def test_encoding_is_deterministic(loader_state: dict[str, Any]) -> None:
     assert zf.encode_state(loader_state) == zf.encode_state(zf.decode_state(zf.encode_state(loader_state)))
-    first = codec.canonical_digest({"a": 1, "b": [2, np.arange(3)]})
-    assert first == codec.canonical_digest({"a": 1, "b": [2, np.arange(3)]})  # built anew, same value
-    assert first != codec.canonical_digest({"a": 1, "b": [2, np.arange(1, 4)]})  # one leaf differs
+    first = blob.canonical_digest({"a": 1, "b": [2, np.arange(3)]})
+    assert first == blob.canonical_digest({"a": 1, "b": [2, np.arange(3)]})  # built anew, same value
+    assert first != blob.canonical_digest({"a": 1, "b": [2, np.arange(1, 4)]})  # one leaf differs
 
 
 def test_a_loader_state_round_trips_through_bytes_and_files(
     loader_state: dict[str, Any], tmp_path: Path
 ) -> None:
     data = zf.encode_state(loader_state)
-    assert data.startswith(codec.MAGIC)
+    assert data.startswith(blob.MAGIC)
     assert zf.encode_state(zf.decode_state(data)) == data
     path = tmp_path / "ck.zf"
     zf.save_state(loader_state, path)
@@ -131,20 +132,20 @@ def test_objects_are_refused_with_their_place_in_the_tree() -> None:
     with pytest.raises(
         StateError, match=r"state at state\.buf\[1\] is a builtins\.object; checkpoints hold plain data only"
     ):
-        codec.encode({"buf": [1, object()]})
+        blob.encode({"buf": [1, object()]})
     with pytest.raises(StateError, match=r"state at state is a builtins\.set"):
-        codec.encode({1, 2})
+        blob.encode({1, 2})
     with pytest.raises(
         StateError,
         match=r"state at state\.a holds a object array; only plain numeric, bool, string and bytes dtypes",
     ):
-        codec.encode({"a": np.array([1, None], dtype=object)})
+        blob.encode({"a": np.array([1, None], dtype=object)})
 
 
 def test_a_newer_format_version_is_refused(
     loader_state: dict[str, Any], corpus: Corpus, tmp_path: Path
 ) -> None:
-    data = with_version(zf.encode_state(loader_state), codec.FORMAT_VERSION + 1)
+    data = with_version(zf.encode_state(loader_state), FORMAT_VERSION + 1)
     with pytest.raises(
         FormatVersionError,
         match=r"checkpoint uses checkpoint format version 4, newer than the version 3 .*upgrade zephon-flow",
@@ -174,7 +175,7 @@ def test_a_zero_format_version_is_corrupt(loader_state: dict[str, Any]) -> None:
 
 def test_a_flipped_byte_is_caught_by_the_checksum(loader_state: dict[str, Any], tmp_path: Path) -> None:
     data = bytearray(zf.encode_state(loader_state))
-    for index in (len(codec.MAGIC) + 12 + 5, len(data) // 2, len(data) - 40, len(data) - 1):
+    for index in (len(blob.MAGIC) + 12 + 5, len(data) // 2, len(data) - 40, len(data) - 1):
         damaged = bytearray(data)
         damaged[index] ^= 0x01
         with pytest.raises(
@@ -188,27 +189,27 @@ def test_a_flipped_byte_is_caught_by_the_checksum(loader_state: dict[str, Any], 
 
 
 def test_bytes_that_are_not_a_checkpoint_are_refused() -> None:
-    for data in (b"", b"PK\x03\x04" + b"\x00" * 100, codec.MAGIC):
+    for data in (b"", b"PK\x03\x04" + b"\x00" * 100, blob.MAGIC):
         with pytest.raises(
             CorruptStateError, match=r"checkpoint is not a zephon-flow checkpoint \(missing magic header\)"
         ):
-            codec.decode(data)
+            blob.decode(data)
 
 
 def test_a_sealed_but_malformed_structure_is_corrupt() -> None:
     header = b"{not json"
-    body = struct.pack("<8sIQ", codec.MAGIC, codec.BLOB_VERSION, len(header)) + header
+    body = struct.pack("<8sIQ", blob.MAGIC, blob.BLOB_VERSION, len(header)) + header
     with pytest.raises(CorruptStateError, match=r"checkpoint: malformed checkpoint structure"):
-        codec.decode(reseal(body))
+        blob.decode(reseal(body))
 
 
 def test_plain_data_that_is_not_a_loader_state_is_refused() -> None:
     with pytest.raises(CorruptStateError, match=r"checkpoint should be a mapping, found list"):
-        zf.decode_state(codec.encode([1, 2]))
+        zf.decode_state(blob.encode([1, 2]))
     with pytest.raises(
         CorruptStateError, match=r"checkpoint is missing 'kind': the checkpoint is corrupt or incomplete"
     ):
-        zf.decode_state(codec.encode({"step": 1}))
+        zf.decode_state(blob.encode({"step": 1}))
 
 
 def test_a_lane_state_missing_a_key_names_it(loader_state: dict[str, Any]) -> None:
@@ -219,4 +220,4 @@ def test_a_lane_state_missing_a_key_names_it(loader_state: dict[str, Any]) -> No
     plain = zf.decode_state(zf.encode_state(loader_state))
     del plain["lane_states"][0]["stages"]["pack"]["position"]
     with pytest.raises(CorruptStateError, match=r"state of lane 0, stage 'pack' is missing 'position'"):
-        zf.decode_state(codec.encode(plain))
+        zf.decode_state(blob.encode(plain))

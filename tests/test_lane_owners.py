@@ -25,9 +25,10 @@ from zephon_flow.cluster import (
 )
 from zephon_flow.cluster.coordinator import readers_of
 from zephon_flow.core.batches import batch_digest, concat
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import encode_state, to_loader_state
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.state import LoaderState, encode_state, to_loader_state
 from zephon_flow.engine.simulate import global_digests
 
 LANES, BATCH = 6, 12

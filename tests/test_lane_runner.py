@@ -11,9 +11,9 @@ import pytest
 from lane_parts import Lines, Repeat, RunningCount, write_lines
 
 import zephon_flow as zf
+from zephon_flow.core.checkpoint.state import FeedCursor, LaneState
 from zephon_flow.core.errors import CorruptStateError
 from zephon_flow.core.source import START
-from zephon_flow.core.state import FeedCursor, LaneState
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.lane import LaneFeed, LaneRunner
 from zephon_flow.runners.plan import Plan

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.core import codec
+from zephon_flow.core.checkpoint import blob
 from zephon_flow.core.errors import SpecError
 
 
@@ -183,8 +183,8 @@ def test_the_state_stays_bounded_and_is_plain_data() -> None:
     for n in rng.integers(1, 40, size=300):
         list(pack.process((0, np.arange(n, dtype=np.int32)), carry=cell, flush=cell))
         assert len(cell.value["pending"]) <= 5 and len(cell.value["bins"]) <= 3
-    back = codec.decode(codec.encode(cell.value))
-    assert codec.canonical_digest(back) == codec.canonical_digest(cell.value)
+    back = blob.decode(blob.encode(cell.value))
+    assert blob.canonical_digest(back) == blob.canonical_digest(cell.value)
 
 
 # -- options -------------------------------------------------------------------------------

@@ -17,8 +17,8 @@ from vlm_helpers import vlm_spec, write_captioned_images
 import zephon_flow as zf
 from zephon_flow.cli import main
 from zephon_flow.core.batches import batch_digest
+from zephon_flow.core.checkpoint.store import encode_state
 from zephon_flow.core.errors import StageError
-from zephon_flow.core.state import encode_state
 from zephon_flow.engine.balance import ROWS_FIELD, RankBalance, contiguous_rows, take_rows
 from zephon_flow.service.server import BatchServer
 

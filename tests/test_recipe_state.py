@@ -17,6 +17,8 @@ from helpers import Corpus, ParseIds, chain_spec, example_spec, write_jsonl
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core import recipe
+from zephon_flow.core.checkpoint.state import RECIPE_KIND, STATE_KIND
+from zephon_flow.core.checkpoint.store import to_loader_state, write_state
 from zephon_flow.core.errors import (
     RecipeMismatchError,
     RecipeRefusedError,
@@ -24,7 +26,6 @@ from zephon_flow.core.errors import (
     StateConflictError,
     StateError,
 )
-from zephon_flow.core.state import RECIPE_KIND, STATE_KIND, to_loader_state, write_state
 
 RECIPE: dict[str, Any] = {"state_mode": "recipe"}
 

@@ -23,7 +23,7 @@ from service_helpers import wait_serving
 from test_service_requests import _self_signed
 
 import zephon_flow as zf
-from zephon_flow.core.state import load_state, save_state
+from zephon_flow.core.checkpoint.store import load_state, save_state
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.server import EXIT_PIPELINE_FAILED, BatchServer
 

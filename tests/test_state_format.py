@@ -26,9 +26,10 @@ from vlm_helpers import encode, gradient
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.core import codec, compact, compact_read, state_file
+from zephon_flow.core.checkpoint import FORMAT_VERSION, blob, frame_decode, frame_encode, framed_file
+from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, LoaderState, StageState
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import CorruptStateError, StateError
-from zephon_flow.core.state import FeedCursor, LaneState, LoaderState, StageState, to_loader_state
 from zephon_flow.engine.simulate import global_digests
 from zephon_flow.operators.pack import PACKED_SEGMENTS
 
@@ -52,7 +53,7 @@ def packed_spec(corpus: Corpus, *, labels: bool = True, strategy: str = "concat"
 def frames(data: bytes) -> list[Any]:
     """The JSON trees of a format-3 checkpoint's frames (header first, then each lane)."""
     stream = io.BytesIO(data)
-    state_file.read_version(stream, "test")
+    framed_file.read_version(stream, "test")
     out = []
     while stream.tell() < len(data) - 32:
         size, _raw = struct.unpack("<QQ", stream.read(16))
@@ -80,7 +81,7 @@ def state_at(spec: zf.LoaderSpec, steps: int) -> dict[str, Any]:
 
 def lane_digests(state: Any) -> dict[int, str]:
     st = to_loader_state(state)
-    return {lane: codec.canonical_digest(ls.to_plain()) for lane, ls in st.lane_states.items()}
+    return {lane: blob.canonical_digest(ls.to_plain()) for lane, ls in st.lane_states.items()}
 
 
 # -- compact lanes --------------------------------------------------------------------------
@@ -88,7 +89,7 @@ def test_compact_restores_give_the_uninterrupted_digests_at_every_step(corpus: C
     spec = packed_spec(corpus)
     ref = assert_equal_output_after_checkpoint(spec, STEPS)
     data = ref.states[-1]
-    assert data[8:12] == struct.pack("<I", codec.FORMAT_VERSION)
+    assert data[8:12] == struct.pack("<I", FORMAT_VERSION)
     lanes = frames(data)[1:]
     buffers = [c for lane in lanes for c in column_nodes(lane)]
     assert buffers, "no element list was stored as columns"
@@ -124,9 +125,9 @@ def test_derived_fields_that_do_not_follow_the_rule_are_stored_as_they_are() -> 
     }
     odd = dict(good, position_ids=pos[::-1].copy())  # not Pack's rule: must be kept as is
     for items in ([good, good], [good, odd]):
-        frame = compact.Frame()
+        frame = frame_encode.Frame()
         raw = b"".join(bytes(c) for c in frame.chunks(items))
-        back = compact_read.decode_frame(raw)
+        back = frame_decode.decode_frame(raw)
         for a, b in zip(items, back, strict=True):
             assert all(np.array_equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
         (node,) = column_nodes(json.loads(raw[8 : 8 + struct.unpack_from("<Q", raw)[0]]))
@@ -141,7 +142,7 @@ def test_a_format_2_checkpoint_still_loads_and_resumes(corpus: Corpus, tmp_path:
     plain = to_loader_state(state).to_plain()
     for lane in plain["lane_states"]:
         del lane["layout"]  # format 2 had no sample layout
-    old = codec.encode({**plain, "format_version": 2})  # the format-2 writer
+    old = blob.encode({**plain, "format_version": 2})  # the format-2 writer
     assert old[8:12] == struct.pack("<I", 2)
     path = tmp_path / "old.zf"
     path.write_bytes(old)
@@ -149,7 +150,7 @@ def test_a_format_2_checkpoint_still_loads_and_resumes(corpus: Corpus, tmp_path:
     assert loaded["format_version"] == 2
     assert all("layout" not in ls for ls in loaded["lane_states"])
     expected = {
-        lane: codec.canonical_digest({**ls.to_plain(), "layout": None})
+        lane: blob.canonical_digest({**ls.to_plain(), "layout": None})
         for lane, ls in to_loader_state(state).lane_states.items()
     }
     assert lane_digests(loaded) == expected

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import zephon_flow as zf
-from zephon_flow.core import codec, state_file
+from zephon_flow.core.checkpoint import FORMAT_VERSION, blob
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import CorruptStateError, StateError
-from zephon_flow.core.state import to_loader_state
 from zephon_flow.engine.simulate import global_digests
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -40,7 +40,7 @@ def v3(plain: dict[str, Any]) -> bytes:
 
 @pytest.fixture(scope="module")
 def v2(plain: dict[str, Any]) -> bytes:
-    return codec.encode({**to_loader_state(plain).to_plain(), "format_version": 2})
+    return blob.encode({**to_loader_state(plain).to_plain(), "format_version": 2})
 
 
 def reseal(data: bytes) -> bytes:
@@ -59,7 +59,7 @@ def split_frames(data: bytes) -> list[bytes]:
 
 
 def join_frames(frames: list[bytes], version: int = 3) -> bytes:
-    body = struct.pack("<8sI", codec.MAGIC, version)
+    body = struct.pack("<8sI", blob.MAGIC, version)
     for raw in frames:
         packed = zstandard.ZstdCompressor().compress(raw)
         body += struct.pack("<QQ", len(packed), len(raw)) + packed
@@ -85,7 +85,7 @@ def only_our_errors(data: bytes) -> None:
 @FUZZ
 @given(
     st.binary(max_size=300),
-    st.sampled_from([b"", codec.MAGIC, codec.MAGIC + b"\x03\0\0\0", codec.MAGIC + b"\x02\0\0\0"]),
+    st.sampled_from([b"", blob.MAGIC, blob.MAGIC + b"\x03\0\0\0", blob.MAGIC + b"\x02\0\0\0"]),
 )
 def test_random_bytes_raise_only_state_errors(data: bytes, prefix: bytes) -> None:
     only_our_errors(prefix + data)
@@ -198,7 +198,7 @@ def test_deeply_nested_json_is_corrupt_not_a_recursion_error(v3: bytes, v2: byte
         match=r"checkpoint: malformed checkpoint structure in the state of lane 0 .*nested too deeply",
     ):
         zf.decode_state(join_frames(frames))
-    body = struct.pack("<8sIQ", codec.MAGIC, 2, len(deep)) + deep
+    body = struct.pack("<8sIQ", blob.MAGIC, 2, len(deep)) + deep
     with pytest.raises(CorruptStateError, match=r"nested too deeply"):
         zf.decode_state(body + hashlib.sha256(body).digest())
 
@@ -308,7 +308,7 @@ def test_valid_checkpoints_still_decode(v3: bytes, v2: bytes, plain: dict[str, A
         assert np.array_equal(
             back["lane_states"][0]["cursor"]["sources"], plain["lane_states"][0]["cursor"]["sources"]
         )
-    assert state_file.VERSION == codec.FORMAT_VERSION
+    assert v3[8:12] == struct.pack("<I", FORMAT_VERSION) and v2[8:12] == struct.pack("<I", blob.BLOB_VERSION)
 
 
 @FUZZ
@@ -321,5 +321,5 @@ def test_structurally_mutated_format_2_checkpoints_raise_only_state_errors(
     tree = json.loads(v2[20 : 20 + n])
     places = paths(tree)
     head = json.dumps(replaced(tree, places[where % len(places)], value)).encode()
-    body = struct.pack("<8sIQ", codec.MAGIC, 2, len(head)) + head + v2[20 + n : -32]
+    body = struct.pack("<8sIQ", blob.MAGIC, 2, len(head)) + head + v2[20 + n : -32]
     only_our_errors(body + hashlib.sha256(body).digest())

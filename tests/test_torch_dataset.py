@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 
 import zephon_flow as zf
 from zephon_flow.core.batches import split_ragged
+from zephon_flow.core.checkpoint.store import encode_state
 from zephon_flow.core.errors import CorruptStateError, FingerprintMismatchError, SpecError, StateError
-from zephon_flow.core.state import encode_state
 from zephon_flow.engine.simulate import global_batches, global_digests
 from zephon_flow.torch import ZephonDataset, gather_states
 

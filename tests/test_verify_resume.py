@@ -17,8 +17,9 @@ from helpers import Corpus, DocKey, chain_spec, make_corpus, tagged_texts, train
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.cli import main
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import FingerprintMismatchError, ResumeMismatchError, StateConflictError
-from zephon_flow.core.state import LoaderState, to_loader_state
 from zephon_flow.engine.simulate import global_digests
 from zephon_flow.engine.verify import MISMATCH, OK, UNVERIFIABLE, verify_state
 
@@ -334,7 +335,7 @@ def test_a_recipe_checkpoint_records_and_verifies_the_same_checks(own: Corpus) -
 
 def test_what_a_difference_names() -> None:
     """The words for each kind of difference, on checks made by hand."""
-    from zephon_flow.core.resume_check import GROUPS, WindowCheck, difference
+    from zephon_flow.core.checkpoint.window_check import GROUPS, WindowCheck, difference
 
     def name(doc: tuple[int, int, int]) -> str:
         return f"record {doc}"

@@ -20,8 +20,8 @@ from video_helpers import make_video, video_spec, write_videos
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest, concat
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.source import START, Record
-from zephon_flow.core.state import to_loader_state
 from zephon_flow.engine.simulate import global_digests
 from zephon_flow.runners.dealing import Dealing
 from zephon_flow.runners.streams import SourceReader

@@ -11,6 +11,8 @@ _quiet.quiet_beam_import_warnings()
 # zf.cluster.OwnedLoader: the lanes on Ray lane owners (Ray is imported only when used).
 from zephon_flow import cluster as cluster  # noqa: E402
 from zephon_flow.core.batches import batch_digest  # noqa: E402
+from zephon_flow.core.checkpoint.merge import merge_states  # noqa: E402
+from zephon_flow.core.checkpoint.store import decode_state, encode_state, load_state, save_state  # noqa: E402
 from zephon_flow.core.errors import (  # noqa: E402
     DataError,
     ServiceError,
@@ -20,7 +22,6 @@ from zephon_flow.core.errors import (  # noqa: E402
 )
 from zephon_flow.core.markers import ProvenanceParam, SeedParam  # noqa: E402
 from zephon_flow.core.schedule import BatchSchedule, Ramp  # noqa: E402
-from zephon_flow.core.state import decode_state, encode_state, load_state, merge_states, save_state  # noqa: E402
 from zephon_flow.engine.balance import RankBalance, balance_rows  # noqa: E402
 from zephon_flow.engine.endsync import EndSync, ThreadEndSync, TorchEndSync  # noqa: E402
 from zephon_flow.engine.loader import Loader  # noqa: E402

@@ -14,7 +14,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from zephon_flow.core.state import LoaderState, encode_state
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import encode_state
 
 #: A lane (or a whole dataset) with no state yet: a fresh start at step 0.
 FRESH = b""

@@ -109,7 +109,7 @@ def load_spec(target: str) -> LoaderSpec:
 
 def _digest(args: argparse.Namespace) -> int:
     from zephon_flow.core.batches import batch_digest
-    from zephon_flow.core.state import load_state, save_state
+    from zephon_flow.core.checkpoint.store import load_state, save_state
     from zephon_flow.engine.simulate import global_batches
 
     spec = load_spec(args.target)
@@ -189,7 +189,7 @@ def _inspect(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from zephon_flow.core.state import load_state
+    from zephon_flow.core.checkpoint.store import load_state
     from zephon_flow.engine.inspection import inspect_step, render
 
     if args.rank >= args.world_size:
@@ -242,7 +242,7 @@ def _verify(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from zephon_flow.core.state import load_state
+    from zephon_flow.core.checkpoint.store import load_state
     from zephon_flow.engine.verify import OK, render, verify_state
 
     lanes = None
@@ -433,14 +433,14 @@ def _serve(args: argparse.Namespace) -> int:
     except SpecError as exc:
         raise UsageError(str(exc)) from exc
     if args.resume:
-        from zephon_flow.core.state import load_state
+        from zephon_flow.core.checkpoint.store import load_state
 
         logger.info("zephon serve: resuming from %s at step %d", args.resume, load_state(args.resume)["step"])
     else:
         logger.info("zephon serve: starting at step 0")
     spec, loader = load_spec(args.target), None
     if args.ray_address is not None:  # BatchServer's own Loader knows no Ray address: build it here
-        from zephon_flow.core.state import load_state
+        from zephon_flow.core.checkpoint.store import load_state
         from zephon_flow.engine.loader import Loader
 
         state = load_state(args.resume) if args.resume else None

@@ -10,8 +10,8 @@ import apache_beam as beam
 
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest
+from zephon_flow.core.checkpoint.store import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 from zephon_flow.core.errors import SpecError
-from zephon_flow.core.state import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 from zephon_flow.demo_data import build_demo_data, corpus_bytes
 from zephon_flow.engine.simulate import global_batches
 from zephon_flow.engine.spec import LoaderSpec

@@ -19,9 +19,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate_fn_map
 
 from zephon_flow._torch_state import FRESH, LaneBytes, Snapshot, lane_parts
+from zephon_flow.core.checkpoint.merge import merge_states
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import encode_state, to_loader_state
 from zephon_flow.core.errors import CorruptStateError, SpecError, StateConflictError, StateError
 from zephon_flow.core.lanes import RankRows
-from zephon_flow.core.state import LoaderState, encode_state, merge_states, to_loader_state
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends.base import BACKENDS

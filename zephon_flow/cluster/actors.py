@@ -13,9 +13,9 @@ from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
 from zephon_flow.core.batches import Batch
+from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import require_ray
 

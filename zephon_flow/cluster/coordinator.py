@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imported from here
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.loader import apply_mix_change, checked_mix_change, refused_mix_step, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 

@@ -14,10 +14,11 @@ from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.core.batches import VALID_FIELD, Batch, concat
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.state import LoaderState, to_loader_state
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout
+from zephon_flow.core.checkpoint.state import LaneState, LoaderState
+from zephon_flow.core.checkpoint.window_check import MadeWindow, WindowCheck
 from zephon_flow.core.errors import OwnerError as OwnerError  # also imported from here
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.resume_check import MadeWindow, WindowCheck
-from zephon_flow.core.state import LaneState, LoaderState
 from zephon_flow.engine.hold import StepHold
 from zephon_flow.engine.loader import apply_mix_change, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec

@@ -33,8 +33,9 @@ from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.cluster.serving import CoordinatorServer, Serving
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import load_state, to_loader_state
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError
-from zephon_flow.core.state import LoaderState, load_state, to_loader_state
 from zephon_flow.engine.loader import restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray

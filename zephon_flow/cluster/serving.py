@@ -31,9 +31,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.cluster.coordinator import OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
+from zephon_flow.core.checkpoint.store import save_state
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.state import save_state
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from zephon_flow.core.batches import COUNT_SUFFIX, Batch, split_ragged
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import SpecError, StateError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.source import relative_name
-from zephon_flow.core.state import to_loader_state
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.plan import Plan

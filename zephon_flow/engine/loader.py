@@ -15,15 +15,16 @@ from typing import Any
 
 from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch
+from zephon_flow.core.checkpoint.state import LaneState, LoaderState
+from zephon_flow.core.checkpoint.store import to_loader_state
+from zephon_flow.core.checkpoint.window_check import PendingChecks
 from zephon_flow.core.errors import (
     SpecError,
     StateError,
     ZephonError,
 )
 from zephon_flow.core.lanes import RankRows, RankSlice
-from zephon_flow.core.resume_check import PendingChecks
 from zephon_flow.core.roles import MixPolicy
-from zephon_flow.core.state import LaneState, LoaderState, to_loader_state
 from zephon_flow.engine import recipe
 from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 from zephon_flow.core import recipe
+from zephon_flow.core.checkpoint.state import LaneState, LoaderState, StageState
 from zephon_flow.core.errors import CorruptStateError, RecipeMismatchError, RecipeRefusedError
 from zephon_flow.core.recipe import DocKey, Outputs, RecipeMaker
 from zephon_flow.core.source import Record
-from zephon_flow.core.state import LaneState, LoaderState, StageState
 from zephon_flow.runners.backends.base import ChunkResult
 from zephon_flow.runners.dofns import StatefulInvoker
 from zephon_flow.runners.plan import Plan

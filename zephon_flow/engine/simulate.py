@@ -7,8 +7,8 @@ from contextlib import ExitStack
 from typing import Any
 
 from zephon_flow.core.batches import Batch, batch_digest, concat
+from zephon_flow.core.checkpoint.merge import merge_states
 from zephon_flow.core.errors import SpecError
-from zephon_flow.core.state import merge_states
 from zephon_flow.engine.endsync import ThreadEndSync
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.core.state import LoaderState, to_loader_state
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.dealing import Dealing
 

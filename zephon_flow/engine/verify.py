@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import ResumeMismatchError, SpecError
-from zephon_flow.core.state import LoaderState, to_loader_state
 from zephon_flow.engine.loader import build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import make_backend

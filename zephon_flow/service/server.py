@@ -19,10 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.core.batches import Batch
+from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.store import load_state, save_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError, StateError, ZephonError
 from zephon_flow.core.lanes import RankRows, RankSlice
-from zephon_flow.core.state import LoaderState, load_state, save_state
 from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec

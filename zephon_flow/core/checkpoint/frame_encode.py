@@ -2,19 +2,19 @@
 
 One frame encodes one plain-data tree (a lane's state, or the checkpoint's header) as
 ``u64 JSON length | JSON | payload``; the caller compresses it. Beyond the tags of
-``codec`` (``~f`` float, ``~b`` bytes, ``~t`` tuple, ``~d`` dict with other keys), it writes:
+``blob`` (``~f`` float, ``~b`` bytes, ``~t`` tuple, ``~d`` dict with other keys), it writes:
 
 - ``~a`` ``[dtype, stored dtype, shape, offset, size, scalar]``: an array, integers stored in
   the smallest integer type that holds its values (restored to ``dtype`` on load);
 - ``~c``: a list of like elements (dicts with the same keys, each value an array of one dtype
   per key) stored as one column per key (rows stacked, or ragged with per-row lengths), with
-  the fields a registered ``derived.DerivedFields`` can rebuild left out, a 16-byte digest per
+  the fields a registered ``derived_fields.DerivedFields`` can rebuild left out, a 16-byte digest per
   row, and, in an incremental checkpoint, the rows found in the base stored as their index
   there instead of their content.
 
-``Frame`` encodes (``compact_read`` decodes). The row digests (of the rows a frame stores; the
+``Frame`` encodes (``frame_decode`` decodes). The row digests (of the rows a frame stores; the
 others are its base's) go to a separate small index (``index_tree``, read back by
-``compact_read.full_digests``), so a child checkpoint learns its base's rows without decoding
+``frame_decode.full_digests``), so a child checkpoint learns its base's rows without decoding
 them.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.core import derived
+from zephon_flow.core.checkpoint import derived_fields
 from zephon_flow.core.errors import StateError
 
 LEN_PREFIX = struct.Struct("<Q")
@@ -62,7 +62,7 @@ def _plain_array(value: np.ndarray, where: str) -> None:
         )
 
 
-def _as_columns(items: list[Any]) -> tuple[list[str], dict[str, derived.Column]] | None:
+def _as_columns(items: list[Any]) -> tuple[list[str], dict[str, derived_fields.Column]] | None:
     """``items`` as columns, if they are dicts with the same keys and per-key array dtypes."""
     first = items[0]
     if type(first) is not dict or not first or not all(isinstance(k, str) for k in first):
@@ -71,7 +71,7 @@ def _as_columns(items: list[Any]) -> tuple[list[str], dict[str, derived.Column]]
     for item in items:
         if type(item) is not dict or list(item) != keys:
             return None
-    columns: dict[str, derived.Column] = {}
+    columns: dict[str, derived_fields.Column] = {}
     for key in keys:
         arrays = [item[key] for item in items]
         dtype = getattr(arrays[0], "dtype", None)
@@ -84,7 +84,7 @@ def _as_columns(items: list[Any]) -> tuple[list[str], dict[str, derived.Column]]
             columns[key] = np.stack(arrays)
         elif arrays[0].ndim >= 1 and all(a.ndim >= 1 and a.shape[1:] == shape[1:] for a in arrays):
             lengths = np.array([a.shape[0] for a in arrays], dtype=np.int64)
-            columns[key] = derived.Ragged(np.concatenate(arrays), lengths)
+            columns[key] = derived_fields.Ragged(np.concatenate(arrays), lengths)
         else:
             return None
     return keys, columns
@@ -103,17 +103,17 @@ def _byte_rows(array: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8).reshape(array.shape[0], per)
 
 
-def _column_nbytes(col: derived.Column) -> int:
-    return col.values.nbytes + col.lengths.nbytes if isinstance(col, derived.Ragged) else col.nbytes
+def _column_nbytes(col: derived_fields.Column) -> int:
+    return col.values.nbytes + col.lengths.nbytes if isinstance(col, derived_fields.Ragged) else col.nbytes
 
 
-def _row_digests(schema: str, columns: dict[str, derived.Column], rows: int) -> np.ndarray:
+def _row_digests(schema: str, columns: dict[str, derived_fields.Column], rows: int) -> np.ndarray:
     """A 16-byte blake2b digest per row over every stored column (in key order) and the schema."""
     seed = hashlib.blake2b(schema.encode("utf-8"), digest_size=ROW_DIGEST)
     parts: list[RowSlicer] = []
     for key in sorted(columns):
         col = columns[key]
-        if isinstance(col, derived.Ragged):
+        if isinstance(col, derived_fields.Ragged):
             parts.append(RowSlicer(_byte_rows(col.values), offsets(col.lengths)))
             parts.append(RowSlicer(_byte_rows(np.asarray(col.lengths, dtype="<i8")), None))
         else:
@@ -140,30 +140,30 @@ class RowSlicer:
         return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
-def _values(col: derived.Column) -> np.ndarray:
-    return col.values if isinstance(col, derived.Ragged) else col
+def _values(col: derived_fields.Column) -> np.ndarray:
+    return col.values if isinstance(col, derived_fields.Ragged) else col
 
 
-def _narrowed(col: derived.Column) -> derived.Column:
+def _narrowed(col: derived_fields.Column) -> derived_fields.Column:
     """The column in the smallest integer types that hold it (ragged lengths too)."""
-    if isinstance(col, derived.Ragged):
-        return derived.Ragged(_narrowed(col.values), _narrowed(col.lengths))  # type: ignore[arg-type]
+    if isinstance(col, derived_fields.Ragged):
+        return derived_fields.Ragged(_narrowed(col.values), _narrowed(col.lengths))  # type: ignore[arg-type]
     kind = narrowest(col)
     return col if kind == col.dtype else col.astype(kind)
 
 
-def _column_schema(col: derived.Column) -> list[Any]:
-    if isinstance(col, derived.Ragged):
+def _column_schema(col: derived_fields.Column) -> list[Any]:
+    if isinstance(col, derived_fields.Ragged):
         return ["ragged", col.values.dtype.str, list(col.values.shape[1:])]
     return ["stacked", col.dtype.str, list(col.shape[1:])]
 
 
-def _take(col: derived.Column, rows: np.ndarray) -> derived.Column:
-    if isinstance(col, derived.Ragged):
+def _take(col: derived_fields.Column, rows: np.ndarray) -> derived_fields.Column:
+    if isinstance(col, derived_fields.Ragged):
         off = offsets(col.lengths)
         idx = [np.arange(off[i], off[i + 1]) for i in rows]
         flat = np.concatenate(idx) if idx else np.zeros(0, dtype=np.int64)
-        return derived.Ragged(col.values[flat], col.lengths[rows])
+        return derived_fields.Ragged(col.values[flat], col.lengths[rows])
     taken: np.ndarray = col[rows]
     return taken
 
@@ -207,8 +207,8 @@ class Frame:
         self.size += flat.size
         return {"~a": node}
 
-    def _column(self, col: derived.Column, logical: np.dtype[Any], where: str) -> Any:
-        if isinstance(col, derived.Ragged):
+    def _column(self, col: derived_fields.Column, logical: np.dtype[Any], where: str) -> Any:
+        if isinstance(col, derived_fields.Ragged):
             values = self._array(col.values, False, where, logical)
             return {"r": [values, self._array(col.lengths, False, where, np.dtype(np.int64))]}
         return {"a": self._array(col, False, where, logical)}
@@ -220,9 +220,9 @@ class Frame:
         keys, columns = found
         del found
         self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
-        reduced: derived.Reduced | None = None
+        reduced: derived_fields.Reduced | None = None
         name: str | None = None
-        for fields in derived.registered():
+        for fields in derived_fields.registered():
             reduced = fields.reduce(columns)
             if reduced is not None:
                 name = fields.name

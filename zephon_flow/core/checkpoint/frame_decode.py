@@ -1,4 +1,4 @@
-"""Decoding checkpoint format 3's compact frames (see ``compact``), checking every node's form.
+"""Decoding checkpoint format 3's compact frames (see ``frame_encode``), checking every node's form.
 
 Anything malformed raises ``FrameError`` (the caller names the file and the frame); a frame that
 stores rows by reference to its base is decoded against the base's same lane.
@@ -12,8 +12,15 @@ from typing import Any
 
 import numpy as np
 
-from zephon_flow.core import derived
-from zephon_flow.core.compact import LEN_PREFIX, ROW_DIGEST, Path, RowIndex, RowSlicer, offsets
+from zephon_flow.core.checkpoint import derived_fields
+from zephon_flow.core.checkpoint.frame_encode import (
+    LEN_PREFIX,
+    ROW_DIGEST,
+    Path,
+    RowIndex,
+    RowSlicer,
+    offsets,
+)
 
 
 class FrameError(ValueError):
@@ -64,7 +71,7 @@ class _Decoder:
         arr = arr.astype(logical) if kept != logical else arr.copy()
         return arr[()] if scalar is True else arr
 
-    def column(self, node: Any) -> derived.Column:
+    def column(self, node: Any) -> derived_fields.Column:
         if isinstance(node, dict) and len(node) == 1 and "a" in node:
             return self._ndarray(node["a"])
         if (
@@ -78,7 +85,7 @@ class _Decoder:
                 raise FrameError("ragged column lengths are not a list of non-negative integers")
             if values.ndim < 1 or int(lengths.sum()) != values.shape[0]:
                 raise FrameError("ragged column lengths do not add up to its values")
-            return derived.Ragged(values, lengths)
+            return derived_fields.Ragged(values, lengths)
         raise FrameError(f"column node {str(node)[:80]} is neither stacked nor ragged")
 
     def _ndarray(self, node: Any) -> np.ndarray:
@@ -108,7 +115,7 @@ class _Decoder:
         if refs is not None and (refs.shape != (n,) or refs.dtype.kind not in "iu"):
             raise FrameError(f"base row references do not cover the {n} rows")
         for k, c in cols.items():
-            rows = c.lengths.size if isinstance(c, derived.Ragged) else (c.shape[0] if c.ndim else -1)
+            rows = c.lengths.size if isinstance(c, derived_fields.Ragged) else (c.shape[0] if c.ndim else -1)
             if rows != new:
                 raise FrameError(f"column {k!r} has {rows} rows, expected {new}")
         if body["derived"] is not None:
@@ -130,7 +137,7 @@ class _Decoder:
                 raise FrameError(f"row refers to base row {r}, the base list has {len(base)}")
         return out
 
-    def _rebuild(self, spec: Any, cols: dict[str, derived.Column]) -> dict[str, derived.Column]:
+    def _rebuild(self, spec: Any, cols: dict[str, derived_fields.Column]) -> dict[str, derived_fields.Column]:
         if (
             not isinstance(spec, list)
             or len(spec) != 2
@@ -138,7 +145,7 @@ class _Decoder:
             or not isinstance(spec[1], list)
         ):
             raise FrameError(f"derived-fields node {spec!r} is not [name, fields]")
-        fields = derived.lookup(spec[0])
+        fields = derived_fields.lookup(spec[0])
         if fields is None:
             raise FrameError(
                 f"columns were reduced by derived fields {spec[0]!r}, which no imported operator "
@@ -196,11 +203,11 @@ def _hashable(key: Any) -> Any:
     return key
 
 
-def _rows(keys: list[str], cols: dict[str, derived.Column], n: int) -> list[dict[str, Any]]:
+def _rows(keys: list[str], cols: dict[str, derived_fields.Column], n: int) -> list[dict[str, Any]]:
     getters: list[RowSlicer] = []
     for key in keys:
         col = cols[key]
-        if isinstance(col, derived.Ragged):
+        if isinstance(col, derived_fields.Ragged):
             getters.append(RowSlicer(col.values, offsets(col.lengths)))
         else:
             if col.ndim == 0 or col.shape[0] != n:

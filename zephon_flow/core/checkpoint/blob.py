@@ -1,6 +1,6 @@
 """The plain-data codec of checkpoint formats 1 and 2: one self-describing, checksummed blob.
 
-Format 3 (``state_file``, ``compact``) writes checkpoints now; this codec still reads formats 1
+Format 3 (``framed_file``, ``frame_encode``) writes checkpoints now; this codec still reads formats 1
 and 2, writes format 2 for tests of older checkpoints, and digests states for comparison.
 
 Layout: ``MAGIC | u32 version | u64 header length | header (UTF-8 JSON) | payload | sha256``.
@@ -18,13 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from zephon_flow.core.checkpoint import FORMAT_VERSION
 from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
 
 MAGIC = b"ZEPHONCK"
-#: The newest checkpoint format, the one ``state_file`` writes. Version 3: compact frames
-#: (narrowed integers, element lists as columns without derived fields, zstd), written and
-#: read lane by lane, optionally incremental on a base.
-FORMAT_VERSION = 3
 #: The format of this codec's single blob. Version 2: lane cursors record the straddling
 #: record's source, exhausted sources and skip counts, and the checkpoint records the mixture
 #: history.

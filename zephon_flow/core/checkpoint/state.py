@@ -1,34 +1,28 @@
-"""Typed lane and loader state, their plain-data form, and the file format around the codec."""
+"""Typed lane and loader state and their plain-data form: what a checkpoint holds."""
 
 from __future__ import annotations
 
-import io
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
-from zephon_flow.core import codec, files, state_file
 from zephon_flow.core.batches import SampleLayout
+from zephon_flow.core.checkpoint import FORMAT_VERSION
+from zephon_flow.core.checkpoint.window_check import PendingChecks, WindowCheck
 from zephon_flow.core.errors import (
     CorruptStateError,
     FingerprintMismatchError,
     FormatVersionError,
     LaneCountMismatchError,
-    StateConflictError,
-    StateError,
 )
-from zephon_flow.core.resume_check import PendingChecks, WindowCheck
 
 STATE_KIND = "zephon-flow/loader-state"
 #: The kind of a recipe state (``state_mode="recipe"``): buffered sequences are stored as the
 #: documents they came from (``core/recipe.py``) and rebuilt by re-reading them. A reader that
 #: does not know recipes refuses the kind instead of misreading the state.
 RECIPE_KIND = "zephon-flow/loader-state+recipe"
-#: The one file extension of checkpoints that zephon-flow writes (``zephon serve``, the demo).
-CHECKPOINT_SUFFIX = ".zfstate"
 
 
 #: The oldest format whose plain state this version reads (format 3 changed only the bytes).
@@ -170,7 +164,7 @@ class LaneState:
     ``ended``: the lane's finite input has ended (its windows are padding from then on);
     ``layout``: the layout of the lane's first sample, for padding when no operator declares
     a padding sample (None until the lane made one); ``next_window``: the check of the window
-    the lane makes next (``core/resume_check.py``), which a restore verifies (None: not known,
+    the lane makes next (``core/checkpoint/window_check.py``), which a restore verifies (None: not known,
     e.g. a checkpoint written before zephon-flow recorded it; such a resume is not verified).
     """
 
@@ -196,7 +190,7 @@ class LaneState:
         return plain
 
     @classmethod
-    def from_plain(cls, plain: Any, version: int = codec.FORMAT_VERSION) -> LaneState:
+    def from_plain(cls, plain: Any, version: int = FORMAT_VERSION) -> LaneState:
         """The lane state ``to_plain`` gave, as written by checkpoint format ``version``
         (before version 3 a lane had no ``layout``)."""
         lane = _int(_need(plain, "lane", "lane state"), "lane state's lane")
@@ -268,7 +262,7 @@ class LoaderState:
     def _plain(self) -> dict[str, Any]:
         return {
             "kind": RECIPE_KIND if self.recipe else STATE_KIND,
-            "format_version": codec.FORMAT_VERSION,
+            "format_version": FORMAT_VERSION,
             "step": self.step,
             "lanes": self.lanes,
             "fingerprint": dict(self.fingerprint),
@@ -284,10 +278,10 @@ class LoaderState:
                 f"checkpoint kind is {str(kind)[:60]!r}, expected {STATE_KIND!r} or {RECIPE_KIND!r}"
             )
         version = _int(_need(plain, "format_version", "checkpoint"), "checkpoint format_version")
-        if version > codec.FORMAT_VERSION:
+        if version > FORMAT_VERSION:
             raise FormatVersionError(
                 f"checkpoint format version {version} is newer than the version "
-                f"{codec.FORMAT_VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
+                f"{FORMAT_VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
             )
         if version < OLDEST_READ:
             raise FormatVersionError(
@@ -437,202 +431,3 @@ def _named_parts(differ: list[str], code: list[str]) -> list[str]:
         else n
         for n in named
     ]
-
-
-def merge_states(states: list[Any]) -> dict[str, Any]:
-    """Unions the lane states of several ranks' checkpoints (plain dicts or bytes) into one.
-
-    All must be for the same step and pipeline; ranks that share a lane must hold identical
-    states for it, and agree on the check of its next window where both recorded one.
-    """
-    if not states:
-        raise StateConflictError("merge_states needs at least one state")
-    parsed = [to_loader_state(s) for s in states]
-    first = parsed[0]
-    merged: dict[int, LaneState] = {}
-    digests: dict[int, str] = {}
-    for i, st in enumerate(parsed):
-        if st.step != first.step:
-            raise StateConflictError(
-                f"cannot merge states of different steps: {first.step} (state 0) and {st.step} (state {i})"
-            )
-        if st.lanes != first.lanes:
-            raise LaneCountMismatchError(
-                f"cannot merge states for lanes={first.lanes} (state 0) and lanes={st.lanes} (state {i})"
-            )
-        if st.fingerprint != first.fingerprint:
-            raise FingerprintMismatchError(f"state {i} was written for another pipeline than state 0")
-        if st.recipe != first.recipe:
-            raise StateConflictError(
-                f"cannot merge a recipe state with a compact one (state 0 is "
-                f"{'recipe' if first.recipe else 'compact'}, state {i} is not): save every rank's "
-                f"state with the same state_mode"
-            )
-        if st.mix_history != first.mix_history:
-            raise StateConflictError(
-                f"states disagree about the mixture history: state 0 has {first.mix_history!r}, "
-                f"state {i} has {st.mix_history!r}"
-            )
-        for lane, ls in st.lane_states.items():
-            digest = codec.canonical_digest(replace(ls, next_window=None).to_plain())
-            if lane in digests and digests[lane] != digest:
-                raise StateConflictError(
-                    f"states disagree about lane {lane} at step {st.step} (state {i} differs)"
-                )
-            digests[lane] = digest
-            known = merged.get(lane)
-            mine, theirs = ls.next_window, None if known is None else known.next_window
-            if known is not None and mine is None:
-                continue  # a rank that did not record the next window's check defers to one that did
-            if mine is not None and theirs is not None and mine.digest != theirs.digest:
-                raise StateConflictError(
-                    f"states disagree about the next window of lane {lane} at step {st.step} (state "
-                    f"{i} recorded {mine.digest[:16]}..., an earlier state {theirs.digest[:16]}...): "
-                    f"the ranks made different windows"
-                )
-            merged[lane] = ls
-    return LoaderState(
-        first.step, first.lanes, first.fingerprint, merged, first.mix_history, recipe=first.recipe
-    ).to_plain()
-
-
-def to_loader_state(state: Any) -> LoaderState:
-    """Accepts a ``LoaderState``, its plain form, or encoded checkpoint bytes (a state whose
-    next-window checks are still pending is completed first)."""
-    if isinstance(state, LoaderState):
-        return state if state.checks is None else state.completed()
-    if isinstance(state, bytes | bytearray | memoryview):
-        state = decode_state(bytes(state))
-    elif isinstance(state, str | os.PathLike):
-        raise StateError(
-            f"a state is a state_dict() (or merge_states of several, or checkpoint bytes), not a "
-            f"path: read the checkpoint file with zf.load_state({os.fspath(state)!r})"
-        )
-    return LoaderState.from_plain(state)
-
-
-def _header(state: LoaderState) -> dict[str, Any]:
-    plain = {k: v for k, v in state.to_plain().items() if k != "lane_states"}
-    return {**plain, "lane_ids": sorted(state.lane_states)}
-
-
-def write_state(
-    state: Any, out: IO[bytes], *, base: str | os.PathLike[str] | None = None, target: str | None = None
-) -> state_file.WriteStats:
-    """Writes ``state`` to ``out`` lane by lane; ``base``: an earlier checkpoint file to write
-    only the changes against, recorded by its path relative to the folder of ``target``, the
-    file ``out`` will become (refused if it is a file of the base's chain: writing there would
-    destroy a base the new checkpoint needs)."""
-    st = to_loader_state(state)
-    ref = None
-    if base is not None:
-        base_path = os.fspath(base)
-        chain: list[str] = []
-        header, index, digest = state_file.row_index(base_path, files=chain)
-        if target is not None and os.path.realpath(target) in chain:
-            raise StateError(
-                f"cannot save to {target}: it is a file of the chain of bases this checkpoint "
-                f"would stand on ({' <- '.join(reversed(chain))}), so writing there would destroy a base "
-                f"it needs; save to another path"
-            )
-        base_state = LoaderState.from_plain({**header, "lane_states": []})
-        if base_state.lanes != st.lanes or base_state.fingerprint != st.fingerprint:
-            raise StateError(
-                f"base {base_path} was written for another pipeline or lane count than this state; "
-                f"an incremental checkpoint needs a base of the same pipeline"
-            )
-        if base_state.recipe != st.recipe:
-            raise StateError(
-                f"base {base_path} is a {'recipe' if base_state.recipe else 'compact'} state and this "
-                f"one is not; an incremental checkpoint needs a base of the same state_mode"
-            )
-        folder = os.path.dirname(os.path.abspath(target)) if target is not None else os.path.abspath(".")
-        name = os.path.relpath(os.path.abspath(base_path), folder)
-        ref = (state_file.Base(name, digest), index)
-    lanes = ((lane, st.lane_states[lane].to_plain()) for lane in sorted(st.lane_states))
-    return state_file.write(_header(st), lanes, out, base=ref)
-
-
-def encode_state(state: Any) -> bytes:
-    """The checkpoint bytes of a state (plain dict as returned by ``Loader.state_dict``)."""
-    out = io.BytesIO()
-    write_state(state, out)
-    return out.getvalue()
-
-
-def _read(
-    stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...]
-) -> tuple[dict[str, Any], str]:
-    """The plain state in a checkpoint stream and its sha256; ``path`` locates a base."""
-    version, head = state_file.read_version(stream, source)
-    if version <= codec.BLOB_VERSION:
-        data = head + stream.read()
-        plain = codec.decode(data, source=source)
-        try:
-            LoaderState.from_plain(plain)  # validate structure now, with the source's name
-        except CorruptStateError as exc:
-            raise CorruptStateError(f"{source}: {exc}") from exc
-        return dict(plain), data[-32:].hex()
-    stream.seek(0)
-    digest = state_file.verify(stream, source)
-    state_file.read_version(stream, source)
-    opened = state_file.open_v3(stream, source)
-    header = opened.header
-    base_lanes: dict[int, Any] | None = None
-    if header["base"] is not None:
-        base_lanes = _load_base(header, source, path, chain)
-    lane_states = list(opened.lanes(base_lanes))
-    opened.finish()
-    plain = {k: v for k, v in header.items() if k not in ("lane_ids", "base")}
-    plain["lane_states"] = lane_states
-    try:
-        st = LoaderState.from_plain(plain)
-    except CorruptStateError as exc:
-        raise CorruptStateError(f"{source}: {exc}") from exc
-    if sorted(st.lane_states) != sorted(header["lane_ids"]):
-        raise CorruptStateError(f"{source}: its lane frames do not match the lane ids in its header")
-    return plain, digest
-
-
-def _load_base(
-    header: dict[str, Any], source: str, path: str | None, chain: tuple[str, ...]
-) -> dict[int, Any]:
-    if path is None:
-        state_file.refuse_incremental_bytes(header, source)
-    assert path is not None
-    base = state_file.base_of(header, path)
-    assert base is not None
-    state_file.check_chain(source, base, chain)
-    with open(base.path, "rb") as f:
-        base_plain, digest = _read(f, base.path, base.path, (*chain, source))
-    state_file.check_base(source, base, digest)
-    if base_plain["fingerprint"] != header.get("fingerprint") or base_plain["lanes"] != header.get("lanes"):
-        raise CorruptStateError(f"{source}: its base {base.path} was written for another pipeline")
-    return {ls["lane"]: ls for ls in base_plain["lane_states"]}
-
-
-def decode_state(data: bytes, *, source: str = "checkpoint") -> dict[str, Any]:
-    """The plain state in checkpoint bytes; ``source`` names them in errors."""
-    return _read(io.BytesIO(data), source, None, ())[0]
-
-
-def save_state(
-    state: Any, path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
-) -> state_file.WriteStats:
-    """Writes a checkpoint atomically, lane by lane: temporary file, fsync, rename, fsync of the
-    directory. With ``base`` (an earlier checkpoint file of the same pipeline) only what changed
-    since is written; loading needs the base, next to where it was. Returns what was written."""
-    target = os.fspath(path)
-    return files.atomic_write(
-        target,
-        lambda f: write_state(state, f, base=base, target=target),
-        prefix=".zephon-state-",
-    )
-
-
-def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads a checkpoint file written by ``save_state`` lane by lane (following its bases, if
-    incremental); errors name the file."""
-    name = os.fspath(path)
-    with open(name, "rb") as f:
-        return _read(f, name, name, ())[0]

@@ -1,4 +1,5 @@
-"""Checkpoint format 3 on disk: written and read lane by lane, compressed, optionally incremental.
+"""The file of checkpoint format 3 (``FORMAT_VERSION``; every version after ``blob.BLOB_VERSION``
+has this layout): written and read lane by lane, compressed, optionally incremental.
 
 Layout::
 
@@ -8,7 +9,7 @@ Layout::
     of its element lists; a child checkpoint reads only these from its base)
     sha256 of every byte before it
 
-A frame is ``u64 compressed length | u64 raw length | zstd(compact.Frame)``. Writing holds one
+A frame is ``u64 compressed length | u64 raw length | zstd(frame_encode.Frame)``. Writing holds one
 lane's encoding at a time; reading first checks the digest (one pass over the bytes, in
 blocks), then decodes one lane at a time. An incremental checkpoint names its base (a path relative to its
 own directory, and the base's sha256): its lists of like elements store the rows found in the
@@ -28,13 +29,9 @@ from typing import IO, Any
 
 import zstandard
 
-from zephon_flow.core import codec, compact, compact_read
+from zephon_flow.core.checkpoint import FORMAT_VERSION, blob, frame_decode, frame_encode
 from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
 
-#: The version this module writes: the newest checkpoint format. Every version after
-#: ``codec.BLOB_VERSION`` has this module's layout (a later change to the plain state bumps
-#: ``codec.FORMAT_VERSION`` and this with it).
-VERSION = codec.FORMAT_VERSION
 _VERSION_HEAD = struct.Struct("<8sI")
 _FRAME_HEAD = struct.Struct("<QQ")
 _DIGEST = 32
@@ -76,7 +73,7 @@ class _HashingWriter:
         self.count += len(data)
 
 
-def _encoded(frame: compact.Frame, value: Any) -> list[bytes | memoryview]:
+def _encoded(frame: frame_encode.Frame, value: Any) -> list[bytes | memoryview]:
     """A frame's pieces, uncompressed: its header, then its payload buffers."""
     return [frame.encode(value), *frame.payload]
 
@@ -104,7 +101,7 @@ def write(
     lanes: Iterator[tuple[int, dict[str, Any]]],
     out: IO[bytes],
     *,
-    base: tuple[Base, dict[int, compact.RowIndex]] | None = None,
+    base: tuple[Base, dict[int, frame_encode.RowIndex]] | None = None,
 ) -> WriteStats:
     """Writes a checkpoint: ``header`` (without lane states, with ``lane_ids``), then each lane's
     plain state, in ``lane_ids`` order, encoded and compressed one at a time.
@@ -112,19 +109,19 @@ def write(
     ``base`` (the base's name and digest, and its row digests per lane) makes it incremental.
     """
     stream = _HashingWriter(out)
-    stream.write(_VERSION_HEAD.pack(codec.MAGIC, VERSION))
+    stream.write(_VERSION_HEAD.pack(blob.MAGIC, FORMAT_VERSION))
     head = dict(header)
     head["base"] = None if base is None else {"path": base[0].path, "digest": base[0].digest}
     stats = WriteStats()
-    stats.uncompressed += _write_frame(stream, _encoded(compact.Frame(), head))
+    stats.uncompressed += _write_frame(stream, _encoded(frame_encode.Frame(), head))
     # Lane k is compressed and written on a second thread (zstd and file writes release the
     # GIL) while lane k+1 is encoded here: at most one encoded lane waits.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-state-writer") as writer:
         pending: Future[int] | None = None
         for lane, plain in lanes:
-            frame = compact.Frame(base=None if base is None else base[1].get(lane))
+            frame = frame_encode.Frame(base=None if base is None else base[1].get(lane))
             pieces = _encoded(frame, plain)
-            pieces_index = _encoded(compact.Frame(), compact.index_tree(frame))
+            pieces_index = _encoded(frame_encode.Frame(), frame_encode.index_tree(frame))
             if pending is not None:
                 stats.uncompressed += pending.result()
             pending = writer.submit(_write_pair, stream, pieces, pieces_index)
@@ -210,21 +207,21 @@ class _Reader:
 
 def _decoded(source: str, what: str, raw: bytes, base: Any = None) -> Any:
     try:
-        return compact_read.decode_frame(raw, base)
-    except compact_read.FrameError as exc:
+        return frame_decode.decode_frame(raw, base)
+    except frame_decode.FrameError as exc:
         raise CorruptStateError(f"{source}: malformed checkpoint structure in {what} ({exc})") from exc
 
 
 def read_version(stream: IO[bytes], source: str) -> tuple[int, bytes]:
     """The format version in a checkpoint's first bytes (and those bytes)."""
     head = stream.read(_VERSION_HEAD.size)
-    if len(head) < _VERSION_HEAD.size or not head.startswith(codec.MAGIC):
+    if len(head) < _VERSION_HEAD.size or not head.startswith(blob.MAGIC):
         raise CorruptStateError(f"{source} is not a zephon-flow checkpoint (missing magic header)")
     _magic, version = _VERSION_HEAD.unpack(head)
-    if version > VERSION:
+    if version > FORMAT_VERSION:
         raise FormatVersionError(
             f"{source} uses checkpoint format version {version}, newer than the version "
-            f"{VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
+            f"{FORMAT_VERSION} this zephon-flow reads; upgrade zephon-flow to load it"
         )
     if version < 1:
         raise CorruptStateError(f"{source} declares invalid format version {version}")
@@ -300,7 +297,7 @@ def refuse_incremental_bytes(header: dict[str, Any], source: str) -> None:
 
 def row_index(
     path: str, chain: tuple[str, ...] = (), files: list[str] | None = None
-) -> tuple[dict[str, Any], dict[int, compact.RowIndex], str]:
+) -> tuple[dict[str, Any], dict[int, frame_encode.RowIndex], str]:
     """A checkpoint file's header, its row digests per lane and its sha256 (for a child); the
     digests of rows it takes from its own base come from that base (checked by its sha256).
     ``files``, if given, gets the real path of each file read: this one, its base, ..."""
@@ -309,26 +306,26 @@ def row_index(
     with open(path, "rb") as f:
         digest = verify(f, path)
         version, _head = read_version(f, path)
-        if version <= codec.BLOB_VERSION:
+        if version <= blob.BLOB_VERSION:
             raise StateError(
                 f"{path} uses checkpoint format version {version}; an incremental checkpoint needs a "
-                f"base in format {codec.BLOB_VERSION + 1} or later: save a full checkpoint first (zf.save_state without base)"
+                f"base in format {blob.BLOB_VERSION + 1} or later: save a full checkpoint first (zf.save_state without base)"
             )
         opened = open_v3(f, path)
-        parent: dict[int, compact.RowIndex] = {}
+        parent: dict[int, frame_encode.RowIndex] = {}
         base = base_of(opened.header, path)
         if base is not None:
             check_chain(path, base, chain)
             _header, parent, found = row_index(base.path, (*chain, path), files)
             check_base(path, base, found)
-        index: dict[int, compact.RowIndex] = {}
+        index: dict[int, frame_encode.RowIndex] = {}
         for lane in opened.header["lane_ids"]:
             opened.reader.skip(f"the state of lane {lane}")
             what = f"the row index of lane {lane}"
             tree = _decoded(path, what, opened.reader.frame(what))
             try:
-                index[lane] = compact_read.full_digests(tree, parent.get(lane))
-            except (compact_read.FrameError, TypeError, IndexError, ValueError) as exc:
+                index[lane] = frame_decode.full_digests(tree, parent.get(lane))
+            except (frame_decode.FrameError, TypeError, IndexError, ValueError) as exc:
                 raise CorruptStateError(
                     f"{path}: malformed checkpoint structure in lane {lane} ({exc})"
                 ) from exc
