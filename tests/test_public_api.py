@@ -10,7 +10,7 @@ import pytest
 
 import zephon_flow
 
-PUBLIC_MODULES = ["zephon_flow", "zephon_flow.operators", "zephon_flow.errors"]
+PUBLIC_MODULES = ["zephon_flow", "zephon_flow.operators", "zephon_flow.errors", "zephon_flow.options"]
 
 
 @pytest.mark.parametrize("module_name", PUBLIC_MODULES)

@@ -4,6 +4,7 @@ factory that picks one by name."""
 from __future__ import annotations
 
 from zephon_flow.core.errors import SpecError
+from zephon_flow.core.options import check_int, check_seconds
 from zephon_flow.runners.backends.base import BACKENDS, DEFAULT_CHUNK_TIMEOUT, Backend
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.backends.processes import ProcessBackend
@@ -33,13 +34,8 @@ def make_backend(
 ) -> Backend:
     """The backend ``name`` running ``segment``; ``ray_address`` is the Ray cluster of ``"ray"``
     (``None``: the Ray this process is connected to, or a local one it starts)."""
-    if not isinstance(workers, int) or workers < 1:
-        raise SpecError(f"workers must be a positive integer, got {workers!r}")
-    if isinstance(chunk_timeout, bool) or not isinstance(chunk_timeout, int | float) or not chunk_timeout > 0:
-        raise SpecError(
-            f"chunk_timeout must be a positive number of seconds, got {chunk_timeout!r} "
-            f"(the default is {DEFAULT_CHUNK_TIMEOUT:g})"
-        )
+    check_int(workers, "workers")
+    check_seconds(chunk_timeout, "chunk_timeout", default=DEFAULT_CHUNK_TIMEOUT)
     if ray_address is not None and (name != "ray" or not isinstance(ray_address, str) or not ray_address):
         raise SpecError(
             f"ray_address={ray_address!r} goes with backend='ray' and must be a non-empty address "

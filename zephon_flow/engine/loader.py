@@ -28,9 +28,10 @@ from zephon_flow.core.roles import MixPolicy
 from zephon_flow.engine import recipe
 from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync
+from zephon_flow.engine.options import ResumeOptions, StateOptions, TopologyOptions, WorkOptions
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.operators.mix import Mix, Mixture
-from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT, make_backend
+from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.backends.processes import can_fork, start_worker_server
 from zephon_flow.runners.lane import LaneRunner, SkipHook
@@ -38,8 +39,6 @@ from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
 _END = object()
-#: What ``Loader.state_dict`` stores: buffered sequences' tokens, or where they came from.
-STATE_MODES = ("compact", "recipe")
 _log = logging.getLogger("zephon_flow")
 
 
@@ -127,55 +126,68 @@ class Loader:
         keep_states: int = 8,
         balance: str | RowCost | RankBalance | None = None,
     ) -> None:
-        # Phases: check the options, start the backend, restore the state, build the lanes,
-        # take the first state.
-        _check_options(
-            spec,
+        # Phases: check the options, start the backend and restore the state, build the
+        # lanes, take the first state, get the producer ready.
+        if not isinstance(spec, LoaderSpec):
+            raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
+        topology = TopologyOptions(rank=rank, world_size=world_size)
+        work = WorkOptions(
+            backend=backend,
+            workers=workers,
             prefetch=prefetch,
             chunk_records=chunk_records,
             prefetch_chunks=prefetch_chunks,
-            keep_states=keep_states,
-        )
-        if backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
-            start_worker_server()
-        for name, flag in (
-            ("allow_mix_change", allow_mix_change),
-            ("allow_code_change", allow_code_change),
-            ("allow_batch_change", allow_batch_change),
-            ("verify_resume", verify_resume),
-        ):
-            if not isinstance(flag, bool):
-                raise SpecError(f"{name} must be True or False, got {flag!r}")
-        if state_mode not in STATE_MODES:
-            raise SpecError(f"state_mode must be one of {', '.join(STATE_MODES)}, got {state_mode!r}")
-        self._balance = RankBalance.of(balance)
-        self.spec = spec
-        # This rank's rows of each step (one size, or the step's size of a schedule).
-        self._slice = RankRows(
-            rank=rank, world_size=world_size, lanes=spec.lanes, schedule=spec.batch_schedule
-        )
-        self._fingerprint = spec.fingerprint
-        # This loader's own copies of DoFns with a lifecycle (torn down at close).
-        self._plan = plan = spec.compile().for_executor()
-        # Refused now, by name, rather than at the first state_dict().
-        self._recipes = recipe.RecipeWriter(plan) if state_mode == "recipe" else None
-        # The backend first: a recipe state's restore runs the front on it.
-        self._backend = make_backend(
-            backend,
-            workers=workers,
-            segment=plan.front_segment(),
             chunk_timeout=chunk_timeout,
             ray_address=ray_address,
         )
+        resume = ResumeOptions(
+            verify_resume=verify_resume,
+            allow_mix_change=allow_mix_change,
+            allow_code_change=allow_code_change,
+            allow_batch_change=allow_batch_change,
+        )
+        states = StateOptions(state_mode=state_mode, keep_states=keep_states)
+        if work.backend == "processes" and not can_fork():  # its server boots while the pipeline compiles
+            start_worker_server()
+        self._balance = RankBalance.of(balance)
+        plan = self._compile(spec, topology, states)
+        start = self._start_backend(plan, work, state, resume)
+        self._build_lanes(plan, start, chunk_records=work.chunk_records, depth=work.prefetch_chunks)
+        self._take_first_state(plan, start, end_sync, keep_states=states.keep_states)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=work.prefetch)
+        self._stop = threading.Event()
+        self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
+        self._requested_cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _compile(self, spec: LoaderSpec, topology: TopologyOptions, states: StateOptions) -> Plan:
+        """This rank's rows and the loader's own plan (its copies of DoFns with a lifecycle,
+        torn down at close); a recipe state's writer is refused now, by name, rather than at
+        the first ``state_dict()``."""
+        self.spec = spec
+        # This rank's rows of each step (one size, or the step's size of a schedule).
+        self._slice = RankRows(
+            rank=topology.rank, world_size=topology.world_size, lanes=spec.lanes, schedule=spec.batch_schedule
+        )
+        self._fingerprint = spec.fingerprint
+        self._plan = plan = spec.compile().for_executor()
+        self._recipes = recipe.RecipeWriter(plan) if states.state_mode == "recipe" else None
+        return plan
+
+    def _start_backend(
+        self,
+        plan: Plan,
+        work: WorkOptions,
+        state: LoaderState | bytes | Mapping[str, Any] | None,
+        resume: ResumeOptions,
+    ) -> LaneStart:
+        """Starts the backend (first: a recipe state's restore runs the front on it) and
+        restores where this rank's lanes start, and their mixture; the backend is closed if
+        that fails."""
+        self._backend = work.make_backend(plan.front_segment())
         try:
-            start = self._restore(
-                plan,
-                state,
-                allow_mix_change=allow_mix_change,
-                allow_code_change=allow_code_change,
-                allow_batch_change=allow_batch_change,
-                verify_resume=verify_resume,
-            )
+            start = self._restore(plan, state, **resume.kwargs())
             self._slice.check_from(start.step)  # the world size divides every size from there
         except BaseException:
             self._backend.close()
@@ -184,15 +196,23 @@ class Loader:
         self._mixture = start.mixture  # changed in place from a step on: change_mixture
         self._mix_lock = threading.Lock()
         self._begun = start.step  # the first step the lanes have not begun to make
-        self._build_lanes(plan, start, chunk_records=chunk_records, depth=prefetch_chunks)
+        return start
+
+    def _take_first_state(
+        self, plan: Plan, start: LaneStart, end_sync: EndSync | None, *, keep_states: int
+    ) -> None:
+        """How the ranks agree on the end of a finite pass, and the state before the first
+        batch (its next-window checks those of a restored state), the first of those kept."""
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
         self._end_sync = bind_end_sync(  # this rank's side: its votes, and its leaving
             end_sync
             or default_end_sync(
-                world_size, finite=plan.finite, all_lanes_local=len(self._lanes) == spec.lanes
+                self._slice.world_size,
+                finite=plan.finite,
+                all_lanes_local=len(self._lanes) == self.spec.lanes,
             ),
-            rank,
+            self._slice.rank,
         )
         self._step = start.step
         self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
@@ -201,12 +221,6 @@ class Loader:
             self._last.checks.fill(known)  # a restored state's checks, verified as the lanes run
         # The states after the last batches yielded, oldest first (``state(step)``).
         self._kept: deque[LoaderState] = deque([self._last], maxlen=keep_states)
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
-        self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
-        self._requested_cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._closed = False
 
     def _restore(
         self,
@@ -215,8 +229,8 @@ class Loader:
         *,
         allow_mix_change: bool,
         allow_code_change: bool,
-        allow_batch_change: bool = False,
-        verify_resume: bool = True,
+        allow_batch_change: bool,
+        verify_resume: bool,
     ) -> LaneStart:
         """Where this rank's lanes start: fresh, or from ``state`` (checked against the spec)."""
         return restore_lanes(
@@ -509,14 +523,6 @@ class LaneStart:
     step: int
     lanes: dict[int, LaneState | None]
     mixture: MixPolicy | None
-
-
-def _check_options(spec: LoaderSpec, **positive: int) -> None:
-    if not isinstance(spec, LoaderSpec):
-        raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
-    for name, value in positive.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise SpecError(f"{name} must be a positive integer, got {value!r}")
 
 
 def restore_lanes(

@@ -14,7 +14,9 @@ import grpc
 
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError, SpecError
+from zephon_flow.core.options import check_int, check_seconds
 from zephon_flow.core.retry import Backoff
+from zephon_flow.engine.options import TopologyOptions
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.fanin import OwnerFanIn
@@ -130,15 +132,6 @@ def _close_open_clients() -> None:
             client.close()
 
 
-def _check_position(rank: int, world_size: int, start_step: int) -> None:
-    """Refuses a rank, world size or start step that is not a fitting integer, by name."""
-    for name, value, low in (("rank", rank, 0), ("world_size", world_size, 1), ("start_step", start_step, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise SpecError(f"Client: {name} must be an integer >= {low}, got {value!r}")
-    if rank >= world_size:
-        raise SpecError(f"Client: rank must be in [0, {world_size}), got {rank}")
-
-
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", 1 << 20),
@@ -201,7 +194,9 @@ class Client:
         lane_owners: bool = False,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        _check_position(rank, world_size, start_step)
+        TopologyOptions(rank=rank, world_size=world_size, owner="Client")
+        check_int(start_step, "start_step", low=0, owner="Client")
+        check_seconds(timeout, "timeout", owner="Client")
         self._retry = Backoff(retries=retries, initial=backoff, maximum=max_backoff)
         self.address, self.rank, self.world_size = address, rank, world_size
         self.as_torch = as_torch

@@ -24,8 +24,16 @@ from zephon_flow.core.checkpoint.store import load_state, save_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError, StateError, ZephonError
 from zephon_flow.core.lanes import RankRows, RankSlice
+from zephon_flow.core.options import check_int
 from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.loader import Loader
+from zephon_flow.engine.options import (
+    CheckpointOptions,
+    EndpointOptions,
+    HoldOptions,
+    ResumeOptions,
+    WorkOptions,
+)
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
@@ -37,6 +45,8 @@ from zephon_flow.service.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_step
 SERVICE = "zephon.v1.BatchService"
 MAX_REQUEST_BYTES = 64 << 10
 CHECKPOINT_TIMEOUT = 120.0
+#: Whose options the server's are, in messages: ``zephon serve``'s flags.
+SERVE = "zephon serve"
 #: ``zephon serve`` exits with this status when the pipeline fails (a supervisor restarts it).
 EXIT_PIPELINE_FAILED = 3
 #: How long a failed server keeps serving the error to connected clients before it exits.
@@ -163,45 +173,35 @@ class BatchServer:
         # Phases: check the options, open the loader, hold its steps, set up checkpoints and
         # streams, listen.
         self._clock = clock
-        _check_options(
-            ahead=ahead,
-            keep=keep,
-            held_bytes=held_bytes,
-            max_streams=max_streams,
-            keep_checkpoints=keep_checkpoints,
-            checkpoint_every=checkpoint_every,
-            checkpoint_dir=checkpoint_dir,
-            stream_timeout=stream_timeout,
-            port=port,
-            chunk_bytes=chunk_bytes,
+        endpoint = EndpointOptions(
+            host=host, port=port, token=token, tls=tls, stream_timeout=stream_timeout, owner=SERVE
         )
+        work = WorkOptions(backend=backend, workers=workers, chunk_timeout=chunk_timeout, owner=SERVE)
+        resumed = ResumeOptions(
+            verify_resume=verify_resume,
+            allow_mix_change=allow_mix_change,
+            allow_batch_change=allow_batch_change,
+            owner=SERVE,
+        )
+        hold = HoldOptions(ahead=ahead, keep=keep, held_bytes=held_bytes, owner=SERVE)
+        checkpoints = CheckpointOptions(
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            owner=SERVE,
+        )
+        check_int(max_streams, "max_streams", owner=SERVE)
+        if not 0 < chunk_bytes <= CHUNK_BYTES:
+            raise SpecError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes!r}")
         self._balance = _Balanced.of(balance)
         self.spec, self.fingerprint = spec, spec.fingerprint["total"]
-        if loader is None:
-            loader = _embedded_loader(
-                spec,
-                resume,
-                backend=backend,
-                workers=workers,
-                chunk_timeout=chunk_timeout,
-                verify_resume=verify_resume,
-                allow_mix_change=allow_mix_change,
-                allow_batch_change=allow_batch_change,
-            )
-        self._loader = loader
+        self._loader = loader if loader is not None else _embedded_loader(spec, resume, work, resumed)
         first = self._state_now()
-        self._held = _hold(
-            first,
-            ahead=ahead,
-            keep=keep,
-            held_bytes=held_bytes,
-            checkpoint_every=checkpoint_every,
-            clock=clock,
-        )
-        self._set_up_checkpoints(checkpoint_dir, checkpoint_every, keep_checkpoints, first.step)
-        self._set_up_streams(stream_timeout, chunk_bytes)
-        self._server = self._grpc_server(token, max_streams)
-        self.host, self.port = host, self._listen(host, port, tls)
+        self._held = _hold(first, hold, checkpoints, clock)
+        self._set_up_checkpoints(checkpoints, first.step)
+        self._set_up_streams(endpoint.stream_timeout, chunk_bytes)
+        self._server = self._grpc_server(endpoint.token, max_streams)
+        self.host, self.port = endpoint.host, self._listen(endpoint.host, endpoint.port, endpoint.tls)
 
     def _state_now(self) -> LoaderState:
         """The loader's state after its last batch, as held: the embedded Loader's
@@ -210,14 +210,12 @@ class BatchServer:
         snapshot = getattr(self._loader, "snapshot", None)
         return snapshot() if callable(snapshot) else self._loader.state()
 
-    def _set_up_checkpoints(
-        self, directory: str | None, every: int | None, keep: int, first_step: int
-    ) -> None:
+    def _set_up_checkpoints(self, options: CheckpointOptions, first_step: int) -> None:
         """Where ``Checkpoint`` and ``--checkpoint-every`` write, and the last step written."""
-        self._checkpoint_dir = directory
+        self._checkpoint_dir = directory = options.checkpoint_dir
         if directory is not None:
             os.makedirs(directory, exist_ok=True)
-        self._checkpoint_every, self._keep_checkpoints = every, keep
+        self._checkpoint_every, self._keep_checkpoints = options.checkpoint_every, options.keep_checkpoints
         self._last_checkpoint = first_step
         self._checkpoint_lock = threading.Lock()
 
@@ -633,33 +631,14 @@ def exit_status(failed: object | None, what: str, done: threading.Event, stop: C
 
 
 def _embedded_loader(
-    spec: LoaderSpec,
-    resume: str | None,
-    *,
-    backend: str,
-    workers: int,
-    chunk_timeout: float,
-    verify_resume: bool = True,
-    allow_mix_change: bool = False,
-    allow_batch_change: bool = False,
+    spec: LoaderSpec, resume: str | None, work: WorkOptions, resumed: ResumeOptions
 ) -> Loader:
     """The server's own Loader: world size 1, every lane, from ``resume`` or the start (its
     lanes' first windows verified against the checkpoint unless ``verify_resume`` is False;
     a changed mixture accepted with ``allow_mix_change``; refused, the error names the flag)."""
     state = load_state(resume) if resume is not None else None
     try:
-        return Loader(
-            spec,
-            rank=0,
-            world_size=1,
-            backend=backend,
-            workers=workers,
-            state=state,
-            chunk_timeout=chunk_timeout,
-            verify_resume=verify_resume,
-            allow_mix_change=allow_mix_change,
-            allow_batch_change=allow_batch_change,
-        )
+        return Loader(spec, rank=0, world_size=1, state=state, **work.kwargs(), **resumed.kwargs())
     except FingerprintMismatchError as exc:
         named = naming_the_flag(exc, "zephon serve")
         if "allow_batch_change=True" in str(exc):  # a changed global_batch_size: its flag
@@ -668,61 +647,20 @@ def _embedded_loader(
 
 
 def _hold(
-    first: LoaderState,
-    *,
-    ahead: int,
-    keep: int,
-    held_bytes: int | None,
-    checkpoint_every: int | None,
-    clock: Clock,
+    first: LoaderState, hold: HoldOptions, checkpoints: CheckpointOptions, clock: Clock
 ) -> HeldSteps[LoaderState]:
     """The held steps, from the loader's first state. Resumed from its own --checkpoint-every
     checkpoint, the server can be up to N steps (plus ``ahead`` and an acknowledgement stride)
     behind its ranks: they may reconnect that far ahead, and production replays the steps in
     between."""
-    reach = ahead if checkpoint_every is None else 2 * ahead + checkpoint_every
+    every = checkpoints.checkpoint_every
+    reach = hold.ahead if every is None else 2 * hold.ahead + every
     return HeldSteps(
         first_step=first.step,
         first_state=first,
-        ahead=ahead,
-        keep=keep,
+        ahead=hold.ahead,
+        keep=hold.keep,
         reach=reach,
-        max_bytes=held_bytes,
+        max_bytes=hold.held_bytes,
         clock=clock,
     )
-
-
-def _check_options(
-    *,
-    ahead: int,
-    keep: int,
-    held_bytes: int | None,
-    max_streams: int,
-    keep_checkpoints: int,
-    checkpoint_every: int | None,
-    checkpoint_dir: str | None,
-    stream_timeout: float,
-    port: int,
-    chunk_bytes: int,
-) -> None:
-    """Refuses a server option out of range, naming its ``zephon serve`` flag."""
-    for name, value, low in (
-        ("ahead", ahead, 1),
-        ("keep", keep, 0),
-        ("held_bytes", 1 if held_bytes is None else held_bytes, 1),
-        ("max_streams", max_streams, 1),
-        ("keep_checkpoints", keep_checkpoints, 1),
-        ("checkpoint_every", 1 if checkpoint_every is None else checkpoint_every, 1),
-    ):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise SpecError(
-                f"zephon serve: --{name.replace('_', '-')} must be an integer >= {low}, got {value!r}"
-            )
-    if checkpoint_every is not None and checkpoint_dir is None:
-        raise SpecError("zephon serve: --checkpoint-every needs --checkpoint-dir (where to write them)")
-    if not isinstance(stream_timeout, int | float) or not stream_timeout > 0:
-        raise SpecError(f"zephon serve: --stream-timeout must be > 0 seconds, got {stream_timeout!r}")
-    if not isinstance(port, int) or not 0 <= port < 65536:
-        raise SpecError(f"zephon serve: --port must be in [0, 65535], got {port!r}")
-    if not 0 < chunk_bytes <= CHUNK_BYTES:
-        raise SpecError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes!r}")
