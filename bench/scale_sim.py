@@ -83,7 +83,7 @@ class FakeOwner:
     """An owner answering at once: synthetic snapshots of its lanes, counting its calls."""
 
     def __init__(self, lanes: list[int], lane_state_bytes: int, sources: int) -> None:
-        from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, StageState
+        from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, SourceCursor, StageState
 
         self.lanes, self.calls = lanes, 0
         # Random bytes: the encoded checkpoint cannot compress them away.
@@ -91,7 +91,7 @@ class FakeOwner:
         self._states = {
             lane: LaneState(
                 lane,
-                FeedCursor(0, [[0, 0, 0, 0] for _ in range(sources)], skipped=[0] * sources),
+                FeedCursor(0, [SourceCursor(0, 0, 0, 0) for _ in range(sources)], skipped=[0] * sources),
                 stages={"stage": StageState(values={"buffer": blob})},
             )
             for lane in lanes

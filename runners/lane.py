@@ -6,12 +6,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from zephon_flow.core.batches import SampleLayout
-from zephon_flow.core.checkpoint.state import FeedCursor, LaneState
+from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, SourceCursor
 from zephon_flow.core.checkpoint.window_check import FedOutputs, MadeWindow, difference
 from zephon_flow.core.errors import CorruptStateError, ResumeMismatchError
 from zephon_flow.core.markers import DocId
 from zephon_flow.core.roles import MixPolicy
-from zephon_flow.core.source import START
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
@@ -66,7 +65,7 @@ class LaneFeed:
                 lane=lane,
                 lanes=lanes,
                 seed=seed,
-                cursor=list(pos),
+                cursor=pos,
                 chunk_records=chunk_records,
                 depth=per_source,
             )
@@ -172,7 +171,9 @@ class LaneRunner:
         self.lane = lane
         n = len(plan.sources)
         if state is None:
-            state = LaneState(lane, FeedCursor(0, [[0, 0, START, 0] for _ in plan.sources], skipped=[0] * n))
+            state = LaneState(
+                lane, FeedCursor(0, [SourceCursor.first() for _ in plan.sources], skipped=[0] * n)
+            )
             state.stages = {s.label: DoFnLaneState().snapshot() for s in plan.stateful}
         missing = [s.label for s in plan.stateful if s.label not in state.stages]
         cursor = state.cursor

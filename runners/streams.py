@@ -10,7 +10,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from zephon_flow.core.errors import CorruptStateError, DataError
+from zephon_flow.core.checkpoint.state import SourceCursor
+from zephon_flow.core.errors import DataError
 from zephon_flow.core.markers import DocId
 from zephon_flow.core.source import START, Record, Source, Split
 from zephon_flow.runners.backends.base import Backend, ChunkResult
@@ -54,24 +55,21 @@ class ReadSkip:
 
 
 class SourceReader:
-    """One source as seen by one lane: its shares of each pass in order, from a cursor.
-
-    The cursor is ``[pass, share, position, count]``: the pass, the index of the share in the
-    lane's shares of that pass, the source's position inside that share's split, and how many
-    records of the split were read before that position (a stride-shared split keeps every
-    ``of``-th of them).
-    """
+    """One source as seen by one lane: its shares of each pass in order, from a cursor
+    (``SourceCursor``; the reader keeps its fields as plain attributes, as it moves them per
+    record)."""
 
     def __init__(
-        self, source: Source, label: str, *, lane: int, lanes: int, seed: int, cursor: list[int]
+        self, source: Source, label: str, *, lane: int, lanes: int, seed: int, cursor: SourceCursor
     ) -> None:
         self._source, self._label = source, label
         self._lane, self._lanes, self._seed = lane, lanes, seed
-        if len(cursor) != CURSOR_LENGTH or any(v < -1 for v in cursor):
-            raise CorruptStateError(
-                f"lane {lane}, source {label!r}: the cursor {cursor} is not [pass, share, position, count]"
-            )
-        self.epoch, self.item, self.position, self.count = cursor
+        self.epoch, self.item, self.position, self.count = (
+            cursor.epoch,
+            cursor.share,
+            cursor.position,
+            cursor.count,
+        )
         self._records: Iterator[tuple[int, Record]] | None = None
         self._share: Share | None = None
         self._dealing: Dealing | None = None
@@ -133,11 +131,11 @@ class SourceReader:
         return None
 
     @property
-    def cursor(self) -> list[int]:
-        return [self.epoch, self.item, self.position, self.count]
+    def cursor(self) -> SourceCursor:
+        return SourceCursor(self.epoch, self.item, self.position, self.count)
 
 
-#: ``[pass, share, position, count]``.
+#: Ints per cursor in ``_Sent.cursors``: a ``SourceCursor``'s fields, in order.
 CURSOR_LENGTH = 4
 _noted: set[tuple[str, str]] = set()
 _log = logging.getLogger("zephon_flow")
@@ -164,7 +162,7 @@ class Taken(NamedTuple):
     (A named tuple: one is made per record, three times faster than a frozen dataclass.)"""
 
     result: RecordResult
-    after: list[int]
+    after: SourceCursor
     doc: DocId
 
 
@@ -191,14 +189,20 @@ class _Sent:
     def __len__(self) -> int:
         return len(self.splits)
 
-    def add(self, cursor: list[int], split: int, offset: int) -> None:
-        self.cursors.extend(cursor)
+    def add(self, reader: SourceReader, split: int, offset: int) -> None:
+        """Notes a record just read by ``reader``: the cursor after it, its split and offset."""
+        self.cursors += (reader.epoch, reader.item, reader.position, reader.count)
         self.splits.append(split)
         self.offsets.append(offset)
 
-    def add_skip(self, cursor: list[int], message: str) -> None:
+    def add_skip(self, reader: SourceReader, message: str) -> None:
         self.notes[len(self.splits)] = message
-        self.add(cursor, -1, -1)
+        self.add(reader, -1, -1)
+
+    def cursor(self, i: int) -> SourceCursor:
+        """The cursor after record ``i``."""
+        c, at = self.cursors, i * CURSOR_LENGTH
+        return SourceCursor(c[at], c[at + 1], c[at + 2], c[at + 3])
 
 
 class SourceStream:
@@ -224,7 +228,7 @@ class SourceStream:
         lane: int,
         lanes: int,
         seed: int,
-        cursor: list[int],
+        cursor: SourceCursor,
         chunk_records: int,
         depth: int,
     ) -> None:
@@ -272,10 +276,10 @@ class SourceStream:
                 self._ended = True
                 break
             if isinstance(got, ReadSkip):
-                sent.add_skip(reader.cursor, got.message)
+                sent.add_skip(reader, got.message)
                 continue
             chunk.append((self._index, got))
-            sent.add(reader.cursor, reader.split_index, got.offset)
+            sent.add(reader, reader.split_index, got.offset)
             size += _payload_size(got)
             if size >= CHUNK_BYTES:
                 break
@@ -329,8 +333,7 @@ class SourceStream:
             self._head, self._outputs, self._next, self._end = sent, iter(result), 0, len(sent)
         i = self._next
         self._next = i + 1
-        at = i * CURSOR_LENGTH
-        after = sent.cursors[at : at + CURSOR_LENGTH]
+        after = sent.cursor(i)
         note = sent.notes.get(i) if sent.notes else None
         if note is not None:
             return Taken(Skipped(note), after, (self._index, -1, -1))

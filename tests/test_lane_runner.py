@@ -11,9 +11,8 @@ import pytest
 from lane_parts import Lines, Repeat, RunningCount, write_lines
 
 import zephon_flow as zf
-from zephon_flow.core.checkpoint.state import FeedCursor, LaneState
+from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, SourceCursor
 from zephon_flow.core.errors import CorruptStateError
-from zephon_flow.core.source import START
 from zephon_flow.runners.backends.inline import InlineBackend
 from zephon_flow.runners.lane import LaneFeed, LaneRunner
 from zephon_flow.runners.plan import Plan
@@ -98,7 +97,7 @@ def test_a_snapshot_holds_the_cursor_the_stages_and_the_pending_outputs(tmp_path
     state = runner.snapshot()
     assert state.lane == 0 and not state.ended and state.pending == []
     # inside the second record (line 1), one of its two outputs taken
-    assert state.cursor.mix_position == 1 and state.cursor.sources == [[0, 0, 1, 1]]
+    assert state.cursor.mix_position == 1 and state.cursor.sources == [SourceCursor(0, 0, 1, 1)]
     assert state.cursor.skip == 1 and state.cursor.source == 0
     assert state.stages["count"].values == {"seen": 3}
 
@@ -136,7 +135,7 @@ def test_the_feed_gives_each_record_with_the_cursors_around_it(tmp_path: Path) -
         lane=0,
         lanes=1,
         seed=SEED,
-        cursor=FeedCursor(0, [[0, 0, START, 0]], skipped=[0]),
+        cursor=FeedCursor(0, [SourceCursor.first()], skipped=[0]),
         mixture=None,
         chunk_records=2,
         depth=2,
@@ -147,5 +146,5 @@ def test_the_feed_gives_each_record_with_the_cursors_around_it(tmp_path: Path) -
     second = feed.next_record(0)  # line 1 (3) has no outputs: consumed on the way
     assert second is not None and second.outputs == [(2, 0), (2, 1)] and second.start == 0
     assert second.before is not None and second.before.mix_position == 2
-    assert second.after.mix_position == 3 and second.after.sources[0][2:] == [3, 3]
+    assert second.after.mix_position == 3 and second.after.sources[0] == SourceCursor(0, 0, 3, 3)
     assert feed.cursor.mix_position == 3

@@ -14,7 +14,8 @@ import apache_beam as beam
 import pytest
 from lane_parts import Lines, write_lines
 
-from zephon_flow.core.errors import CorruptStateError, DataError, StageError
+from zephon_flow.core.checkpoint.state import SourceCursor
+from zephon_flow.core.errors import DataError, StageError
 from zephon_flow.core.source import START, Record
 from zephon_flow.runners.backends import make_backend
 from zephon_flow.runners.backends.base import ChunkResult
@@ -26,7 +27,7 @@ from zephon_flow.runners.plan import SourcePlan
 from zephon_flow.runners.segment import Chunk, FrontSegment, Skipped
 from zephon_flow.runners.streams import RAMP_RECORDS, RAMP_TAKEN, ReadSkip, SourceReader, SourceStream, Taken
 
-FRESH = [0, 0, START, 0]
+FRESH = SourceCursor.first()
 
 
 def _source(tmp_path: Path, values: Sequence[object], *, per_split: int, **kwargs: object) -> Lines:
@@ -42,8 +43,8 @@ def _read_all(reader: SourceReader) -> list[str | ReadSkip]:
     return out
 
 
-def _reader(source: Lines, lane: int, lanes: int, cursor: list[int] = FRESH) -> SourceReader:
-    return SourceReader(source, "numbers", lane=lane, lanes=lanes, seed=7, cursor=list(cursor))
+def _reader(source: Lines, lane: int, lanes: int, cursor: SourceCursor = FRESH) -> SourceReader:
+    return SourceReader(source, "numbers", lane=lane, lanes=lanes, seed=7, cursor=cursor)
 
 
 # -- SourceReader -------------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def test_a_read_error_of_a_skipping_source_drops_the_rest_of_its_split(tmp_path:
     message = f"Lines('numbers'): {tmp_path / 'values.txt'} line 3: cannot be read"
     # lines 4 and 5 are lost with the rest of the split, in each pass
     assert got == ["0", "1", "2", ReadSkip(message), "0", "1", "2", ReadSkip(message)]
-    assert reader.cursor == [2, 0, START, 0]
+    assert reader.cursor == SourceCursor(2, 0, START, 0)
 
 
 def test_a_read_error_of_a_raising_source_names_the_file_and_line(tmp_path: Path) -> None:
@@ -123,15 +124,6 @@ def test_a_read_error_of_a_raising_source_names_the_file_and_line(tmp_path: Path
     assert reader.next() is not None
     with pytest.raises(DataError, match=r"values\.txt line 1: cannot be read"):
         reader.next()
-
-
-def test_a_cursor_of_the_wrong_shape_is_refused_by_lane_and_source(tmp_path: Path) -> None:
-    source = _source(tmp_path, range(3), per_split=3)
-    with pytest.raises(CorruptStateError) as info:
-        _reader(source, 2, 4, [0, 0, START])
-    assert str(info.value) == (
-        "lane 2, source 'numbers': the cursor [0, 0, -1] is not [pass, share, position, count]"
-    )
 
 
 # -- SourceStream -------------------------------------------------------------------------------
@@ -209,7 +201,7 @@ def _stream(
         lane=0,
         lanes=1,
         seed=7,
-        cursor=list(FRESH),
+        cursor=FRESH,
         chunk_records=options["chunk_records"],
         depth=options["depth"],
     )
@@ -276,7 +268,7 @@ def test_a_record_that_fails_to_decode_in_a_skipping_source_comes_back_skipped(t
         Skipped(f"Lines('numbers'): {tmp_path / 'values.txt'} line 2: not a number"),
         [3],
     ]
-    assert got[2].after == [0, 0, 3, 3] and got[2].doc == (0, 0, 2)
+    assert got[2].after == SourceCursor(0, 0, 3, 3) and got[2].doc == (0, 0, 2)
 
 
 def test_a_read_skip_travels_in_order_without_backend_work(tmp_path: Path) -> None:

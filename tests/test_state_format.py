@@ -27,7 +27,7 @@ from vlm_helpers import encode, gradient
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core.checkpoint import FORMAT_VERSION, blob, frame_decode, frame_encode, framed_file
-from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, LoaderState, StageState
+from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, LoaderState, SourceCursor, StageState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import CorruptStateError, StateError
 from zephon_flow.engine.simulate import global_digests
@@ -311,7 +311,7 @@ def synthetic_state(lanes: int, rows: int, seq_len: int) -> LoaderState:
                 }
             )
         stages = {"shuffle": StageState({"buffer": buffer}, {}, rows)}
-        states[lane] = LaneState(lane, FeedCursor(0, [[0, 0]], skipped=[0]), stages=stages)
+        states[lane] = LaneState(lane, FeedCursor(0, [SourceCursor.first()], skipped=[0]), stages=stages)
     return LoaderState(1, lanes, {"total": "synthetic"}, states)
 
 

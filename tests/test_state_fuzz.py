@@ -256,6 +256,11 @@ def test_a_lane_count_that_does_not_match_the_frames_is_refused(v3: bytes) -> No
         (lambda c: c.update(sources=[["a", 1]]), r"cursor, source 0\[0\] should be an integer, found 'a'"),
         (lambda c: c.update(sources=[[]]), r"cursor, source 0: a cursor of 0 integers is malformed"),
         (lambda c: c.update(sources=[list(range(40))]), r"a cursor of 40 integers is malformed"),
+        (
+            lambda c: c.update(sources=[[0, 0, -1]]),
+            r"cursor, source 0: a cursor of 3 integers is malformed, a source cursor is \[pass, share, position, count\]",
+        ),
+        (lambda c: c.update(sources=[[0, 0, -2, 0]]), r"cursor, source 0\[2\] is -2, it cannot be below -1"),
         (lambda c: c.update(skip=-2), r"cursor, skip is -2, it cannot be below 0"),
         (lambda c: c.update(skip=1, source=7), r"skip 1 names source 7, which has no cursor"),
         (lambda c: c.update(skipped=[0, 0, 0]), r"source cursor\(s\), 3 skip count\(s\) .* do not agree"),

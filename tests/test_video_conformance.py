@@ -20,6 +20,7 @@ from video_helpers import make_video, video_spec, write_videos
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest, concat
+from zephon_flow.core.checkpoint.state import SourceCursor
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.source import START, Record
 from zephon_flow.engine.simulate import global_digests
@@ -67,7 +68,8 @@ def middle(spec: zf.LoaderSpec) -> bytes:
     splits = sp.source.splits(LANES)
     inside = []
     for lane, lane_state in state.lane_states.items():
-        epoch, item, position, _ = lane_state.cursor.sources[0]
+        at = lane_state.cursor.sources[0]
+        epoch, item, position = at.epoch, at.share, at.position
         shares = _shares(sp.source, sp.label, spec.seed, epoch)[lane]
         if item < len(shares) and position != START:
             split = splits[shares[item]]
@@ -109,7 +111,7 @@ def test_a_resume_inside_the_long_video_gives_the_reference_batches(
 def test_random_windows_are_drawn_anew_each_pass(videos: str) -> None:
     source = ops.ReadVideo(videos, clip_frames=8, frames=2, window="random", seed=5)
     n = len(source.splits(1))
-    reader = SourceReader(source, "videos", lane=0, lanes=1, seed=0, cursor=[0, 0, START, 0])
+    reader = SourceReader(source, "videos", lane=0, lanes=1, seed=0, cursor=SourceCursor.first())
     starts: dict[str, list[float]] = {}
     for _ in range(3 * n):  # three passes, one clip per video each
         record = reader.next()
@@ -118,7 +120,7 @@ def test_random_windows_are_drawn_anew_each_pass(videos: str) -> None:
     assert all(len(s) == 3 for s in starts.values())
     assert all(len(set(s)) > 1 for s in starts.values()), starts  # a new window per pass
     # A reader resumed at pass 2 draws what the uninterrupted one drew there.
-    again = SourceReader(source, "videos", lane=0, lanes=1, seed=0, cursor=[2, 0, START, 0])
+    again = SourceReader(source, "videos", lane=0, lanes=1, seed=0, cursor=SourceCursor(2, 0, START, 0))
     third = [again.next() for _ in range(n)]
     assert sorted(r.payload.start for r in third if isinstance(r, Record)) == sorted(
         s[2] for s in starts.values()

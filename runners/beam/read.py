@@ -14,6 +14,7 @@ from typing import Any
 
 import apache_beam as beam
 
+from zephon_flow.core.checkpoint.state import SourceCursor
 from zephon_flow.core.markers import DocId
 from zephon_flow.core.source import Record, Source
 from zephon_flow.runners.beam.pieces import END, TRUNCATED, KeyedChunk, SourceChunk
@@ -66,7 +67,12 @@ class ReadLane(beam.DoFn):  # type: ignore[misc]
 
     def process(self, lane: int) -> Iterator[tuple[int, SourceChunk]]:
         reader = SourceReader(
-            self._source, self._label, lane=lane, lanes=self._lanes, seed=self._seed, cursor=[0, 0, -1, 0]
+            self._source,
+            self._label,
+            lane=lane,
+            lanes=self._lanes,
+            seed=self._seed,
+            cursor=SourceCursor.first(),
         )
         endless = self._source.epochs is None
         entries: list[tuple[DocId | None, Any]] = []

@@ -52,7 +52,8 @@ def split_report(spec: LoaderSpec, state: Any = None, *, epoch: int = 0) -> list
         positions: list[LanePosition] = []
         if loaded is not None:
             for lane, ls in sorted(loaded.lane_states.items()):
-                pass_, item = ls.cursor.sources[index][:2]
+                at = ls.cursor.sources[index]
+                pass_, item = at.epoch, at.share
                 shares = dealing.shares(lane, pass_)
                 done = sum(costs[s.split] / s.of for s in shares[:item])
                 positions.append(

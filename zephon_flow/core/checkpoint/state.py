@@ -17,6 +17,7 @@ from zephon_flow.core.errors import (
     FormatVersionError,
     LaneCountMismatchError,
 )
+from zephon_flow.core.source import START
 
 STATE_KIND = "zephon-flow/loader-state"
 #: The kind of a recipe state (``state_mode="recipe"``): buffered sequences are stored as the
@@ -27,8 +28,6 @@ RECIPE_KIND = "zephon-flow/loader-state+recipe"
 
 #: The oldest format whose plain state this version reads (format 3 changed only the bytes).
 OLDEST_READ = 2
-#: The most entries a source cursor may hold (cursors are short lists of ints).
-MAX_CURSOR_INTS = 16
 
 
 def _need(plain: Any, key: str, where: str) -> Any:
@@ -60,12 +59,45 @@ def _mapping(value: Any, where: str) -> dict[Any, Any]:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class SourceCursor:
+    """Where a lane's reading of one source resumes: the pass (``epoch``), the index of the
+    share in the lane's shares of that pass (``share``), the source's position inside that
+    share's split (``START`` at its beginning) and how many records of the split were read
+    before that position (``count``; a stride-shared split keeps every ``of``-th of them).
+
+    A checkpoint stores it as the list ``[pass, share, position, count]``.
+    """
+
+    epoch: int
+    share: int
+    position: int
+    count: int
+
+    @classmethod
+    def first(cls) -> SourceCursor:
+        """The cursor of a lane that has read nothing of the source."""
+        return cls(0, 0, START, 0)
+
+    def to_plain(self) -> list[int]:
+        return [self.epoch, self.share, self.position, self.count]
+
+    @classmethod
+    def from_plain(cls, plain: Any, where: str) -> SourceCursor:
+        values = _ints(plain, where, minimum=START)
+        if len(values) != 4:
+            raise CorruptStateError(
+                f"{where}: a cursor of {len(values)} integers is malformed, a source cursor is "
+                f"[pass, share, position, count]"
+            )
+        return cls(*values)
+
+
 @dataclass
 class FeedCursor:
     """Where a lane's (mixed) source stream resumes: the first record not yet consumed.
 
-    ``sources[i]`` is a short list of ints for source ``i`` (``[pass, share, position, count]``,
-    see ``runners/streams.py``: ``SourceReader``; the state checks only its form); ``skip``
+    ``sources[i]`` is where source ``i`` resumes (``SourceCursor``); ``skip``
     counts outputs of the record at the cursor that were already consumed, and ``source`` is
     that record's source when ``skip > 0`` (else -1), so a resume takes it from the same
     source whatever the mixture says at the resume step. ``exhausted`` lists the sources the
@@ -74,15 +106,14 @@ class FeedCursor:
     """
 
     mix_position: int
-    sources: list[list[int]]
+    sources: list[SourceCursor]
     skip: int = 0
     source: int = -1
     exhausted: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 
     def copy(self) -> FeedCursor:
-        """A copy; the per-source ``[item, position]`` pairs are shared: replace them, never
-        mutate them in place."""
+        """A copy (the per-source cursors are immutable, so shared)."""
         return FeedCursor(
             self.mix_position,
             list(self.sources),
@@ -95,7 +126,7 @@ class FeedCursor:
     def to_plain(self) -> dict[str, Any]:
         return {
             "mix_position": self.mix_position,
-            "sources": [list(s) for s in self.sources],
+            "sources": [s.to_plain() for s in self.sources],
             "skip": self.skip,
             "source": self.source,
             "exhausted": list(self.exhausted),
@@ -107,10 +138,7 @@ class FeedCursor:
         sources = _need(plain, "sources", where)
         if not isinstance(sources, list | tuple):
             raise CorruptStateError(f"{where}: sources should be a list, found {type(sources).__name__}")
-        cursors = [_ints(c, f"{where}, source {i}", minimum=None) for i, c in enumerate(sources)]
-        for i, c in enumerate(cursors):
-            if not 1 <= len(c) <= MAX_CURSOR_INTS:
-                raise CorruptStateError(f"{where}, source {i}: a cursor of {len(c)} integers is malformed")
+        cursors = [SourceCursor.from_plain(c, f"{where}, source {i}") for i, c in enumerate(sources)]
         skipped = _ints(_need(plain, "skipped", where), f"{where}, skipped")
         exhausted = _ints(_need(plain, "exhausted", where), f"{where}, exhausted")
         if len(skipped) != len(cursors) or any(i >= len(cursors) for i in exhausted):
