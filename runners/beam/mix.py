@@ -93,7 +93,7 @@ class MixDraw:
         queue.ready.extend(queue.chunks.put(chunk.number, chunk, where=where))
 
     def next(self, lane: int, st: MixLane, step: int) -> tuple[str, Any]:
-        """The lane's next record with outputs: ("record", (doc, outputs)); ("wait", None)
+        """The lane's next record with outputs: ("record", (doc, outputs)); ("wait", source)
         until the drawn source's next chunk arrives; or how the lane's input stops (``END``,
         ``TRUNCATED``). Skipped records and records without outputs are consumed on the way."""
         policy = self._policy
@@ -106,7 +106,7 @@ class MixDraw:
                 return END, None
             what, entry = st.queues[chosen].take()
             if what == "wait":
-                return what, None
+                return what, chosen
             if what == TRUNCATED:
                 return self._truncated(lane, chosen), None
             if what == END:

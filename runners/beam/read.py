@@ -9,7 +9,7 @@ stateless, so Beam may run chunks anywhere and in any order: the mix restores la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import apache_beam as beam
@@ -66,6 +66,12 @@ class ReadLane(beam.DoFn):  # type: ignore[misc]
         self._chunk_records = chunk_records
 
     def process(self, lane: int) -> Iterator[tuple[int, SourceChunk]]:
+        for chunk in self.chunks(lane):
+            yield lane, chunk
+
+    def chunks(self, lane: int) -> Generator[SourceChunk, None, None]:
+        """The lane's chunks of this source, read as they are asked for (a caller that stops
+        asking stops the read); the last one carries ``END`` or ``TRUNCATED``."""
         reader = SourceReader(
             self._source,
             self._label,
@@ -85,9 +91,9 @@ class ReadLane(beam.DoFn):  # type: ignore[misc]
                 entries.append(((self._index, reader.split_index, got.offset), got))
                 size += _payload_size(got)
             if len(entries) >= self._chunk_records or size >= CHUNK_BYTES:
-                yield lane, SourceChunk(self._index, number, entries, None)
+                yield SourceChunk(self._index, number, entries, None)
                 entries, size, number = [], 0, number + 1
-        yield lane, SourceChunk(self._index, number, entries, TRUNCATED if endless else END)
+        yield SourceChunk(self._index, number, entries, TRUNCATED if endless else END)
 
 
 def _payload_size(record: Record) -> int:
@@ -112,13 +118,18 @@ class DecodeChunk(beam.DoFn):  # type: ignore[misc]
 
     def process(self, element: tuple[int, SourceChunk]) -> Iterator[tuple[int, SourceChunk]]:
         lane, chunk = element
-        work: Chunk = [(chunk.source, payload) for doc, payload in chunk.entries if doc is not None]
-        results = self._segment.run_chunk(work) if work else []
-        if isinstance(results, Failure):
-            results.reraise()
-        outputs = iter(results)
-        entries: list[tuple[DocId | None, RecordResult]] = [
-            (doc, next(outputs) if doc is not None else Skipped(str(payload)))
-            for doc, payload in chunk.entries
-        ]
-        yield lane, chunk._replace(entries=entries)
+        yield lane, decode_chunk(self._segment, chunk)
+
+
+def decode_chunk(segment: FrontSegment, chunk: SourceChunk) -> SourceChunk:
+    """``chunk`` with each record's payload replaced by its outputs through the stateless front
+    (a read error its source skips by a ``Skipped`` note)."""
+    work: Chunk = [(chunk.source, payload) for doc, payload in chunk.entries if doc is not None]
+    results = segment.run_chunk(work) if work else []
+    if isinstance(results, Failure):
+        results.reraise()
+    outputs = iter(results)
+    entries: list[tuple[DocId | None, RecordResult]] = [
+        (doc, next(outputs) if doc is not None else Skipped(str(payload))) for doc, payload in chunk.entries
+    ]
+    return chunk._replace(entries=entries)

@@ -1,9 +1,10 @@
 """``zephon materialize``: a pipeline's exact global-batch sequence, run through Beam, as Parquet.
 
-The spec's plan is translated (``runners/beam``) and run on a Beam runner; each global batch
-``step < steps`` is written to ``OUT/step-<step>.parquet``: one row per batch row, columns
-``step``, ``row`` and one per field of the batch (a sample's array, flattened, with its dtype
-and shape in the file's metadata; a ragged field such as ``documents`` as a list per row). The
+The spec's plan is translated (``runners/beam``, each lane reading only what its windows of
+steps ``< steps`` need) and run on a Beam runner; each global batch ``step < steps`` is written
+to ``OUT/step-<step>.parquet``: one row per batch row, columns ``step``, ``row`` and one per
+field of the batch (a sample's array, flattened, with its dtype and shape in the file's
+metadata; a ragged field such as ``documents`` as a list per row). The
 batches read back (``read_materialized``) are the embedded ``Loader``'s, bit for bit.
 """
 
@@ -122,12 +123,19 @@ class WriteSteps(beam.DoFn):  # type: ignore[misc]
 class GlobalBatches(beam.PTransform):  # type: ignore[misc]
     """``p | GlobalBatches(spec)``: the spec's ``(step, global batch)`` pairs, translated to
     Beam (``runners/beam``), to feed a sink of your own on any Beam runner. ``passes``: how
-    many passes of each endless source to read (the steps they fill completely are made)."""
+    many passes of each endless source to read (the steps they fill completely are made).
+    ``steps``: make only global batches ``0 .. steps-1``, each lane reading no further than
+    they need (its read, front, mix and back then run in one call per lane); None makes every
+    step of the passes read, the stateless front spread over the workers chunk by chunk."""
 
-    def __init__(self, spec: LoaderSpec, *, passes: int = 1, chunk_records: int = 64) -> None:
+    def __init__(
+        self, spec: LoaderSpec, *, passes: int = 1, chunk_records: int = 64, steps: int | None = None
+    ) -> None:
         super().__init__()
         if not isinstance(passes, int) or passes < 1:
             raise SpecError(f"GlobalBatches: passes must be a positive integer, got {passes!r}")
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise SpecError(f"GlobalBatches: steps must be a positive integer or None, got {steps!r}")
         self._spec = spec
         self._how = Translation(
             lanes=spec.lanes,
@@ -138,6 +146,7 @@ class GlobalBatches(beam.PTransform):  # type: ignore[misc]
             else WindowLengths(spec.batch_schedule, spec.lanes),
             passes=passes,
             chunk_records=chunk_records,
+            steps=steps,
         )
 
     def expand(self, pbegin: Any) -> Any:
@@ -171,7 +180,8 @@ def materialize(
     passes: int = 1,
     chunk_records: int = 64,
 ) -> Materialized:
-    """Runs ``spec`` through Beam and writes global batches ``0 .. steps-1`` to ``out``.
+    """Runs ``spec`` through Beam and writes global batches ``0 .. steps-1`` to ``out``;
+    each lane reads and computes only what its windows of those steps need.
 
     ``passes`` is how many passes of each endless source (``epochs=None``) are read; a finite
     pipeline ends where the ``Loader`` ends. ``beam_args`` are Beam pipeline options
@@ -179,7 +189,7 @@ def materialize(
     """
     if not isinstance(steps, int) or steps < 1:
         raise SpecError(f"materialize: steps must be a positive integer, got {steps!r}")
-    batches = GlobalBatches(spec, passes=passes, chunk_records=chunk_records)  # checks passes
+    batches = GlobalBatches(spec, passes=passes, chunk_records=chunk_records, steps=steps)  # checks passes
     os.makedirs(out, exist_ok=True)
     stale = sorted(f for f in os.listdir(out) if _FILE.match(f))
     if stale:
