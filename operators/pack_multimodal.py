@@ -16,6 +16,7 @@ from apache_beam.transforms.userstate import (
 )
 from apache_beam.utils.timestamp import MAX_TIMESTAMP
 
+from zephon_flow.core.checkpoint.packed_segments import PACKED_SEGMENTS
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.core.markers import ProvenanceParam
 from zephon_flow.operators.image_decode import sample_name
@@ -58,6 +59,8 @@ class PackMultimodal(beam.DoFn):  # type: ignore[misc]
 
     OPEN = ReadModifyWriteStateSpec("open", PickleCoder())
     FLUSH = TimerSpec("flush", TimeDomain.WATERMARK)
+    #: The checkpoint codecs of its outputs' derived fields (the plan collects them).
+    derived_fields = (PACKED_SEGMENTS,)
 
     def __init__(
         self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from zephon_flow.core.checkpoint.derived_fields import DerivedCodecs
+from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 from zephon_flow.core.roles import MixOperator
 from zephon_flow.core.source import Source
 from zephon_flow.runners.dofns import StatefulInvoker, StatelessInvoker
@@ -60,6 +62,13 @@ class Plan:
             [list(s.chain) for s in self.sources],
             list(self.common),
         )
+
+    @property
+    def derived_codecs(self) -> DerivedCodecs:
+        """The codecs of its checkpoints' derived fields: the format's own and those its
+        operators declare (a DoFn's ``derived_fields``), in the graph's order."""
+        stages = (*(s for sp in self.sources for s in sp.chain), *self.common, *self.back)
+        return BUILTIN.with_fields(f for stage in stages for f in getattr(stage.dofn, "derived_fields", ()))
 
     @property
     def finite(self) -> bool:

@@ -27,11 +27,11 @@ from vlm_helpers import encode, gradient
 import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core.checkpoint import FORMAT_VERSION, blob, frame_decode, frame_encode, framed_file
+from zephon_flow.core.checkpoint.packed_segments import PACKED_SEGMENTS
 from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, LoaderState, SourceCursor, StageState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import CorruptStateError, StateError
 from zephon_flow.engine.simulate import global_digests
-from zephon_flow.operators.pack import PACKED_SEGMENTS
 
 STEPS = 6
 

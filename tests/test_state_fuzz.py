@@ -294,7 +294,8 @@ def test_an_unknown_derivation_is_named(v3: bytes) -> None:
     frames[1] = frame_of(json.loads(text), payload)
     with pytest.raises(
         CorruptStateError,
-        match=r"reduced by derived fields 'someone.else/9', which no imported operator declares",
+        match=r"reduced by derived fields 'someone.else/9', which neither the checkpoint format nor the "
+        r"codecs handed in \(pack.segments/1\) know",
     ):
         zf.decode_state(join_frames(frames))
 

@@ -50,7 +50,13 @@ class Snapshot:
         """The saved state narrowed to one lane (the others' states are not copied)."""
         st = self.saved()
         return LoaderState(
-            st.step, st.lanes, st.fingerprint, {lane: st.lane_states[lane]}, st.mix_history, st.recipe
+            st.step,
+            st.lanes,
+            st.fingerprint,
+            {lane: st.lane_states[lane]},
+            st.mix_history,
+            st.recipe,
+            codecs=st.codecs,
         )
 
     def encoded(self) -> bytes:

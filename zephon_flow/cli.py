@@ -113,7 +113,7 @@ def _digest(args: argparse.Namespace) -> int:
     from zephon_flow.engine.simulate import global_batches
 
     spec = load_spec(args.target)
-    state = load_state(args.state) if args.state else None
+    state = load_state(args.state, codecs=spec.compile().derived_codecs) if args.state else None
     final: list[dict[str, Any]] = []
     progress = Progress(total=args.steps, desc="digest", enabled=_bar(args))
     digests = []
@@ -197,7 +197,7 @@ def _inspect(args: argparse.Namespace) -> int:
             f"zephon inspect: --rank must be below --world-size ({args.world_size}), got {args.rank}"
         )
     spec = load_spec(args.target)
-    state = load_state(args.state) if args.state else None
+    state = load_state(args.state, codecs=spec.compile().derived_codecs) if args.state else None
     if args.splits:
         return _inspect_splits(spec, state, as_json=args.json)
     if args.step is None:
@@ -255,7 +255,11 @@ def _verify(args: argparse.Namespace) -> int:
             ) from exc
     spec = load_spec(args.target)
     verdicts = verify_state(
-        spec, load_state(args.checkpoint), lanes=lanes, backend=args.backend, workers=args.workers
+        spec,
+        load_state(args.checkpoint, codecs=spec.compile().derived_codecs),
+        lanes=lanes,
+        backend=args.backend,
+        workers=args.workers,
     )
     if args.json:
         print(json.dumps([dataclasses.asdict(v) for v in verdicts], indent=1))
@@ -443,7 +447,7 @@ def _serve(args: argparse.Namespace) -> int:
         from zephon_flow.core.checkpoint.store import load_state
         from zephon_flow.engine.loader import Loader
 
-        state = load_state(args.resume) if args.resume else None
+        state = load_state(args.resume, codecs=spec.compile().derived_codecs) if args.resume else None
         loader = Loader(
             spec,
             backend="ray",

@@ -94,7 +94,11 @@ class OwnersServer:
             fingerprint=spec.fingerprint["total"],
         )
         self.spec = spec
-        state = None if resume is None else to_loader_state(load_state(resume))
+        state = (
+            None
+            if resume is None
+            else to_loader_state(load_state(resume, codecs=spec.compile().derived_codecs))
+        )
         _check_resume(spec, state, allow_mix_change=allow_mix_change)  # refused here, before Ray starts
         self._ray = require_ray(actors.FEATURE)
         self._started_ray = connect(actors.FEATURE, ray_address)

@@ -282,6 +282,7 @@ class Loader:
             lanes,
             list(self._mix_history),
             checks=PendingChecks(alive=_producing(self)),
+            codecs=self._plan.derived_codecs,
         )
 
     def _on_skip(self, source: int, message: str) -> None:

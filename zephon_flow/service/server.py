@@ -636,7 +636,7 @@ def _embedded_loader(
     """The server's own Loader: world size 1, every lane, from ``resume`` or the start (its
     lanes' first windows verified against the checkpoint unless ``verify_resume`` is False;
     a changed mixture accepted with ``allow_mix_change``; refused, the error names the flag)."""
-    state = load_state(resume) if resume is not None else None
+    state = load_state(resume, codecs=spec.compile().derived_codecs) if resume is not None else None
     try:
         return Loader(spec, rank=0, world_size=1, state=state, **work.kwargs(), **resumed.kwargs())
     except FingerprintMismatchError as exc:

@@ -3,19 +3,22 @@
 A checkpoint stores lists of like elements (a shuffle buffer of packed sequences, an open
 window) as columns: one array per field, rows stacked. An operator whose outputs carry fields
 that follow from others (``Pack``'s ``position_ids`` and ``segment_ids`` follow from where its
-documents start) declares a ``DerivedFields`` and registers it here. When a checkpoint is
-written, each registered declaration is offered the columns; one that recognises them returns
-the small per-row facts it needs (``reduce``), the codec stores those instead of the derived
-fields, and on load the same declaration rebuilds them (``rebuild``). ``reduce`` must only
-accept columns that ``rebuild`` restores bit for bit (check it: the codec trusts the answer).
+documents start) declares a ``DerivedFields`` (its DoFn's ``derived_fields``); the runner's
+plan collects the declarations of a pipeline's operators (``Plan.derived_codecs``) and hands
+them to the codec, with the format's own (``packed_segments.BUILTIN``). When a checkpoint is written, each
+codec is offered the columns; one that recognises them returns the small per-row facts it
+needs (``reduce``), the codec stores those instead of the derived fields, and on load the
+same declaration, found by its name, rebuilds them (``rebuild``). ``reduce`` must only accept
+columns that ``rebuild`` restores bit for bit (check it: the codec trusts the answer).
 
-The registry is keyed by a stable name written into checkpoints; renaming a declaration, or
-changing what ``rebuild`` computes, needs a new name so older checkpoints keep their meaning.
+Nothing is registered at import: a reader is handed the codecs it may meet. The name is
+written into checkpoints; renaming a declaration, or changing what ``rebuild`` computes, needs
+a new name so older checkpoints keep their meaning.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,22 +65,27 @@ class DerivedFields(Protocol):
         ...
 
 
-_REGISTRY: dict[str, DerivedFields] = {}
+@dataclass(frozen=True)
+class DerivedCodecs:
+    """The derived-field codecs a checkpoint is written or read with, in the order they are
+    offered the columns; at most one per name."""
 
+    fields: tuple[DerivedFields, ...] = ()
 
-def register(fields: DerivedFields) -> DerivedFields:
-    """Registers a declaration (once per name; registering the same object again is a no-op)."""
-    known = _REGISTRY.get(fields.name)
-    if known is not None and known is not fields:
-        raise ValueError(f"derived fields {fields.name!r} are registered twice, by different objects")
-    _REGISTRY[fields.name] = fields
-    return fields
+    def __post_init__(self) -> None:
+        seen: dict[str, DerivedFields] = {}
+        for f in self.fields:
+            if seen.get(f.name, f) is not f:
+                raise ValueError(f"derived fields {f.name!r} are declared twice, by different objects")
+            seen[f.name] = f
 
+    def lookup(self, name: str) -> DerivedFields | None:
+        return next((f for f in self.fields if f.name == name), None)
 
-def registered() -> list[DerivedFields]:
-    """Every declaration, in registration order."""
-    return list(_REGISTRY.values())
+    def names(self) -> list[str]:
+        return [f.name for f in self.fields]
 
-
-def lookup(name: str) -> DerivedFields | None:
-    return _REGISTRY.get(name)
+    def with_fields(self, more: Iterable[DerivedFields]) -> DerivedCodecs:
+        """These codecs and ``more`` (after them; one already here is not repeated)."""
+        extra = [f for f in more if self.lookup(f.name) is not f]
+        return DerivedCodecs((*self.fields, *extra)) if extra else self

@@ -21,6 +21,7 @@ from zephon_flow.core.checkpoint.frame_encode import (
     RowSlicer,
     offsets,
 )
+from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 
 
 class FrameError(ValueError):
@@ -53,6 +54,7 @@ def _int(value: Any, what: str) -> int:
 class _Decoder:
     payload: memoryview
     base: Any  # the base lane's plain tree, for delta rows
+    codecs: derived_fields.DerivedCodecs
 
     def array(self, body: Any) -> Any:
         if not isinstance(body, list) or len(body) != 6:
@@ -145,11 +147,12 @@ class _Decoder:
             or not isinstance(spec[1], list)
         ):
             raise FrameError(f"derived-fields node {spec!r} is not [name, fields]")
-        fields = derived_fields.lookup(spec[0])
+        fields = self.codecs.lookup(spec[0])
         if fields is None:
             raise FrameError(
-                f"columns were reduced by derived fields {spec[0]!r}, which no imported operator "
-                f"declares; import the operator's module (e.g. zephon_flow.operators) first"
+                f"columns were reduced by derived fields {spec[0]!r}, which neither the checkpoint "
+                f"format nor the codecs handed in ({', '.join(self.codecs.names()) or 'none'}) know; "
+                f"read it with the codecs of the pipeline that wrote it (spec.compile().derived_codecs)"
             )
         kept = {k: v for k, v in cols.items() if not k.startswith("~")}
         stored = {k[1:]: v for k, v in cols.items() if k.startswith("~")}
@@ -229,11 +232,12 @@ def _at(tree: Any, path: Path) -> list[Any]:
     return node
 
 
-def decode_frame(raw: bytes, base: Any = None) -> Any:
-    """The tree in a frame; ``base`` is the same lane's tree in the base checkpoint (for deltas)."""
+def decode_frame(raw: bytes, base: Any = None, codecs: derived_fields.DerivedCodecs = BUILTIN) -> Any:
+    """The tree in a frame; ``base`` is the same lane's tree in the base checkpoint (for deltas);
+    ``codecs`` rebuild the derived fields the frame left out (by the name it records)."""
     tree, payload = _split(raw)
     try:
-        return _Decoder(payload, base).tree(tree, ())
+        return _Decoder(payload, base, codecs).tree(tree, ())
     except RecursionError as exc:
         raise FrameError("structure nested too deeply") from exc
     except (TypeError, KeyError, AttributeError, OverflowError) as exc:

@@ -8,7 +8,7 @@ One frame encodes one plain-data tree (a lane's state, or the checkpoint's heade
   the smallest integer type that holds its values (restored to ``dtype`` on load);
 - ``~c``: a list of like elements (dicts with the same keys, each value an array of one dtype
   per key) stored as one column per key (rows stacked, or ragged with per-row lengths), with
-  the fields a registered ``derived_fields.DerivedFields`` can rebuild left out, a 16-byte digest per
+  the fields a ``derived_fields.DerivedFields`` handed in can rebuild left out, a 16-byte digest per
   row, and, in an incremental checkpoint, the rows found in the base stored as their index
   there instead of their content.
 
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from zephon_flow.core.checkpoint import derived_fields
+from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 from zephon_flow.core.errors import StateError
 
 LEN_PREFIX = struct.Struct("<Q")
@@ -170,9 +171,12 @@ def _take(col: derived_fields.Column, rows: np.ndarray) -> derived_fields.Column
 
 @dataclass
 class Frame:
-    """Encodes one tree; ``base`` (row digests of the same lane in the base) makes it a delta."""
+    """Encodes one tree; ``base`` (row digests of the same lane in the base) makes it a delta;
+    ``codecs`` are offered each list of like elements, in order (the first that recognises its
+    columns leaves out the fields it rebuilds)."""
 
     base: RowIndex | None = None
+    codecs: derived_fields.DerivedCodecs = BUILTIN
     payload: list[memoryview] = field(default_factory=list)
     size: int = 0
     #: Raw bytes of the state encoded (arrays at their in-memory size), for throughput figures.
@@ -222,7 +226,7 @@ class Frame:
         self.raw_bytes += sum(_column_nbytes(c) for c in columns.values())
         reduced: derived_fields.Reduced | None = None
         name: str | None = None
-        for fields in derived_fields.registered():
+        for fields in self.codecs.fields:
             reduced = fields.reduce(columns)
             if reduced is not None:
                 name = fields.name

@@ -30,6 +30,8 @@ from typing import IO, Any
 import zstandard
 
 from zephon_flow.core.checkpoint import FORMAT_VERSION, blob, frame_decode, frame_encode
+from zephon_flow.core.checkpoint.derived_fields import DerivedCodecs
+from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 from zephon_flow.core.errors import CorruptStateError, FormatVersionError, StateError
 
 _VERSION_HEAD = struct.Struct("<8sI")
@@ -102,11 +104,13 @@ def write(
     out: IO[bytes],
     *,
     base: tuple[Base, dict[int, frame_encode.RowIndex]] | None = None,
+    codecs: DerivedCodecs = BUILTIN,
 ) -> WriteStats:
     """Writes a checkpoint: ``header`` (without lane states, with ``lane_ids``), then each lane's
     plain state, in ``lane_ids`` order, encoded and compressed one at a time.
 
-    ``base`` (the base's name and digest, and its row digests per lane) makes it incremental.
+    ``base`` (the base's name and digest, and its row digests per lane) makes it incremental;
+    ``codecs`` leave out the derived fields they rebuild.
     """
     stream = _HashingWriter(out)
     stream.write(_VERSION_HEAD.pack(blob.MAGIC, FORMAT_VERSION))
@@ -119,7 +123,7 @@ def write(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-state-writer") as writer:
         pending: Future[int] | None = None
         for lane, plain in lanes:
-            frame = frame_encode.Frame(base=None if base is None else base[1].get(lane))
+            frame = frame_encode.Frame(base=None if base is None else base[1].get(lane), codecs=codecs)
             pieces = _encoded(frame, plain)
             pieces_index = _encoded(frame_encode.Frame(), frame_encode.index_tree(frame))
             if pending is not None:
@@ -205,9 +209,9 @@ class _Reader:
             )
 
 
-def _decoded(source: str, what: str, raw: bytes, base: Any = None) -> Any:
+def _decoded(source: str, what: str, raw: bytes, base: Any = None, codecs: DerivedCodecs = BUILTIN) -> Any:
     try:
-        return frame_decode.decode_frame(raw, base)
+        return frame_decode.decode_frame(raw, base, codecs)
     except frame_decode.FrameError as exc:
         raise CorruptStateError(f"{source}: malformed checkpoint structure in {what} ({exc})") from exc
 
@@ -235,12 +239,13 @@ class Opened:
     reader: _Reader
     header: dict[str, Any]
 
-    def lanes(self, base: dict[int, Any] | None = None) -> Iterator[Any]:
-        """Each lane's plain state in header order; ``base``: the base's lane trees by id."""
+    def lanes(self, base: dict[int, Any] | None = None, codecs: DerivedCodecs = BUILTIN) -> Iterator[Any]:
+        """Each lane's plain state in header order; ``base``: the base's lane trees by id;
+        ``codecs``: those that rebuild the derived fields the lanes left out."""
         for lane in self.header["lane_ids"]:
             what = f"the state of lane {lane}"
             raw = self.reader.frame(what)
-            yield _decoded(self.reader.source, what, raw, None if base is None else base.get(lane))
+            yield _decoded(self.reader.source, what, raw, None if base is None else base.get(lane), codecs)
             del raw
             self.reader.skip(f"the row index of lane {lane}")
 

@@ -64,5 +64,11 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
                 )
             merged[lane] = ls
     return LoaderState(
-        first.step, first.lanes, first.fingerprint, merged, first.mix_history, recipe=first.recipe
+        first.step,
+        first.lanes,
+        first.fingerprint,
+        merged,
+        first.mix_history,
+        recipe=first.recipe,
+        codecs=first.codecs,
     ).to_plain()

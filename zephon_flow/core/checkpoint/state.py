@@ -10,6 +10,8 @@ import numpy as np
 
 from zephon_flow.core.batches import SampleLayout
 from zephon_flow.core.checkpoint import FORMAT_VERSION
+from zephon_flow.core.checkpoint.derived_fields import DerivedCodecs
+from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 from zephon_flow.core.checkpoint.window_check import PendingChecks, WindowCheck
 from zephon_flow.core.errors import (
     CorruptStateError,
@@ -255,6 +257,8 @@ class LoaderState:
     with the pipeline (``engine/recipe.py``) before the lanes run.
     ``checks``: at run time, the checks of the lanes' next windows while they are being made
     (``completed`` waits for them and puts them in the lane states); never stored.
+    ``codecs``: the derived-field codecs of the pipeline (its plan's, or those it was read
+    with), which encoding it offers its element lists; never stored.
     """
 
     step: int
@@ -264,6 +268,7 @@ class LoaderState:
     mix_history: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     recipe: bool = False
     checks: PendingChecks | None = field(default=None, repr=False, compare=False)
+    codecs: DerivedCodecs = field(default=BUILTIN, repr=False, compare=False)
 
     def completed(self, alive: Callable[[], bool] | None = None) -> LoaderState:
         """This state with each lane's ``next_window`` check, once its lanes made their next

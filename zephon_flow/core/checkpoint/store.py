@@ -8,6 +8,8 @@ from typing import IO, Any
 
 from zephon_flow.core import files
 from zephon_flow.core.checkpoint import blob, framed_file
+from zephon_flow.core.checkpoint.derived_fields import DerivedCodecs
+from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.errors import CorruptStateError, StateError
 
@@ -69,7 +71,7 @@ def write_state(
         name = os.path.relpath(os.path.abspath(base_path), folder)
         ref = (framed_file.Base(name, digest), index)
     lanes = ((lane, st.lane_states[lane].to_plain()) for lane in sorted(st.lane_states))
-    return framed_file.write(_header(st), lanes, out, base=ref)
+    return framed_file.write(_header(st), lanes, out, base=ref, codecs=st.codecs)
 
 
 def encode_state(state: Any) -> bytes:
@@ -80,7 +82,7 @@ def encode_state(state: Any) -> bytes:
 
 
 def _read(
-    stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...]
+    stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...], codecs: DerivedCodecs
 ) -> tuple[dict[str, Any], str]:
     """The plain state in a checkpoint stream and its sha256; ``path`` locates a base."""
     version, head = framed_file.read_version(stream, source)
@@ -99,8 +101,8 @@ def _read(
     header = opened.header
     base_lanes: dict[int, Any] | None = None
     if header["base"] is not None:
-        base_lanes = _load_base(header, source, path, chain)
-    lane_states = list(opened.lanes(base_lanes))
+        base_lanes = _load_base(header, source, path, chain, codecs)
+    lane_states = list(opened.lanes(base_lanes, codecs))
     opened.finish()
     plain = {k: v for k, v in header.items() if k not in ("lane_ids", "base")}
     plain["lane_states"] = lane_states
@@ -114,7 +116,7 @@ def _read(
 
 
 def _load_base(
-    header: dict[str, Any], source: str, path: str | None, chain: tuple[str, ...]
+    header: dict[str, Any], source: str, path: str | None, chain: tuple[str, ...], codecs: DerivedCodecs
 ) -> dict[int, Any]:
     if path is None:
         framed_file.refuse_incremental_bytes(header, source)
@@ -123,16 +125,19 @@ def _load_base(
     assert base is not None
     framed_file.check_chain(source, base, chain)
     with open(base.path, "rb") as f:
-        base_plain, digest = _read(f, base.path, base.path, (*chain, source))
+        base_plain, digest = _read(f, base.path, base.path, (*chain, source), codecs)
     framed_file.check_base(source, base, digest)
     if base_plain["fingerprint"] != header.get("fingerprint") or base_plain["lanes"] != header.get("lanes"):
         raise CorruptStateError(f"{source}: its base {base.path} was written for another pipeline")
     return {ls["lane"]: ls for ls in base_plain["lane_states"]}
 
 
-def decode_state(data: bytes, *, source: str = "checkpoint") -> dict[str, Any]:
-    """The plain state in checkpoint bytes; ``source`` names them in errors."""
-    return _read(io.BytesIO(data), source, None, ())[0]
+def decode_state(
+    data: bytes, *, source: str = "checkpoint", codecs: DerivedCodecs = BUILTIN
+) -> dict[str, Any]:
+    """The plain state in checkpoint bytes; ``source`` names them in errors; ``codecs`` rebuild
+    derived fields beyond the format's own (a pipeline's: ``spec.compile().derived_codecs``)."""
+    return _read(io.BytesIO(data), source, None, (), codecs)[0]
 
 
 def save_state(
@@ -149,9 +154,9 @@ def save_state(
     )
 
 
-def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_state(path: str | os.PathLike[str], *, codecs: DerivedCodecs = BUILTIN) -> dict[str, Any]:
     """Reads a checkpoint file written by ``save_state`` lane by lane (following its bases, if
     incremental); errors name the file."""
     name = os.fspath(path)
     with open(name, "rb") as f:
-        return _read(f, name, name, ())[0]
+        return _read(f, name, name, (), codecs)[0]
