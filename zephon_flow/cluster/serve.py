@@ -37,11 +37,12 @@ from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import load_state, to_loader_state
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError
 from zephon_flow.engine.loader import restore_lanes
+from zephon_flow.engine.options import CheckpointOptions, EndpointOptions
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 from zephon_flow.service import auth
 from zephon_flow.service.mixing import naming_the_flag
-from zephon_flow.service.server import exit_status
+from zephon_flow.service.server import SERVE, exit_status
 
 
 class OwnersServer:
@@ -75,53 +76,50 @@ class OwnersServer:
         max_client_calls: int = 16,
     ) -> None:
         # Phases: check, connect to Ray, start the coordinator and its owners, listen.
-        if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-            raise SpecError(
-                f"zephon serve --lane-owners needs --world-size (the trainer ranks), got {world_size!r}"
-            )
-        plan_owners(spec.lanes, owners)  # refused here, before Ray starts
-        if checkpoint_every is not None and checkpoint_dir is None:
-            raise SpecError("zephon serve: --checkpoint-every needs --checkpoint-dir (where to write them)")
-        cert, key = (None, None) if tls is None else auth.read_tls(*tls)
-        serving = Serving(
-            host=host,
-            world_size=world_size,
-            token=None if token is None else auth.clean_token(token, "zephon serve"),
-            tls_cert=cert,
-            tls_key=key,
-            stream_timeout=stream_timeout,
-            max_client_calls=max_client_calls,
-            fingerprint=spec.fingerprint["total"],
+        _check_topology(spec, owners, world_size)  # refused here, before Ray starts
+        endpoint = EndpointOptions(
+            host=host, port=port, token=token, tls=tls, stream_timeout=stream_timeout, owner=SERVE
         )
-        self.spec = spec
-        state = (
-            None
-            if resume is None
-            else to_loader_state(load_state(resume, codecs=spec.compile().derived_codecs))
+        checkpoints = CheckpointOptions(
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            keep_checkpoints=keep_checkpoints,
+            owner=SERVE,
         )
-        _check_resume(spec, state, allow_mix_change=allow_mix_change)  # refused here, before Ray starts
-        self._ray = require_ray(actors.FEATURE)
-        self._started_ray = connect(actors.FEATURE, ray_address)
-        self.name = f"zephon-serve-{uuid.uuid4().hex[:12]}"
-        self._coordinator = actors.coordinator_handle(
-            self.name,
-            spec,
+        options = OwnerOptions(
+            backend=backend,
+            workers=workers,
+            ahead=ahead,
+            keep=keep,
+            verify_resume=verify_resume,
+            allow_mix_change=allow_mix_change,
+        )
+        serving = _serving(spec, endpoint, world_size=world_size, max_client_calls=max_client_calls)
+        self.spec, state = spec, _resumed(spec, resume, allow_mix_change=allow_mix_change)
+        self._start_coordinator(
+            ray_address,
             owners=owners,
             world_size=world_size,
             state=state,
-            options=OwnerOptions(
-                backend=backend,
-                workers=workers,
-                ahead=ahead,
-                keep=keep,
-                verify_resume=verify_resume,
-                allow_mix_change=allow_mix_change,
-            ),
+            options=options,
             owner_cpus=owner_cpus,
             snapshot_every=snapshot_every,
             max_replacements=max_replacements,
             serving=serving,
         )
+        self._listen(owners, serving, endpoint.port, checkpoints)
+
+    def _start_coordinator(self, ray_address: str | None, **options: Any) -> None:
+        """Connects to Ray (``ray_address``) and starts the coordinator actor, which starts
+        the owners (``options``: ``actors.coordinator_handle``'s)."""
+        self._ray = require_ray(actors.FEATURE)
+        self._started_ray = connect(actors.FEATURE, ray_address)
+        self.name = f"zephon-serve-{uuid.uuid4().hex[:12]}"
+        self._coordinator = actors.coordinator_handle(self.name, self.spec, **options)
+
+    def _listen(self, owners: int, serving: Serving, port: int, checkpoints: CheckpointOptions) -> None:
+        """Once the owners are up, the coordinator's endpoint on ``serving.host:port``; on a
+        failure of either, the coordinator and its owners are ended."""
         try:
             self._ray.get(self._coordinator.table.remote())  # the owners are up
         except self._ray.exceptions.RayTaskError as exc:
@@ -129,19 +127,17 @@ class OwnersServer:
             raise getattr(exc, "cause", exc) from None
         try:
             self._server = CoordinatorServer(
-                spec,
+                self.spec,
                 self._coordinator,
                 owners=owners,
                 serving=serving,
                 port=port,
-                checkpoint_dir=checkpoint_dir,
-                checkpoint_every=checkpoint_every,
-                keep_checkpoints=keep_checkpoints,
+                **checkpoints.kwargs(),
             )
         except BaseException:
             self._shutdown()
             raise
-        self.host, self.port = host, self._server.port
+        self.host, self.port = serving.host, self._server.port
 
     def table(self) -> OwnerTable:
         """Which owner runs which lanes, and each owner's generation (bumped per replacement)."""
@@ -171,6 +167,43 @@ class OwnersServer:
     def stop(self) -> None:
         self._server.stop()
         self._shutdown()
+
+
+def _check_topology(spec: LoaderSpec, owners: int, world_size: int) -> None:
+    """Refuses a world size or an owner count that cannot run ``spec``'s lanes."""
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise SpecError(
+            f"zephon serve --lane-owners needs --world-size (the trainer ranks), got {world_size!r}"
+        )
+    plan_owners(spec.lanes, owners)
+
+
+def _serving(
+    spec: LoaderSpec, endpoint: EndpointOptions, *, world_size: int, max_client_calls: int
+) -> Serving:
+    """How the coordinator's and the owners' endpoints serve: ``endpoint`` with the TLS files
+    read here (they are shipped to the owners, which may run on other nodes)."""
+    cert, key = (None, None) if endpoint.tls is None else auth.read_tls(*endpoint.tls)
+    return Serving(
+        host=endpoint.host,
+        world_size=world_size,
+        token=None if endpoint.token is None else auth.clean_token(endpoint.token, SERVE),
+        tls_cert=cert,
+        tls_key=key,
+        stream_timeout=endpoint.stream_timeout,
+        max_client_calls=max_client_calls,
+        fingerprint=spec.fingerprint["total"],
+    )
+
+
+def _resumed(spec: LoaderSpec, resume: str | None, *, allow_mix_change: bool) -> LoaderState | None:
+    """The state of checkpoint ``resume`` (None: the start), refused here, before Ray starts,
+    if it is another pipeline's (``_check_resume``)."""
+    state = (
+        None if resume is None else to_loader_state(load_state(resume, codecs=spec.compile().derived_codecs))
+    )
+    _check_resume(spec, state, allow_mix_change=allow_mix_change)
+    return state
 
 
 def _check_resume(spec: LoaderSpec, state: LoaderState | None, *, allow_mix_change: bool) -> None:

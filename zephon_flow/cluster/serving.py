@@ -34,6 +34,7 @@ from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
 from zephon_flow.core.checkpoint.store import save_state
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.options import check_int, check_seconds
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
@@ -127,14 +128,9 @@ class Serving:
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise SpecError("zephon serve: --tls-cert and --tls-key go together")
-        if not isinstance(self.stream_timeout, int | float) or not self.stream_timeout > 0:
-            raise SpecError(
-                f"zephon serve: --stream-timeout must be > 0 seconds, got {self.stream_timeout!r}"
-            )
+        check_seconds(self.stream_timeout, "stream_timeout", owner="zephon serve")
         for name in ("world_size", "max_client_calls", "max_calls"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"lane owners: {name} must be a positive integer, got {value!r}")
+            check_int(getattr(self, name), name, owner="lane owners")
 
 
 class _CallLimit:
