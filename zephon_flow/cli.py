@@ -20,7 +20,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zephon_flow import __version__
 from zephon_flow.core.errors import SpecError, UsageError, ZephonError
@@ -28,6 +28,9 @@ from zephon_flow.engine.balance import COSTS as BALANCE_COSTS
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.progress import Progress
 from zephon_flow.runners.backends.base import BACKENDS
+
+if TYPE_CHECKING:
+    from zephon_flow.service.server import BatchServer
 
 logger = logging.getLogger("zephon_flow.cli")
 
@@ -109,6 +112,7 @@ def load_spec(target: str) -> LoaderSpec:
 
 def _digest(args: argparse.Namespace) -> int:
     from zephon_flow.core.batches import batch_digest
+    from zephon_flow.core.checkpoint.state import LoaderState
     from zephon_flow.core.checkpoint.store import load_state, save_state
     from zephon_flow.engine.simulate import global_batches
 
@@ -130,7 +134,7 @@ def _digest(args: argparse.Namespace) -> int:
         digests.append((step, batch_digest(batch)))
         print(f"{step} {digests[-1][1]}", flush=True)
     if args.save_state:
-        save_state(final[0], args.save_state)
+        save_state(LoaderState.from_plain(final[0]), args.save_state)
     if len(digests) < args.steps:
         logger.warning("input ended after %d of %d steps", len(digests), args.steps)
     return 0
@@ -412,18 +416,9 @@ def _byte_size(text: str) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from zephon_flow.service.auth import read_token
-    from zephon_flow.service.server import BatchServer, serve_forever
+    from zephon_flow.service.server import serve_forever
 
-    if args.ray and args.balance is not None:
-        raise UsageError(
-            "zephon serve: --balance is not supported with --ray (lane owners send each rank the rows "
-            "of its own lanes); serve without --ray, or balance in the trainer with Loader(balance=...)"
-        )
-    if args.ray and args.allow_batch_change:
-        raise UsageError(
-            "zephon serve: --allow-batch-change is not supported with --ray (lane owners take one "
-            "fixed global batch size); resume the changed spec without --ray"
-        )
+    _check_serve_flags(args)
     if args.ray:  # lanes on Ray lane owners (zephon_flow/cluster/serve.py)
         from zephon_flow.cluster import serve as owners
 
@@ -439,32 +434,47 @@ def _serve(args: argparse.Namespace) -> int:
     if args.resume:
         from zephon_flow.core.checkpoint.store import load_state
 
-        logger.info("zephon serve: resuming from %s at step %d", args.resume, load_state(args.resume)["step"])
+        logger.info("zephon serve: resuming from %s at step %d", args.resume, load_state(args.resume).step)
     else:
         logger.info("zephon serve: starting at step 0")
-    spec, loader = load_spec(args.target), None
+    return serve_forever(_batch_server(args, load_spec(args.target), token))
+
+
+def _check_serve_flags(args: argparse.Namespace) -> None:
+    """Refuses the flags ``zephon serve --ray`` (lane owners) cannot honour."""
+    if args.ray and args.balance is not None:
+        raise UsageError(
+            "zephon serve: --balance is not supported with --ray (lane owners send each rank the rows "
+            "of its own lanes); serve without --ray, or balance in the trainer with Loader(balance=...)"
+        )
+    if args.ray and args.allow_batch_change:
+        raise UsageError(
+            "zephon serve: --allow-batch-change is not supported with --ray (lane owners take one "
+            "fixed global batch size); resume the changed spec without --ray"
+        )
+
+
+def _batch_server(args: argparse.Namespace, spec: LoaderSpec, token: str | None) -> BatchServer:
+    """``zephon serve``'s server from its flags."""
+    from zephon_flow.service.server import BatchServer
+
+    resumed = {
+        "verify_resume": not args.no_verify_resume,
+        "allow_mix_change": args.allow_mix_change,
+        "allow_batch_change": args.allow_batch_change,
+    }
+    work = {"backend": args.backend, "workers": args.workers, "chunk_timeout": args.chunk_timeout}
+    loader = None
     if args.ray_address is not None:  # BatchServer's own Loader knows no Ray address: build it here
         from zephon_flow.core.checkpoint.store import load_state
         from zephon_flow.engine.loader import Loader
 
         state = load_state(args.resume, codecs=spec.compile().derived_codecs) if args.resume else None
-        loader = Loader(
-            spec,
-            backend="ray",
-            workers=args.workers,
-            state=state,
-            chunk_timeout=args.chunk_timeout,
-            ray_address=args.ray_address,
-            verify_resume=not args.no_verify_resume,
-            allow_mix_change=args.allow_mix_change,
-            allow_batch_change=args.allow_batch_change,
-        )
-    server = BatchServer(
+        loader = Loader(spec, state=state, ray_address=args.ray_address, **work, **resumed)
+    return BatchServer(
         spec,
         host=args.host,
         port=args.port,
-        backend=args.backend,
-        workers=args.workers,
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
         ahead=args.ahead,
@@ -475,14 +485,11 @@ def _serve(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints,
         stream_timeout=args.stream_timeout,
-        chunk_timeout=args.chunk_timeout,
         loader=loader,
-        verify_resume=not args.no_verify_resume,
-        allow_mix_change=args.allow_mix_change,
-        allow_batch_change=args.allow_batch_change,
         balance=args.balance,
+        **work,
+        **resumed,
     )
-    return serve_forever(server)
 
 
 def _common(parser: argparse.ArgumentParser, *, top: bool) -> None:

@@ -8,12 +8,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_flow.core.checkpoint.state import LoaderState
+from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import ResumeMismatchError, SpecError
 from zephon_flow.engine.loader import build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import make_backend
+from zephon_flow.runners.lane import LaneRunner
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
 #: A lane's verdict: its first window is the recorded one, is not, or cannot be told.
@@ -53,7 +54,6 @@ def verify_state(
         )
     plan = spec.compile()
     backend_ = make_backend(backend, workers=workers, segment=plan.front_segment())
-    verdicts: list[LaneVerdict] = []
     try:
         start = restore_lanes(
             spec, plan, loaded, ids, who="zephon verify", submit=backend_.submit, verify=True, quiet=True
@@ -64,36 +64,26 @@ def verify_state(
         try:
             for runner in runners:
                 runner.prime()
-            for runner in runners:
-                recorded = start.lanes[runner.lane]
-                check = None if recorded is None else recorded.next_window
-                begun = time.perf_counter()
-                if check is None:
-                    verdicts.append(LaneVerdict(runner.lane, loaded.step, UNVERIFIABLE, ""))
-                    continue
-                try:
-                    runner.next_window()
-                except ResumeMismatchError as exc:
-                    verdicts.append(
-                        LaneVerdict(
-                            runner.lane,
-                            loaded.step,
-                            MISMATCH,
-                            check.digest,
-                            str(exc),
-                            time.perf_counter() - begun,
-                        )
-                    )
-                    continue
-                verdicts.append(
-                    LaneVerdict(runner.lane, loaded.step, OK, check.digest, "", time.perf_counter() - begun)
-                )
+            verdicts = [_verdict(runner, start.lanes[runner.lane], loaded.step) for runner in runners]
         finally:
             for runner in runners:
                 runner.close()
     finally:
         backend_.close()
     return verdicts
+
+
+def _verdict(runner: LaneRunner, recorded: LaneState | None, step: int) -> LaneVerdict:
+    """Lane ``runner``'s first window from ``recorded`` against the check it recorded."""
+    check = None if recorded is None else recorded.next_window
+    begun = time.perf_counter()
+    if check is None:
+        return LaneVerdict(runner.lane, step, UNVERIFIABLE, "")
+    try:
+        runner.next_window()
+    except ResumeMismatchError as exc:
+        return LaneVerdict(runner.lane, step, MISMATCH, check.digest, str(exc), time.perf_counter() - begun)
+    return LaneVerdict(runner.lane, step, OK, check.digest, "", time.perf_counter() - begun)
 
 
 def _ignore(source: int, message: str) -> None:
