@@ -24,6 +24,7 @@ from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import encode_state, to_loader_state
 from zephon_flow.core.errors import CorruptStateError, SpecError, StateConflictError, StateError
 from zephon_flow.core.lanes import RankRows
+from zephon_flow.core.options import check_int
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends.base import BACKENDS
@@ -131,8 +132,7 @@ class ZephonDataset(IterableDataset[Item]):
     ) -> None:
         if (spec is None) == (connect is None):
             raise SpecError("ZephonDataset: give exactly one of spec (embedded) or connect (served)")
-        if not isinstance(keep_states, int) or isinstance(keep_states, bool) or keep_states < 1:
-            raise SpecError(f"ZephonDataset: keep_states must be a positive integer, got {keep_states!r}")
+        check_int(keep_states, "keep_states", owner="ZephonDataset")
         self._spec = spec
         self._loader_options = dict(loader_options or {})
         self._connect = connect
@@ -178,8 +178,7 @@ class ZephonDataset(IterableDataset[Item]):
             raise SpecError(
                 f"ZephonDataset.from_loader: backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
             )
-        if not isinstance(workers, int) or workers < 1:
-            raise SpecError(f"ZephonDataset.from_loader: workers must be a positive integer, got {workers!r}")
+        check_int(workers, "workers", owner="ZephonDataset.from_loader")
         options = {"backend": backend, "workers": workers, **loader_options}
         if "state" in options:
             raise SpecError("ZephonDataset.from_loader: pass a state with load_state_dict, not state=")

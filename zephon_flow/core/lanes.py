@@ -6,15 +6,14 @@ import functools
 from dataclasses import dataclass
 
 from zephon_flow.core.errors import SpecError
+from zephon_flow.core.options import check_int, check_rank
 from zephon_flow.core.schedule import BatchSchedule
 
 
 def check_batch_geometry(*, lanes: int, global_batch_size: int) -> None:
     """Refuses a lane count or global batch size that cannot form windows."""
-    if not isinstance(lanes, int) or lanes < 1:
-        raise SpecError(f"lanes must be a positive integer, got {lanes!r}")
-    if not isinstance(global_batch_size, int) or global_batch_size < 1:
-        raise SpecError(f"global_batch_size must be a positive integer, got {global_batch_size!r}")
+    check_int(lanes, "lanes")
+    check_int(global_batch_size, "global_batch_size")
     if global_batch_size % lanes:
         raise SpecError(
             f"global_batch_size={global_batch_size} is not a multiple of lanes={lanes}: "
@@ -34,10 +33,7 @@ class RankSlice:
 
     def __post_init__(self) -> None:
         check_batch_geometry(lanes=self.lanes, global_batch_size=self.global_batch_size)
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise SpecError(f"world_size must be a positive integer, got {self.world_size!r}")
-        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise SpecError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
+        check_rank(self.rank, self.world_size)
         if self.global_batch_size % self.world_size:
             raise SpecError(
                 f"global_batch_size={self.global_batch_size} is not divisible by "
@@ -103,7 +99,7 @@ class RankRows:
                 rank=self.rank, world_size=self.world_size, lanes=self.lanes, global_batch_size=constant
             )
         else:
-            _check_rank(self.rank, self.world_size)
+            check_rank(self.rank, self.world_size)
 
     @property
     def lane_ids(self) -> range:
@@ -117,13 +113,6 @@ class RankRows:
     def at(self, step: int) -> RankSlice:
         """This rank's rows of global batch ``step``."""
         return _slice(self.rank, self.world_size, self.lanes, self.schedule.size(step))
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise SpecError(f"world_size must be a positive integer, got {world_size!r}")
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
-        raise SpecError(f"rank must be in [0, {world_size}), got {rank!r}")
 
 
 @functools.lru_cache(maxsize=256)

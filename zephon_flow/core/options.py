@@ -32,6 +32,14 @@ def check_int(value: object, name: str, *, low: int = 1, owner: str = "") -> Non
         raise SpecError(f"{option_name(owner, name)} must be {what}, got {value!r}")
 
 
+def check_rank(rank: object, world_size: object, *, owner: str = "") -> None:
+    """Refuses a ``world_size`` that is not a positive integer, or a ``rank`` outside it."""
+    check_int(world_size, "world_size", owner=owner)
+    assert isinstance(world_size, int)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+        raise SpecError(f"{option_name(owner, 'rank')} must be in [0, {world_size}), got {rank!r}")
+
+
 def check_seconds(value: object, name: str, *, owner: str = "", default: float | None = None) -> None:
     """Refuses ``value`` unless it is a number of seconds above 0; ``default`` is said too."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

@@ -8,11 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zephon_flow.core.errors import SpecError
+from zephon_flow.core.options import check_int
 
 
 def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise SpecError(f"{name} must be a positive integer, got {value!r}")
+    check_int(value, name)
+    assert isinstance(value, int)
     return value
 
 

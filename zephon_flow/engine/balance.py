@@ -34,6 +34,7 @@ import numpy as np
 
 from zephon_flow.core.batches import COUNT_SUFFIX, RAGGED_FIELDS, VALID_FIELD, Batch
 from zephon_flow.core.errors import SpecError, StageError
+from zephon_flow.core.options import check_int
 
 #: The field a balanced rank's batch gains: the global index of each of its rows (int64).
 ROWS_FIELD = "rows"
@@ -125,8 +126,7 @@ def balance_rows(costs: Any, world_size: int) -> np.ndarray:
     values = np.asarray(costs, dtype=np.float64)
     if values.ndim != 1:
         raise SpecError(f"{_OPTION}: costs must be one number per row, got shape {list(values.shape)}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise SpecError(f"{_OPTION}: world_size must be a positive integer, got {world_size!r}")
+    check_int(world_size, "world_size", owner=_OPTION)
     n = values.size
     if n % world_size:
         raise SpecError(

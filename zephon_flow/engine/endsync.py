@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import RankLostError, SpecError
+from zephon_flow.core.options import check_int
 
 #: Seconds a rank waits for its peers' votes on a step before it gives up on them.
 DEFAULT_TIMEOUT = 600.0
@@ -101,8 +102,7 @@ class ThreadEndSync:
     def __init__(
         self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT, clock: Clock = SYSTEM_CLOCK
     ) -> None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise SpecError(f"world_size must be a positive integer, got {world_size!r}")
+        check_int(world_size, "world_size")
         _positive("timeout", timeout, "ThreadEndSync")
         self.world_size = world_size
         self.timeout = float(timeout)

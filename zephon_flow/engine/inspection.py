@@ -12,6 +12,7 @@ from zephon_flow.core.batches import COUNT_SUFFIX, Batch, split_ragged
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import SpecError, StateError
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.options import check_int
 from zephon_flow.core.source import relative_name
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
@@ -54,8 +55,7 @@ def batch_at(
 ) -> Batch:
     """Rank ``rank``'s slice of global batch ``step``, running from ``state`` when given;
     ``progress`` wraps the iteration over steps (the CLI's progress bar)."""
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:  # never reached: would run forever
-        raise SpecError(f"step must be an integer >= 0, got {step!r}")
+    check_int(step, "step", low=0)  # never reached: would run forever
     start = 0
     if state is not None:
         state = to_loader_state(state)

@@ -18,6 +18,7 @@ from zephon_flow.core.options import (
     check_choice,
     check_flag,
     check_int,
+    check_rank,
     check_seconds,
     flag_or_name,
     option_name,
@@ -62,12 +63,7 @@ class TopologyOptions(_Group):
     owner: str = _owner()
 
     def __post_init__(self) -> None:
-        check_int(self.world_size, "world_size", owner=self.owner)
-        rank = self.rank
-        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
-            raise SpecError(
-                f"{option_name(self.owner, 'rank')} must be in [0, {self.world_size}), got {rank!r}"
-            )
+        check_rank(self.rank, self.world_size, owner=self.owner)
 
 
 @dataclass(frozen=True, kw_only=True)
