@@ -397,31 +397,7 @@ class LoaderState:
             f"differ: {', '.join(named) or 'total'}"
         )
         if code and not allow_code_change:
-            old = [p for p in code if p not in self.fingerprint and " :: " not in p]
-            if old:
-                message += (
-                    f" (the checkpoint has no digest of the code of {', '.join(p[5:] for p in old)}: "
-                    f"it was written before zephon-flow fingerprinted code)"
-                )
-            unreached = sorted(
-                {
-                    label
-                    for p in code
-                    for label in [p[5:].partition(" :: ")[0]]
-                    if " :: " in p
-                    and f"code {label}" in self.fingerprint
-                    and not any(q.startswith(f"code {label} :: ") for q in self.fingerprint)
-                }
-            )
-            if unreached:
-                message += (
-                    f" (the checkpoint has no digests of what the code of {', '.join(unreached)} "
-                    f"reaches: it was written before zephon-flow fingerprinted a DoFn's helpers)"
-                )
-            message += (
-                "; if the code change is deliberate (a fix or a refactor you accept for the rest "
-                "of the run), pass allow_code_change=True to zf.Loader"
-            )
+            message += _code_change_hint(self.fingerprint, code)
         if _BATCH_PART in differ:
             message += (
                 f"; if only the global batch size or its schedule changed, pass "
@@ -440,6 +416,38 @@ class LoaderState:
 
 #: The fingerprint part of ``LoaderSpec.global_batch_size`` (an int or a schedule).
 _BATCH_PART = "global_batch_size"
+
+
+def _code_change_hint(recorded: dict[str, str], code: list[str]) -> str:
+    """What the refusal of a code change adds: the code ``recorded`` (the checkpoint's
+    fingerprint) has no digest of, and how to accept the change."""
+    message = ""
+    old = [p for p in code if p not in recorded and " :: " not in p]
+    if old:
+        message += (
+            f" (the checkpoint has no digest of the code of {', '.join(p[5:] for p in old)}: "
+            f"it was written before zephon-flow fingerprinted code)"
+        )
+    unreached = sorted(
+        {
+            label
+            for p in code
+            for label in [p[5:].partition(" :: ")[0]]
+            if " :: " in p
+            and f"code {label}" in recorded
+            and not any(q.startswith(f"code {label} :: ") for q in recorded)
+        }
+    )
+    if unreached:
+        message += (
+            f" (the checkpoint has no digests of what the code of {', '.join(unreached)} "
+            f"reaches: it was written before zephon-flow fingerprinted a DoFn's helpers)"
+        )
+    message += (
+        "; if the code change is deliberate (a fix or a refactor you accept for the rest "
+        "of the run), pass allow_code_change=True to zf.Loader"
+    )
+    return message
 
 
 def _named_parts(differ: list[str], code: list[str]) -> list[str]:
