@@ -137,6 +137,26 @@ def _no_skip_hook(index: int, message: str) -> None:
     pass
 
 
+def _start_state(plan: Plan, lane: int, state: LaneState | None) -> LaneState:
+    """Lane ``lane``'s state to start from: ``state``, checked against ``plan`` (a
+    ``CorruptStateError`` names what does not match), or a fresh one."""
+    n = len(plan.sources)
+    if state is None:
+        state = LaneState(lane, FeedCursor(0, [SourceCursor.first() for _ in plan.sources], skipped=[0] * n))
+        state.stages = {s.label: DoFnLaneState().snapshot() for s in plan.stateful}
+    missing = [s.label for s in plan.stateful if s.label not in state.stages]
+    cursor = state.cursor
+    if missing or len(cursor.sources) != n or len(cursor.skipped) != n:
+        raise CorruptStateError(
+            f"state of lane {lane} does not match the pipeline: missing stateful stage(s) "
+            f"{missing} or wrong number of source cursors ({len(cursor.sources)}) or skip counts "
+            f"({len(cursor.skipped)}) for {n} source(s)"
+        )
+    if any(not 0 <= i < n for i in [*cursor.exhausted, *([cursor.source] if cursor.skip else [])]):
+        raise CorruptStateError(f"state of lane {lane} names a source that the pipeline does not have")
+    return state
+
+
 class LaneRunner:
     """Runs one lane to window boundaries; its snapshot is the lane's entire checkpoint.
 
@@ -169,22 +189,8 @@ class LaneRunner:
         self._fixed = window if isinstance(window, int) else None
         self._window_at: Callable[[int], int] = (lambda step: window) if isinstance(window, int) else window
         self.lane = lane
-        n = len(plan.sources)
-        if state is None:
-            state = LaneState(
-                lane, FeedCursor(0, [SourceCursor.first() for _ in plan.sources], skipped=[0] * n)
-            )
-            state.stages = {s.label: DoFnLaneState().snapshot() for s in plan.stateful}
-        missing = [s.label for s in plan.stateful if s.label not in state.stages]
+        state = _start_state(plan, lane, state)
         cursor = state.cursor
-        if missing or len(cursor.sources) != n or len(cursor.skipped) != n:
-            raise CorruptStateError(
-                f"state of lane {lane} does not match the pipeline: missing stateful stage(s) "
-                f"{missing} or wrong number of source cursors ({len(cursor.sources)}) or skip counts "
-                f"({len(cursor.skipped)}) for {n} source(s)"
-            )
-        if any(not 0 <= i < n for i in [*cursor.exhausted, *([cursor.source] if cursor.skip else [])]):
-            raise CorruptStateError(f"state of lane {lane} names a source that the pipeline does not have")
         if plan.mixer is not None and mixture is None:
             mixture = plan.mixer.mixture()
         self._cursor = cursor.copy()
