@@ -8,7 +8,7 @@ from typing import Any
 
 from zephon_flow.core.batches import Batch, batch_digest, concat
 from zephon_flow.core.checkpoint.merge import merge_states
-from zephon_flow.core.errors import SpecError
+from zephon_flow.core.options import check_int
 from zephon_flow.engine.endsync import ThreadEndSync
 from zephon_flow.engine.loader import Loader
 from zephon_flow.engine.spec import LoaderSpec
@@ -29,8 +29,7 @@ def global_batches(
 
     With ``final_state`` (a list), the merged state after the last batch is appended to it.
     """
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-        raise SpecError(f"steps must be an integer >= 0, got {steps!r}")
+    check_int(steps, "steps", low=0)
     if "end_sync" not in loader_options:
         loader_options["end_sync"] = ThreadEndSync(world_size)
     with ExitStack() as stack:
