@@ -9,8 +9,8 @@ The pipeline is the README's text mix (prose and code mixed 3:7, tokenize with a
 token, pack, shuffle) over one pass of each source of the demo corpus (``zephon_flow.demo_data``,
 cached in ``<demo root>-beam-bench``), with a stateless DoFn after each source that counts the
 records it sees (one byte appended to a file per record: the records read and decoded). On
-Beam's ``FnApiRunner`` in this process, contenders alternated within each repeat, median over
-``--repeats``:
+Beam's ``FnApiRunner`` in this process, each pair (bounded, before) run back to back, which
+goes first alternating, ``--repeats`` times:
 
 - ``steps N, bounded``: ``materialize(spec, steps=N)``: each lane reads only what its windows
   of steps ``< N`` need (``runners/beam/bounded.py``);
@@ -19,8 +19,9 @@ Beam's ``FnApiRunner`` in this process, contenders alternated within each repeat
 - ``whole pass, bounded`` and ``whole pass, per chunk``: every step (``steps`` past the end),
   each lane's chain in one call against the translation that spreads chunks over workers.
 
-Reported per contender: seconds, records read, steps written, and whether the batches equal
-the ``Loader``'s; and the ratios bounded / before for N steps and for the whole pass. Nothing is
+Reported per contender: seconds (median), records read, steps written, and whether the
+batches equal the ``Loader``'s; and the ratios bounded / before for N steps and for the whole
+pass (medians of each round's ratio: the two runs of a round share the machine's load). Nothing is
 asserted on time; results go to stdout as Markdown and, with ``--out``, to JSON.
 """
 
@@ -38,7 +39,7 @@ import apache_beam as beam
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 import zephon_flow as zf
-from bench.stats import fmt, machine, median, ratio, rotated
+from bench.stats import fmt, machine, median
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest
 from zephon_flow.demo_data import build_demo_data, default_demo_root
@@ -99,46 +100,54 @@ def whole_translation(spec: zf.LoaderSpec, steps: int, out: str) -> None:
 Run = Callable[[zf.LoaderSpec, int, str], None]
 
 
+def _run(spec: zf.LoaderSpec, counter: str, run: Run, steps: int) -> tuple[float, int, list[str]]:
+    """One run: its seconds, the records it read and the digests of the steps it wrote."""
+    with tempfile.TemporaryDirectory(prefix="zephon-materialize-bench-") as out:
+        if os.path.exists(counter):
+            os.unlink(counter)
+        start = time.perf_counter()
+        run(spec, steps, out)
+        seconds = time.perf_counter() - start
+        digests = [batch_digest(b) for _, b in read_materialized(out)]
+    return seconds, os.path.getsize(counter) if os.path.exists(counter) else 0, digests
+
+
 def measure(
     spec: zf.LoaderSpec, counter: str, *, steps: int, repeats: int, reference: list[str]
 ) -> dict[str, dict[str, Any]]:
-    """Each contender ``repeats`` times, alternated; ``reference``: the Loader's digests."""
+    """Each pair (bounded, before) ``repeats`` times, its two runs back to back (which goes
+    first alternates), for ``steps`` steps and for the whole pass; ``reference``: the
+    Loader's digests. Ratios are medians of each round's ratio (the pair shares the load)."""
     everything = len(reference) + 1  # past the end: every step of the pass
-    runs: dict[str, tuple[Run, int]] = {
-        f"steps {steps}, bounded": (bounded, steps),
-        f"steps {steps}, whole pass (before)": (whole_translation, steps),
-        "whole pass, bounded": (bounded, everything),
-        "whole pass, per chunk (before)": (whole_translation, everything),
+    pairs: dict[str, tuple[int, tuple[str, Run], tuple[str, Run]]] = {
+        f"steps {steps}": (
+            steps,
+            (f"steps {steps}, bounded", bounded),
+            (f"steps {steps}, whole pass (before)", whole_translation),
+        ),
+        "whole pass": (
+            everything,
+            ("whole pass, bounded", bounded),
+            ("whole pass, per chunk (before)", whole_translation),
+        ),
     }
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
     rows: dict[str, dict[str, Any]] = {}
-    for r in range(repeats):
-        for name in rotated(list(runs), r):
-            run, n = runs[name]
-            with tempfile.TemporaryDirectory(prefix="zephon-materialize-bench-") as out:
-                if os.path.exists(counter):
-                    os.unlink(counter)
-                start = time.perf_counter()
-                run(spec, n, out)
-                seconds[name].append(time.perf_counter() - start)
-                digests = [batch_digest(b) for _, b in read_materialized(out)]
-            read = os.path.getsize(counter) if os.path.exists(counter) else 0
-            row = rows.setdefault(name, {"records_read": read, "same_batches": True})
-            row["steps"] = len(digests)
-            row["records_read"] = max(row["records_read"], read)
-            row["same_batches"] = row["same_batches"] and digests == reference[: min(n, len(reference))]
-    for name, row in rows.items():
-        row["seconds"], row["samples"] = median(seconds[name]), seconds[name]
-    pairs = {
-        f"steps {steps}": (f"steps {steps}, bounded", f"steps {steps}, whole pass (before)"),
-        "whole pass": ("whole pass, bounded", "whole pass, per chunk (before)"),
-    }
-    for label, (new, old) in pairs.items():
-        rows[new]["vs_before"] = {
-            "what": label,
-            "seconds": ratio(rows[new]["seconds"], rows[old]["seconds"]),
-            "records_read": ratio(rows[new]["records_read"], rows[old]["records_read"]),
-        }
+    for label, (n, new, old) in pairs.items():
+        ratios: dict[str, list[float]] = {"seconds": [], "records_read": []}
+        for r in range(repeats):
+            measured = {}
+            for name, run in [new, old] if r % 2 == 0 else [old, new]:
+                seconds, read, digests = _run(spec, counter, run, n)
+                measured[name] = (seconds, read)
+                row = rows.setdefault(name, {"samples": [], "records_read": read, "same_batches": True})
+                row["samples"].append(seconds)
+                row["steps"], row["records_read"] = len(digests), max(row["records_read"], read)
+                row["same_batches"] = row["same_batches"] and digests == reference[: min(n, len(reference))]
+            for i, key in enumerate(ratios):
+                ratios[key].append(measured[new[0]][i] / measured[old[0]][i])
+        rows[new[0]]["vs_before"] = {"what": label, **{k: median(v) for k, v in ratios.items()}}
+    for row in rows.values():
+        row["seconds"] = median(row["samples"])
     return rows
 
 
@@ -167,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=4)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
