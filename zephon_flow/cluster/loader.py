@@ -74,17 +74,8 @@ class OwnedLoader:
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
-        if not isinstance(spec, LoaderSpec):
-            raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
-        self.spec = spec
-        self._slice = RankSlice(
-            rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
-        )
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= keep + 1:
-            raise SpecError(
-                f"OwnedLoader: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
-                f"`keep` steps behind a rank's request), got {prefetch!r}"
-            )
+        self.spec, self._slice = spec, _rank_slice(spec, rank, world_size)
+        _check_prefetch(prefetch, keep)
         plan_owners(spec.lanes, lane_owners)  # refused here, before Ray starts
         options = OwnerOptions(
             backend=backend,
@@ -104,12 +95,8 @@ class OwnedLoader:
         self._run = max(1, min(prefetch - 1, ahead))
         self._snapshot_every = snapshot_every
         self.name = name or default_name(spec)
-        self._ray = require_ray(actors.FEATURE)
-        self._started_ray = connect(actors.FEATURE, ray_address)
-        self._closed = False
-        self._coordinator = actors.coordinator_handle(
-            self.name,
-            spec,
+        self._start_coordinator(
+            ray_address,
             owners=lane_owners,
             world_size=world_size,
             state=start,
@@ -118,11 +105,24 @@ class OwnedLoader:
             snapshot_every=snapshot_every,
             max_replacements=max_replacements,
         )
-        self._step = 0 if start is None else start.step
+        self._join(0 if start is None else start.step)
+
+    def _start_coordinator(self, ray_address: str | None, **options: Any) -> None:
+        """Connects to Ray (``ray_address``) and starts the coordinator actor named
+        ``self.name``, or finds it started by another rank (``options``:
+        ``actors.coordinator_handle``'s)."""
+        self._ray = require_ray(actors.FEATURE)
+        self._started_ray = connect(actors.FEATURE, ray_address)
+        self._closed = False
+        self._coordinator = actors.coordinator_handle(self.name, self.spec, **options)
+
+    def _join(self, step: int) -> None:
+        """Joins the run as this rank, from ``step``: the owner table it reads from."""
+        self._step = step
         self._table: OwnerTable = self._ask_coordinator(
-            "join", self._coordinator.join.remote(rank, world_size, self._step)
+            "join", self._coordinator.join.remote(self._slice.rank, self._slice.world_size, step)
         )
-        self._finite = spec.compile().finite
+        self._finite = self.spec.compile().finite
 
     @property
     def rank_slice(self) -> RankSlice:
@@ -318,6 +318,25 @@ class _Run:
         self.shares: deque[Batch] = deque()
         self.asked = step
         self.pending: tuple[Any, int] | None = None
+
+
+def _rank_slice(spec: LoaderSpec, rank: int, world_size: int) -> RankSlice:
+    """Rank ``rank``'s rows of ``spec``'s global batches (a spec that is not one is refused)."""
+    if not isinstance(spec, LoaderSpec):
+        raise SpecError(f"spec must be a zf.LoaderSpec, got {type(spec).__name__}")
+    return RankSlice(
+        rank=rank, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size
+    )
+
+
+def _check_prefetch(prefetch: int, keep: int) -> None:
+    """Refuses a ``prefetch`` the owners cannot hold: they keep ``keep`` steps behind a
+    rank's request."""
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= keep + 1:
+        raise SpecError(
+            f"OwnedLoader: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
+            f"`keep` steps behind a rank's request), got {prefetch!r}"
+        )
 
 
 def _first_line(exc: BaseException) -> str:
