@@ -138,7 +138,7 @@ def raw_bytes(state: dict[str, Any]) -> int:
 
 
 def _save_incremental(state: dict[str, Any], path: str, *, base: str) -> None:
-    zf.save_state(state, path, base=base)
+    zf.save_state(to_loader_state(state), path, base=base)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -203,7 +203,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
     old, full = os.path.join(workdir, "format2.zf"), os.path.join(workdir, "compact.zf")
     measure("format 2 (before)", fill, lambda p: save_format_2(states[fill], p), old)
     os.unlink(old)
-    measure("compact", fill, lambda p: zf.save_state(states[fill], p), full)
+    measure("compact", fill, lambda p: zf.save_state(to_loader_state(states[fill]), p), full)
     for k in cfg.later:
         measure(
             f"incremental, {k} step(s) after the base",
@@ -213,8 +213,8 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
         )
     plan = spec.compile()
 
-    def as_recipe(step: int) -> dict[str, Any]:
-        return recipe.to_recipes(plan, to_loader_state(states[step])).to_plain()
+    def as_recipe(step: int) -> zf.LoaderState:
+        return recipe.to_recipes(plan, to_loader_state(states[step]))
 
     later = max(k for k in cfg.later if k <= 10) if any(k <= 10 for k in cfg.later) else min(cfg.later)
     base = os.path.join(workdir, "recipe.zf")
@@ -249,7 +249,7 @@ def run(data: DemoData, cfg: Config, workdir: str) -> dict[str, Any]:
     }
 
 
-def rebuild_figures(plan: Any, lanes: int, state: dict[str, Any], cfg: Config) -> dict[str, Any]:
+def rebuild_figures(plan: Any, lanes: int, state: Any, cfg: Config) -> dict[str, Any]:
     """What a recipe restore re-reads: distinct documents and their tokens, against the tokens
     of every sequence in flight, and the rate the front rebuilt them at (inline, one core)."""
     loaded = to_loader_state(state)

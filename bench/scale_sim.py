@@ -140,7 +140,9 @@ def simulate(
     sources = len(spec.compile().sources)
     fakes: list[FakeOwner] = []
 
-    def launch(index: int, name: str, group: list[int], state: Any, readers: dict[int, int]) -> FakeOwner:
+    def launch(
+        index: int, name: str, group: list[int], state: Any, readers: dict[int, int], generation: int
+    ) -> FakeOwner:
         fakes.append(FakeOwner(group, lane_state_bytes, sources))
         return fakes[-1]
 

@@ -274,7 +274,7 @@ def measure_state(state: dict[str, Any]) -> dict[str, Any]:
     import zephon_flow as zf
 
     start = time.perf_counter()
-    blob = zf.encode_state(state)
+    blob = zf.encode_state(zf.LoaderState.from_plain(state))
     encoded = time.perf_counter()
     zf.decode_state(blob)
     decoded = time.perf_counter()

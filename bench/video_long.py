@@ -136,7 +136,7 @@ def measure(path: str, clips: int, resumes: int) -> dict[str, Any]:
         for step, batch in loader:
             assert np.asarray(batch["frames"]).shape == (1, KEEP, SIZE, SIZE, 3)
             if step + 1 in (1, clips):
-                states[step + 1] = zf.encode_state(loader.state_dict())
+                states[step + 1] = zf.encode_state(loader.state())
             if step % 100 == 0:
                 rss.append(rss_mb())
             if step + 1 >= clips:

@@ -30,7 +30,7 @@ class Reference:
 
     @property
     def final_state(self) -> dict[str, Any]:
-        return zf.decode_state(self.states[-1])
+        return zf.decode_state(self.states[-1]).to_plain()
 
 
 def _global_run(

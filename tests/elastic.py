@@ -73,7 +73,7 @@ def run_in_segments(spec: zf.LoaderSpec, steps: int, cuts: list[int], plan: list
         got = global_digests(spec, steps=stop - start, state=state, final_state=final, **seg.options())
         assert [s for s, _ in got] == list(range(start, stop))
         digests += got
-        state = zf.encode_state(final[0])
+        state = zf.encode_state(zf.LoaderState.from_plain(final[0]))
     return digests
 
 

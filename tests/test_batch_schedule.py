@@ -86,7 +86,7 @@ def test_a_resume_on_either_side_of_a_change_continues_the_batches(
 ) -> None:
     final: list[dict[str, Any]] = []
     first = global_digests(spec, steps=cut, world_size=before, final_state=final)
-    state = zf.encode_state(final[0])
+    state = zf.encode_state(zf.LoaderState.from_plain(final[0]))
     rest = global_digests(
         spec, steps=STEPS - cut, world_size=after, backend="threads", workers=2, state=state
     )
@@ -113,14 +113,16 @@ def test_any_schedule_world_sizes_and_resume_point_give_the_batches_of_one_rank(
     reference = global_digests(spec, steps=8)
     final: list[dict[str, Any]] = []
     head = global_digests(spec, steps=cut, world_size=worlds[0], final_state=final)
-    tail = global_digests(spec, steps=8 - cut, world_size=worlds[1], state=zf.encode_state(final[0]))
+    tail = global_digests(
+        spec, steps=8 - cut, world_size=worlds[1], state=zf.encode_state(zf.LoaderState.from_plain(final[0]))
+    )
     assert head + tail == reference
 
 
 def test_zephon_verify_checks_a_schedules_checkpoint(spec: zf.LoaderSpec) -> None:
     final: list[dict[str, Any]] = []
     global_digests(spec, steps=6, world_size=2, final_state=final)  # step 6: inside the change
-    verdicts = verify_state(spec, zf.encode_state(final[0]))
+    verdicts = verify_state(spec, zf.encode_state(zf.LoaderState.from_plain(final[0])))
     assert [v.verdict for v in verdicts] == [OK] * LANES and {v.step for v in verdicts} == {6}
 
 
@@ -138,7 +140,13 @@ def test_a_finite_pass_under_a_ramp_delivers_every_record_once(tmp_path: Path) -
     assert global_digests(spec, steps=100, world_size=4, backend="threads", workers=2) == digests
     final: list[dict[str, Any]] = []
     head = global_digests(spec, steps=4, world_size=2, final_state=final)
-    assert head + global_digests(spec, steps=100, world_size=4, state=zf.encode_state(final[0])) == digests
+    assert (
+        head
+        + global_digests(
+            spec, steps=100, world_size=4, state=zf.encode_state(zf.LoaderState.from_plain(final[0]))
+        )
+        == digests
+    )
 
 
 def test_a_size_the_lanes_do_not_divide_is_refused_naming_the_step(fixed: zf.LoaderSpec) -> None:
@@ -163,7 +171,9 @@ def test_a_world_size_not_dividing_a_size_is_refused_naming_the_step(fixed: zf.L
     final: list[dict[str, Any]] = []
     ref = global_digests(spec, steps=8)
     head = global_digests(spec, steps=6, final_state=final)
-    tail = global_digests(spec, steps=2, world_size=8, state=zf.encode_state(final[0]))
+    tail = global_digests(
+        spec, steps=2, world_size=8, state=zf.encode_state(zf.LoaderState.from_plain(final[0]))
+    )
     assert head + tail == ref
 
 
@@ -190,7 +200,7 @@ def test_a_schedule_change_on_resume_is_refused_unless_allowed(
 ) -> None:
     final: list[dict[str, Any]] = []
     head = [b for _, b in global_batches(fixed, steps=4, final_state=final)]
-    state = zf.encode_state(final[0])
+    state = zf.encode_state(zf.LoaderState.from_plain(final[0]))
     with pytest.raises(
         FingerprintMismatchError, match=r"differ: global_batch_size; .*allow_batch_change=True"
     ):

@@ -315,7 +315,7 @@ def test_serve_logs_where_it_resumes(
             if step == 2:
                 break
         ck = tmp_path / "step-3.zfstate"
-        zf.save_state(loader.state_dict(), ck)
+        zf.save_state(loader.state(), ck)
     started: list[object] = []
 
     def serve_forever(srv: object) -> int:

@@ -453,7 +453,7 @@ def test_a_spec_shipped_by_value_keeps_the_fingerprint_its_creator_computed(
     finally:
         for module in shipped:
             cloudpickle.unregister_pickle_by_value(module)
-    (tmp_path / "state.zf").write_bytes(encode_state(checkpoint_at(spec, 1)))
+    (tmp_path / "state.zf").write_bytes(encode_state(zf.LoaderState.from_plain(checkpoint_at(spec, 1))))
     with zf.Loader(spec) as loader:
         expected = {step: batch_digest(batch) for _, (step, batch) in zip(range(3), loader, strict=False)}
     worker = tmp_path / "worker"  # no cut_dofns.py here: the module is not importable

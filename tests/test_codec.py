@@ -36,11 +36,11 @@ def reseal(body: bytes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def loader_state(corpus: Corpus) -> dict[str, Any]:
+def loader_state(corpus: Corpus) -> LoaderState:
     with zf.Loader(example_spec(corpus, lanes=2, global_batch_size=4)) as loader:
         for step, _ in loader:
             if step == 2:
-                return loader.state_dict()
+                return loader.state()
     raise AssertionError("the loader ended early")
 
 
@@ -106,7 +106,7 @@ def test_structured_arrays_are_refused_with_their_place_and_dtype() -> None:
         blob.encode({"a": array})
 
 
-def test_encoding_is_deterministic(loader_state: dict[str, Any]) -> None:
+def test_encoding_is_deterministic(loader_state: LoaderState) -> None:
     assert zf.encode_state(loader_state) == zf.encode_state(zf.decode_state(zf.encode_state(loader_state)))
     first = blob.canonical_digest({"a": 1, "b": [2, np.arange(3)]})
     assert first == blob.canonical_digest({"a": 1, "b": [2, np.arange(3)]})  # built anew, same value
@@ -114,7 +114,7 @@ def test_encoding_is_deterministic(loader_state: dict[str, Any]) -> None:
 
 
 def test_a_loader_state_round_trips_through_bytes_and_files(
-    loader_state: dict[str, Any], tmp_path: Path
+    loader_state: LoaderState, tmp_path: Path
 ) -> None:
     data = zf.encode_state(loader_state)
     assert data.startswith(blob.MAGIC)
@@ -124,7 +124,7 @@ def test_a_loader_state_round_trips_through_bytes_and_files(
     assert path.read_bytes() == data
     assert zf.encode_state(zf.load_state(path)) == data
     assert os.listdir(tmp_path) == ["ck.zf"]  # no temporary file left behind
-    assert loader_state["step"] == 3 and loader_state["kind"] == "zephon-flow/loader-state"
+    assert loader_state.step == 3 and loader_state.to_plain()["kind"] == "zephon-flow/loader-state"
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -142,9 +142,7 @@ def test_objects_are_refused_with_their_place_in_the_tree() -> None:
         blob.encode({"a": np.array([1, None], dtype=object)})
 
 
-def test_a_newer_format_version_is_refused(
-    loader_state: dict[str, Any], corpus: Corpus, tmp_path: Path
-) -> None:
+def test_a_newer_format_version_is_refused(loader_state: LoaderState, corpus: Corpus, tmp_path: Path) -> None:
     data = with_version(zf.encode_state(loader_state), FORMAT_VERSION + 1)
     with pytest.raises(
         FormatVersionError,
@@ -159,7 +157,7 @@ def test_a_newer_format_version_is_refused(
         zf.Loader(example_spec(corpus, lanes=2, global_batch_size=4), state=data)
 
 
-def test_an_older_state_format_is_refused_by_name(loader_state: dict[str, Any]) -> None:
+def test_an_older_state_format_is_refused_by_name(loader_state: LoaderState) -> None:
     plain = to_loader_state(loader_state).to_plain()
     plain["format_version"] = 1
     with pytest.raises(
@@ -168,12 +166,12 @@ def test_an_older_state_format_is_refused_by_name(loader_state: dict[str, Any]) 
         LoaderState.from_plain(plain)
 
 
-def test_a_zero_format_version_is_corrupt(loader_state: dict[str, Any]) -> None:
+def test_a_zero_format_version_is_corrupt(loader_state: LoaderState) -> None:
     with pytest.raises(CorruptStateError, match=r"declares invalid format version 0"):
         zf.decode_state(with_version(zf.encode_state(loader_state), 0))
 
 
-def test_a_flipped_byte_is_caught_by_the_checksum(loader_state: dict[str, Any], tmp_path: Path) -> None:
+def test_a_flipped_byte_is_caught_by_the_checksum(loader_state: LoaderState, tmp_path: Path) -> None:
     data = bytearray(zf.encode_state(loader_state))
     for index in (len(blob.MAGIC) + 12 + 5, len(data) // 2, len(data) - 40, len(data) - 1):
         damaged = bytearray(data)
@@ -212,12 +210,37 @@ def test_plain_data_that_is_not_a_loader_state_is_refused() -> None:
         zf.decode_state(blob.encode({"step": 1}))
 
 
-def test_a_lane_state_missing_a_key_names_it(loader_state: dict[str, Any]) -> None:
-    plain = zf.decode_state(zf.encode_state(loader_state))
+def test_a_lane_state_missing_a_key_names_it(loader_state: LoaderState) -> None:
+    plain = zf.decode_state(zf.encode_state(loader_state)).to_plain()
     del plain["lane_states"][1]["cursor"]
     with pytest.raises(CorruptStateError, match=r"state of lane 1 is missing 'cursor'"):
-        zf.encode_state(plain)
-    plain = zf.decode_state(zf.encode_state(loader_state))
+        zf.LoaderState.from_plain(plain)
+    plain = zf.decode_state(zf.encode_state(loader_state)).to_plain()
     del plain["lane_states"][0]["stages"]["pack"]["position"]
     with pytest.raises(CorruptStateError, match=r"state of lane 0, stage 'pack' is missing 'position'"):
         zf.decode_state(blob.encode(plain))
+
+
+def test_the_public_functions_give_and_take_loader_states(loader_state: LoaderState, tmp_path: Path) -> None:
+    data = zf.encode_state(loader_state)
+    zf.save_state(loader_state, tmp_path / "ck.zf")
+    for got in (
+        zf.decode_state(data),
+        zf.load_state(tmp_path / "ck.zf"),
+        zf.merge_states([loader_state.to_plain()]),
+    ):
+        assert isinstance(got, zf.LoaderState)
+        assert blob.canonical_digest(got.to_plain()) == blob.canonical_digest(loader_state.to_plain())
+    plain = loader_state.to_plain()  # what state_dict() gives torch
+    for write in (lambda s: zf.save_state(s, tmp_path / "x.zf"), zf.encode_state):
+        with pytest.raises(
+            TypeError,
+            match=r"takes a LoaderState \(loader.state\(\), zf.load_state, "
+            r"zf.decode_state or zf.merge_states\), not a dict: a state_dict\(\) is the plain "
+            r"form torch stores; make it a LoaderState with zf.LoaderState.from_plain",
+        ):
+            write(plain)
+        with pytest.raises(TypeError, match=r"takes a LoaderState .*, not a bytes$"):
+            write(data)
+    assert not (tmp_path / "x.zf").exists()
+    assert zf.encode_state(zf.LoaderState.from_plain(plain)) == data

@@ -71,12 +71,12 @@ def test_a_resume_loads_the_trained_step_and_trains_the_same_batches(
     workers: int,
 ) -> None:
     seen, checkpoint = first_half
-    assert zf.load_state(checkpoint / DATA_STATE_NAME)["step"] == 10  # the next step to train
+    assert zf.load_state(checkpoint / DATA_STATE_NAME).step == 10  # the next step to train
     resumed = run(corpus, str(tmp_path), resume=str(checkpoint), backend=backend, workers=workers)
     # 10 batches yielded in all by the resumed dataset: none replayed before step 10
     assert len(resumed) == 10
     assert seen + digests(resumed) == reference[0]
-    assert zf.load_state(tmp_path / "checkpoint-20" / DATA_STATE_NAME)["step"] == 20
+    assert zf.load_state(tmp_path / "checkpoint-20" / DATA_STATE_NAME).step == 20
 
 
 def test_with_gradient_accumulation_each_micro_step_is_one_step(
@@ -84,11 +84,11 @@ def test_with_gradient_accumulation_each_micro_step_is_one_step(
 ) -> None:
     seen = run(corpus, str(tmp_path / "a"), steps=5, save_steps=5, ga=2)
     checkpoint = tmp_path / "a" / "checkpoint-5"
-    assert zf.load_state(checkpoint / DATA_STATE_NAME)["step"] == 10
+    assert zf.load_state(checkpoint / DATA_STATE_NAME).step == 10
     # resume_from_checkpoint=True: the last checkpoint of the output folder
     resumed = run(corpus, str(tmp_path / "a"), steps=10, save_steps=5, ga=2, resume=True)
     assert digests(seen + resumed) == reference[0]
-    assert zf.load_state(tmp_path / "a" / "checkpoint-10" / DATA_STATE_NAME)["step"] == 20
+    assert zf.load_state(tmp_path / "a" / "checkpoint-10" / DATA_STATE_NAME).step == 20
 
 
 def test_a_state_at_another_step_than_the_trainers_count_is_loaded_with_a_warning(

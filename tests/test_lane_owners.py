@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -137,7 +138,9 @@ def _in_process(
 ) -> Coordinator:
     options = OwnerOptions()
 
-    def launch(index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int]) -> LaneOwner:
+    def launch(
+        index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int], generation: int
+    ) -> LaneOwner:
         return LaneOwner(spec, lanes, state=st, readers=readers, options=options, name=name).start()
 
     return Coordinator(
@@ -283,21 +286,95 @@ def test_owner_that_cannot_be_restarted_names_lanes_and_step(ray_session: None, 
                 next(it)
 
 
-def test_a_dead_coordinator_is_named_not_a_raw_ray_error(ray_session: None, spec: zf.LoaderSpec) -> None:
+def test_a_coordinator_killed_for_good_is_named_and_its_owners_end_by_themselves(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
     import ray
 
     name = f"test-{uuid.uuid4().hex[:8]}"
-    with OwnedLoader(spec, lane_owners=2, name=name) as loader:
+    with OwnedLoader(spec, lane_owners=2, name=name, orphan_timeout=2.0) as loader:
         it = iter(loader)
-        next(it)
+        assert [next(it) for _ in range(2)][1][0] == 1
         ray.kill(loader._coordinator, no_restart=True)
-        message = rf"rank 0: the lane owners' coordinator '{name}' failed to start or died .* during "
-        with pytest.raises(CoordinatorLostError, match=message + r"checkpoint\(step=1\): ActorDiedError"):
+        message = rf"rank 0: the lane owners' coordinator '{name}' failed to start or was ended for good "
+        with pytest.raises(
+            CoordinatorLostError, match=message + r"during checkpoint\(step=2\): ActorDiedError"
+        ):
             loader.checkpoint()
-        # Its owners end with it: the next steps fail the same way, through the replacement.
-        with pytest.raises(CoordinatorLostError, match=message + r"the replacement of owner \d"):
-            for _ in range(3 * STEPS):
+        # The owners are not on the coordinator's path: the rank reads on while they live...
+        step, batch = next(it)
+        assert (step, batch_digest(batch)) == reference[2]
+        # ...and they end by themselves once it is gone (orphan_timeout), not left running.
+        with pytest.raises(CoordinatorLostError, match=message + r"during the replacement of owner \d"):
+            for _ in range(200):
                 next(it)
+                time.sleep(0.05)
+        left = ["not looked yet"]
+        for _ in range(100):  # every owner ends, each on its own watch
+            left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if name in a["name"]]
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left
+
+
+def _kill_coordinator_then_owner(killed: dict[str, list[int]]) -> Any:
+    def on_step(step: int, loader: OwnedLoader) -> None:
+        if step == 2:
+            killed["owners before"] = loader.owner_pids()
+            pid = loader.coordinator_pid()
+            os.kill(pid, signal.SIGKILL)
+            killed["coordinator"] = [pid]
+        if step == 5:
+            # Restarted by Ray: a new process that took the same owners over.
+            assert loader.coordinator_pid() not in killed["coordinator"]
+            assert loader.owner_pids() == killed["owners before"]
+            os.kill(killed["owners before"][1], signal.SIGKILL)  # replaced by the new coordinator
+
+    return on_step
+
+
+def test_a_sigkilled_coordinator_is_restarted_and_takes_its_live_owners_over(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    killed: dict[str, list[int]] = {}
+    tables: list[Any] = []
+    got, final = owned_digests(
+        spec,
+        owners=2,
+        world_size=2,
+        steps=2 * STEPS,
+        on_step=_kill_coordinator_then_owner(killed),
+        snapshot_every=2,
+        tables=tables,
+    )
+    assert killed["coordinator"] and len(killed["owners before"]) == 2
+    assert got == reference[: 2 * STEPS]
+    # Owner 1 runs rank 1's lanes only; rank 1 had fetched at most up to step 10 (a run in
+    # hand and one in flight), so it met the death and the restarted coordinator replaced it.
+    assert [t.generations for t in tables] == [(0, 0), (0, 1)]
+    # The checkpoint gathered by the restarted coordinator resumes on the embedded Loader.
+    assert final.step == 2 * STEPS
+    more = global_digests(spec, steps=2, world_size=3, state=final.to_plain())
+    assert more == global_digests(spec, steps=2 * STEPS + 2)[2 * STEPS :]
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_an_owner_sigkilled_just_before_a_checkpoint_is_replaced_by_it(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], trial: int
+) -> None:
+    # Two ranks take steps 4 and 5 from what they already fetched, so neither notices the
+    # death: the checkpoint is the first to meet it (raised a raw ActorDiedError before).
+    def kill_owner(step: int, loader: OwnedLoader) -> None:
+        if step == 3:
+            os.kill(loader.owner_pids()[trial % 2], signal.SIGKILL)
+
+    got, final = owned_digests(
+        spec, owners=2, world_size=2, steps=STEPS, on_step=kill_owner, backend="processes", prefetch=4
+    )
+    assert got == reference[:STEPS]
+    assert final.step == STEPS
+    assert global_digests(spec, steps=2, world_size=2, state=final.to_plain()) == reference[STEPS : STEPS + 2]
 
 
 def test_another_world_size_is_refused_by_running_owners(ray_session: None, spec: zf.LoaderSpec) -> None:
@@ -496,3 +573,20 @@ def test_owners_resume_the_loaders_checkpoint_of_a_module_shipped_by_value(
         assert global_digests(spec, steps=2, state=owned.to_plain()) == reference[4:6]
     finally:
         sys.modules.pop("owned_widths", None)
+
+
+def test_a_ranks_state_dict_holds_its_own_lanes_from_its_own_owners(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=3, rank=r, world_size=2, name=name))
+            for r in range(2)
+        ]
+        for _, (p0, p1) in zip(range(3), zip(*loaders, strict=True), strict=False):
+            assert p0[0] == p1[0]
+        states = [ld.state_dict() for ld in loaders]
+    assert [sorted(to_loader_state(s).lane_states) for s in states] == [[0, 1, 2], [3, 4, 5]]
+    merged = zf.merge_states(states)
+    assert global_digests(spec, steps=2, world_size=3, state=merged) == reference[3:5]

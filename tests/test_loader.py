@@ -108,17 +108,19 @@ def rank_states(
 def test_merge_states_unions_the_ranks_lanes(corpus: Corpus) -> None:
     spec = example_spec(corpus, lanes=4, global_batch_size=8)
     merged = zf.merge_states(rank_states(spec, 2, 3))
-    assert merged["step"] == 3 and sorted(ls["lane"] for ls in merged["lane_states"]) == [0, 1, 2, 3]
-    assert zf.encode_state(merged) == zf.encode_state(state_after(spec, 3))
+    assert merged.step == 3 and sorted(merged.lane_states) == [0, 1, 2, 3]
+    assert zf.encode_state(merged) == zf.encode_state(zf.LoaderState.from_plain(state_after(spec, 3)))
     # Ranks sharing lanes (W=8 > L=4) agree about them; bytes merge like dicts.
     eight = rank_states(spec, 8, 3)
-    assert zf.encode_state(zf.merge_states([zf.encode_state(s) for s in eight])) == zf.encode_state(merged)
+    assert zf.encode_state(
+        zf.merge_states([zf.encode_state(zf.LoaderState.from_plain(s)) for s in eight])
+    ) == zf.encode_state(merged)
 
 
 def test_merge_states_refuses_ranks_that_disagree_about_a_lane(corpus: Corpus) -> None:
     spec = example_spec(corpus, lanes=2, global_batch_size=4)
     a, b = (state_after(spec, 2, rank=r, world_size=4) for r in (0, 1))  # both run lane 0
-    tampered = zf.decode_state(zf.encode_state(b))
+    tampered = zf.LoaderState.from_plain(b).to_plain()
     tampered["lane_states"][0]["cursor"]["mix_position"] += 1
     with pytest.raises(
         StateConflictError, match=r"states disagree about lane 0 at step 2 \(state 1 differs\)"
@@ -152,7 +154,7 @@ def test_ranks_sharing_a_lane_with_different_chunk_sizes_merge_at_the_end_of_the
     spec = chain_spec(path, ("key", DocKey()), epochs=1, global_batch_size=2)
     a = state_after(spec, 8, rank=0, world_size=2, chunk_records=16)
     b = state_after(spec, 8, rank=1, world_size=2, chunk_records=3)
-    assert zf.merge_states([a, b])["step"] == 8
+    assert zf.merge_states([a, b]).step == 8
 
 
 # -- errors surfacing through the loader ---------------------------------------------------------

@@ -105,3 +105,63 @@ def test_owners_over_nodes_survive_the_loss_of_a_node_then_report_no_room(
         for ld in resumed:
             ld.close()
     assert got == reference
+
+
+RANK_1 = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import ray
+from ray._private import ray_constants
+from helpers import Corpus, example_spec
+from zephon_flow.cluster import OwnedLoader
+from zephon_flow.core.batches import batch_digest
+
+ray_constants.ENABLE_RAY_CLUSTER = False  # as the fixture: node addresses on loopback
+ray.init(address={address!r}, _node_ip_address="127.0.0.1", log_to_driver=False, configure_logging=False)
+spec = example_spec(Corpus(**{corpus!r}), lanes={lanes}, global_batch_size={batch})
+with OwnedLoader(spec, lane_owners=2, rank=1, world_size=2, name={name!r}) as loader:
+    got = [(s, batch_digest(b)) for _, (s, b) in zip(range({steps}), loader)]
+    print(json.dumps({{"coordinator": loader.coordinator_pid(), "got": got}}))
+"""
+
+
+def test_a_rank_in_another_process_joins_the_same_run(cluster: Any, corpus: Corpus) -> None:
+    # Each Ray job has a namespace of its own unless told otherwise: a rank of another process
+    # must still find the run by its name (one coordinator, one set of owners), not start its own.
+    import dataclasses
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = example_spec(corpus, lanes=LANES, global_batch_size=BATCH)
+    steps = 6
+    expected = []
+    for rank in (0, 1):
+        with zf.Loader(spec, rank=rank, world_size=2, backend="inline") as embedded:
+            expected.append([(s, batch_digest(b)) for _, (s, b) in zip(range(steps), embedded, strict=False)])
+    name = f"multiproc-{uuid.uuid4().hex[:8]}"
+    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(corpus).items()}
+    script = RANK_1.format(
+        tests=str(Path(__file__).parent),
+        address=cluster.address,
+        corpus=fields,
+        lanes=LANES,
+        batch=BATCH,
+        name=name,
+        steps=steps,
+    )
+    with OwnedLoader(spec, lane_owners=2, rank=0, world_size=2, name=name) as loader:
+        other = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        try:
+            got = [(s, batch_digest(b)) for _, (s, b) in zip(range(steps), loader, strict=False)]
+            out, _ = other.communicate(timeout=120)
+        finally:
+            if other.poll() is None:
+                other.kill()
+                other.communicate()
+        assert other.returncode == 0
+        report = json.loads(out.strip().splitlines()[-1])
+        assert report["coordinator"] == loader.coordinator_pid()
+    assert got == expected[0]
+    assert [tuple(x) for x in report["got"]] == expected[1]

@@ -234,7 +234,7 @@ def test_resume_at_every_step_with_open_bins_across_an_epoch(tmp_path: Path) -> 
     carries = [
         st["values"]["carry"]
         for s in ref.states
-        for ls in zf.decode_state(s)["lane_states"]
+        for ls in zf.decode_state(s).to_plain()["lane_states"]
         for st in ls["stages"].values()
         if "carry" in st["values"]
     ]

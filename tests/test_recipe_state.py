@@ -132,8 +132,8 @@ def saved_size(spec: zf.LoaderSpec, mode: str, path: Path, steps: int) -> int:
         it = iter(loader)
         for _ in range(steps):
             next(it)
-        zf.save_state(loader.state_dict(), path)
-    assert zf.load_state(path)["kind"] == (RECIPE_KIND if mode == "recipe" else STATE_KIND)
+        zf.save_state(loader.state(), path)
+    assert zf.load_state(path).to_plain()["kind"] == (RECIPE_KIND if mode == "recipe" else STATE_KIND)
     return path.stat().st_size
 
 
@@ -155,13 +155,13 @@ def test_recipe_checkpoint_round_trips_through_the_file_and_incrementally(
     spec = example_spec(corpus, lanes=4, global_batch_size=8, seq_len=16, buffer=6)
     ref = reference_run(spec, 5, **RECIPE)
     first, later = tmp_path / "a.zfstate", tmp_path / "b.zfstate"
-    zf.save_state(ref.states[3], first)
-    zf.save_state(ref.states[4], later, base=first)
+    zf.save_state(zf.decode_state(ref.states[3]), first)
+    zf.save_state(zf.decode_state(ref.states[4]), later, base=first)
     assert zf.encode_state(zf.load_state(later)) == ref.states[4]
     compact = tmp_path / "c.zfstate"
-    zf.save_state(reference_run(spec, 4).states[3], compact)
+    zf.save_state(zf.decode_state(reference_run(spec, 4).states[3]), compact)
     with pytest.raises(StateError, match=r"is a compact state and this one is not; an incremental"):
-        zf.save_state(ref.states[4], tmp_path / "d.zfstate", base=compact)
+        zf.save_state(zf.decode_state(ref.states[4]), tmp_path / "d.zfstate", base=compact)
 
 
 def test_merge_refuses_recipe_and_compact_states_together(corpus: Corpus) -> None:
@@ -337,9 +337,9 @@ def test_a_state_taken_every_step_is_the_state_taken_once(corpus: Corpus, tmp_pa
     spec = long_docs_spec(corpus, tmp_path)
     with zf.Loader(spec, state_mode="recipe") as warm, zf.Loader(spec, state_mode="recipe") as cold:
         for _ in zip(range(6), warm, cold, strict=False):  # range first: no 7th batch is taken
-            every_step = zf.encode_state(warm.state_dict())
-        assert every_step == zf.encode_state(cold.state_dict())
-        assert zf.encode_state(warm.state_dict()) == every_step  # all from memory this time
+            every_step = zf.encode_state(warm.state())
+        assert every_step == zf.encode_state(cold.state())
+        assert zf.encode_state(warm.state()) == every_step  # all from memory this time
 
 
 @pytest.mark.parametrize("labels", [False, True])

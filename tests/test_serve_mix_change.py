@@ -186,7 +186,7 @@ def test_a_running_server_takes_new_weights_at_a_step(
     assert served[AT:] != loader_digests(spec_of(pipeline, "spec"), 2 * AT)[AT:]
     # Its checkpoint resumes identically, on the embedded Loader and on zephon serve.
     state = zf.load_state(path)
-    assert [s for s, _ in state["mix_history"]] == [0, AT]
+    assert [s for s, _ in state.mix_history] == [0, AT]
     assert loader_digests(spec_of(pipeline, "spec"), 2 * AT - 3, state=state) == served[3:]
     resumed = BatchServer(spec_of(pipeline, "spec"), resume=path).start()
     try:
@@ -233,7 +233,9 @@ def _owners(spec: zf.LoaderSpec, owners: int) -> Any:
 
     options = OwnerOptions(ahead=2)
 
-    def launch(index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int]) -> LaneOwner:
+    def launch(
+        index: int, name: str, lanes: list[int], st: Any, readers: dict[int, int], generation: int
+    ) -> LaneOwner:
         return LaneOwner(spec, lanes, state=st, readers=readers, options=options, name=name).start()
 
     return Coordinator(
@@ -335,7 +337,7 @@ def test_owners_resume_with_a_new_mixture_and_take_one_while_running(
                     served.append(zf.batch_digest(next(batches)[1]))
             assert served == expected
             state = zf.load_state(path)
-            assert [s for s, _ in state["mix_history"]] == [0, first, at]
+            assert [s for s, _ in state.mix_history] == [0, first, at]
             assert loader_digests(new, steps - 3, state=state) == served[3:]
         finally:
             server.stop()

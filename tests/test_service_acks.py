@@ -71,7 +71,7 @@ def test_a_slow_rank_checkpoints_the_step_it_is_at(
         # The step the trainer is at (the next it will take) is still held.
         path = clients[0].checkpoint(step + 1)
         assert path == str(tmp_path / f"step-{step + 1}.zfstate")
-        assert zf.load_state(path)["step"] == step + 1
+        assert zf.load_state(path).step == step + 1
     assert status["first_step"] == steps  # keep=0: released up to the slowest acknowledged step
     with pytest.raises(zf.ServiceError, match=f"step {steps - 1} is no longer held") as info:
         clients[1].checkpoint(steps - 1)
@@ -155,7 +155,7 @@ def test_acks_every_half_ahead_and_a_checkpoint_after_unacked_steps(
         # The checkpoint at the step the trainer is at acknowledges what was taken first.
         path = client.checkpoint()
         assert path == str(tmp_path / f"step-{steps}.zfstate")
-        assert zf.load_state(path)["step"] == steps
+        assert zf.load_state(path).step == steps
         status = client.status()
         assert status["ranks"][0]["next_step"] == steps  # type: ignore[index]
         assert status["first_step"] == steps  # keep=0: every step before it is released

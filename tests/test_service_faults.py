@@ -246,7 +246,7 @@ def test_ranks_that_outran_the_last_checkpoint_reconnect_to_the_resumed_server(t
         for step, _ in loader:
             if step == 9:
                 break
-        state = loader.state_dict()
+        state = loader.state()
     path = tmp_path / "step-10.zfstate"
     save_state(state, path)
     srv = BatchServer(

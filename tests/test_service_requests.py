@@ -153,7 +153,7 @@ def test_checkpoints_are_written_for_held_steps(spec: zf.LoaderSpec, tmp_path: P
             path = client.checkpoint()
             assert path == str(tmp_path / "step-3.zfstate")
             state = zf.load_state(path)
-            assert state["step"] == 3
+            assert state.step == 3
             with pytest.raises(zf.ServiceError, match="step 50 is not produced yet") as info:
                 client.checkpoint(50)
             assert info.value.code == "OUT_OF_RANGE"

@@ -99,7 +99,10 @@ def test_skips_are_the_same_on_every_topology_and_resume_point(bad_jsonl: str, t
     Path(code).write_text("".join(json.dumps({"text": t}) + "\n" for t in tagged_texts("code", 9, seed=4)))
     spec = skip_spec(bad_jsonl, lanes=2, batch=4, code=code)
     ref = assert_equal_output_after_checkpoint(spec, 16)
-    counts = [sum(ls["cursor"]["skipped"][0] for ls in zf.decode_state(s)["lane_states"]) for s in ref.states]
+    counts = [
+        sum(ls["cursor"]["skipped"][0] for ls in zf.decode_state(s).to_plain()["lane_states"])
+        for s in ref.states
+    ]
     assert counts == sorted(counts) and counts[-1] >= len(BAD)  # more than one epoch of web read
     for options in (
         {"world_size": 2, "backend": "threads", "workers": 2},

@@ -73,10 +73,10 @@ def column_nodes(tree: Any) -> list[dict[str, Any]]:
     return []
 
 
-def state_at(spec: zf.LoaderSpec, steps: int) -> dict[str, Any]:
+def state_at(spec: zf.LoaderSpec, steps: int) -> LoaderState:
     final: list[dict[str, Any]] = []
     assert len(global_digests(spec, steps=steps, final_state=final)) == steps
-    return final[0]
+    return LoaderState.from_plain(final[0])
 
 
 def lane_digests(state: Any) -> dict[int, str]:
@@ -147,8 +147,7 @@ def test_a_format_2_checkpoint_still_loads_and_resumes(corpus: Corpus, tmp_path:
     path = tmp_path / "old.zf"
     path.write_bytes(old)
     loaded = zf.load_state(path)
-    assert loaded["format_version"] == 2
-    assert all("layout" not in ls for ls in loaded["lane_states"])
+    assert all(ls.layout is None for ls in loaded.lane_states.values())
     expected = {
         lane: blob.canonical_digest({**ls.to_plain(), "layout": None})
         for lane, ls in to_loader_state(state).lane_states.items()
@@ -194,7 +193,7 @@ def test_an_incremental_chain_loads_the_same_state_and_resumes(chain: dict[str, 
     assert stats["child"].rows_from_base > 0 and stats["grandchild"].rows_from_base > 0
     assert stats["child"].written < stats["full"].written
     loaded = zf.load_state(chain["root"] / "grandchild.zf")
-    assert loaded["step"] == 5
+    assert loaded.step == 5
     assert lane_digests(loaded) == lane_digests(chain["states"][5])
     spec = chain["spec"]
     assert global_digests(spec, steps=3, state=loaded, world_size=3) == reference_digests(spec, 8)[5:]

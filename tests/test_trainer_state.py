@@ -172,8 +172,8 @@ def test_state_dict_values_encode_lazily_and_pickle_as_bytes(corpus: Corpus) -> 
     value = state["lane_states"]["2"]
     assert isinstance(value, LaneBytes) and value._data is None  # nothing encoded yet
     data = bytes(value)
-    assert zf.decode_state(data)["step"] == 2
-    assert [ls["lane"] for ls in zf.decode_state(data)["lane_states"]] == [2]
+    assert zf.decode_state(data).step == 2
+    assert list(zf.decode_state(data).lane_states) == [2]
     assert pickle.loads(pickle.dumps(value)) == data and value == data
 
 

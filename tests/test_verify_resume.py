@@ -65,10 +65,10 @@ def own(tmp_path: Path) -> Corpus:
     return make_corpus(tmp_path / "corpus")
 
 
-def state_at(spec: zf.LoaderSpec, step: int, *, world_size: int = 2) -> dict[str, Any]:
+def state_at(spec: zf.LoaderSpec, step: int, *, world_size: int = 2) -> LoaderState:
     final: list[dict[str, Any]] = []
     assert len(global_digests(spec, steps=step, final_state=final, world_size=world_size)) == step
-    return final[0]
+    return LoaderState.from_plain(final[0])
 
 
 def checks(state: Any) -> dict[int, str]:
@@ -153,7 +153,7 @@ def test_a_checkpoint_without_checks_still_resumes_and_says_once_it_is_not_verif
     own: Corpus, caplog: pytest.LogCaptureFixture
 ) -> None:
     reference = global_digests(make_spec(own), steps=STEPS)
-    plain = zf.decode_state(zf.encode_state(state_at(make_spec(own), CUT)))
+    plain = zf.decode_state(zf.encode_state(state_at(make_spec(own), CUT))).to_plain()
     for ls in plain["lane_states"]:
         del ls["next_window"]  # as written before zephon-flow recorded it
     with caplog.at_level(logging.WARNING, logger="zephon_flow"):
@@ -278,16 +278,16 @@ def test_zephon_serve_resume_verifies_and_can_be_told_not_to(own: Corpus, tmp_pa
     srv = BatchServer(make_spec(own), ahead=2, resume=str(path)).start()
     try:
         address = f"{srv.host}:{srv.port}"
-        client = zf.Client(address, 0, 1, start_step=saved["step"], retries=0)
+        client = zf.Client(address, 0, 1, start_step=saved.step, retries=0)
         with client, pytest.raises(zf.ServiceError) as caught:
             next(iter(client))
     finally:
         srv.stop(grace=None)
-    assert f"lane {lane}, step {saved['step']}: the first window after the restore" in str(caught.value)
+    assert f"lane {lane}, step {saved.step}: the first window after the restore" in str(caught.value)
     srv = BatchServer(make_spec(own), ahead=2, resume=str(path), verify_resume=False).start()
     try:
-        with zf.Client(f"{srv.host}:{srv.port}", 0, 1, start_step=saved["step"]) as client:
-            assert next(iter(client))[0] == saved["step"]
+        with zf.Client(f"{srv.host}:{srv.port}", 0, 1, start_step=saved.step) as client:
+            assert next(iter(client))[0] == saved.step
     finally:
         srv.stop(grace=None)
 

@@ -76,7 +76,7 @@ def middle(spec: zf.LoaderSpec) -> bytes:
             if split.path.endswith("v100.mp4") and split.start < position < split.stop:
                 inside.append((lane, split.start, position, split.stop))
     assert inside, "no lane stopped inside a split of the long video: move the cut"
-    return zf.encode_state(final[0])
+    return zf.encode_state(zf.LoaderState.from_plain(final[0]))
 
 
 def _shares(source: Any, label: str, seed: int, epoch: int) -> list[list[int]]:
@@ -139,7 +139,14 @@ def test_random_windows_give_the_same_batches_on_every_topology_and_resume(
     first = global_digests(
         random_spec, steps=2, backend="threads", workers=2, world_size=4, final_state=final
     )
-    rest = resumed(random_spec, zf.encode_state(final[0]), 2, backend="processes", workers=2, world_size=8)
+    rest = resumed(
+        random_spec,
+        zf.encode_state(zf.LoaderState.from_plain(final[0])),
+        2,
+        backend="processes",
+        workers=2,
+        world_size=8,
+    )
     assert first + rest == ref
 
 

@@ -42,5 +42,11 @@ def test_the_example_packs_captioned_clips_and_resumes(example: ModuleType, tmp_
     reference = global_digests(spec, steps=3)
     final: list[dict[str, Any]] = []
     first = global_digests(spec, steps=1, final_state=final)
-    rest = global_digests(spec, steps=2, state=zf.encode_state(final[0]), world_size=2, backend="threads")
+    rest = global_digests(
+        spec,
+        steps=2,
+        state=zf.encode_state(zf.LoaderState.from_plain(final[0])),
+        world_size=2,
+        backend="threads",
+    )
     assert first + rest == reference

@@ -12,6 +12,7 @@ _quiet.quiet_beam_import_warnings()
 from zephon_flow import cluster as cluster  # noqa: E402
 from zephon_flow.core.batches import batch_digest  # noqa: E402
 from zephon_flow.core.checkpoint.merge import merge_states  # noqa: E402
+from zephon_flow.core.checkpoint.state import LoaderState  # noqa: E402
 from zephon_flow.core.checkpoint.store import decode_state, encode_state, load_state, save_state  # noqa: E402
 from zephon_flow.core.errors import (  # noqa: E402
     DataError,
@@ -39,6 +40,7 @@ __all__ = [
     "GlobalBatches",
     "Loader",
     "LoaderSpec",
+    "LoaderState",
     "ProvenanceParam",
     "Ramp",
     "RankBalance",

@@ -215,7 +215,7 @@ def _inspect(args: argparse.Namespace) -> int:
         backend=args.backend,
         workers=args.workers,
         progress=Progress(
-            total=max(1, args.step - (0 if state is None else int(state["step"])) + 1),
+            total=max(1, args.step - (0 if state is None else state.step) + 1),
             desc=f"to step {args.step}",
             enabled=_bar(args),
         ),

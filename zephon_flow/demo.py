@@ -10,6 +10,7 @@ import apache_beam as beam
 
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import batch_digest
+from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import CHECKPOINT_SUFFIX, encode_state, load_state, save_state
 from zephon_flow.core.errors import SpecError
 from zephon_flow.demo_data import build_demo_data, corpus_bytes
@@ -75,8 +76,9 @@ def run_demo(*, steps: int = 300, workers: int = 2, backend: str = "processes") 
     first_half, _ = _run(spec, "2 ranks", mid, world_size=2, backend="threads", workers=2, final_state=final)
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/step{mid}{CHECKPOINT_SUFFIX}"
-        save_state(final[0], path)
-        size = len(encode_state(final[0]))
+        state = LoaderState.from_plain(final[0])
+        save_state(state, path)
+        size = len(encode_state(state))
         print(f"  checkpoint at step {mid}: {size / 1024:.0f} KiB (open windows and buffers only)")
         second_half, _ = _run(
             spec, "8 ranks", steps - mid, world_size=8, backend="inline", state=load_state(path)

@@ -60,7 +60,7 @@ class LoaderSession:
     def checkpoint(self) -> bytes:
         import zephon_flow as zf
 
-        return bytes(zf.encode_state(self.state()))
+        return bytes(zf.encode_state(self._loader.state()))
 
     def close(self) -> None:
         self._loader.close()

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from zephon_flow.cluster.coordinator import Coordinator, OwnerTable
+from zephon_flow.cluster.coordinator import Adopted, Coordinator, OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
 from zephon_flow.core.batches import Batch
@@ -26,6 +29,20 @@ OWNER_CONCURRENCY = 64
 CALL_WAIT = 2.0
 #: How long an owner reported dead has to answer a ping to count as alive (not replaced).
 ALIVE_WAIT = 10.0
+#: The Ray namespace of every run's coordinator and owners: ranks in separate processes (each
+#: its own Ray job, by default each in an anonymous namespace) find the same run by its name.
+NAMESPACE = "zephon-flow"
+#: How often an owner looks for its coordinator (seconds).
+WATCH_EVERY = 1.0
+
+
+def owner_actor_name(run: str, index: int, generation: int) -> str:
+    """The Ray name of owner ``index`` of ``generation`` in the run named ``run``: a coordinator
+    started again after its death finds the live owners of its run by it."""
+    return f"{run}/owner-{index}/g{generation}"
+
+
+_OWNER_NAME = re.compile(r"^(?P<run>.+)/owner-(?P<index>\d+)/g(?P<generation>\d+)$")
 
 
 class OwnerActor:
@@ -40,9 +57,40 @@ class OwnerActor:
         options: OwnerOptions,
         name: str,
         serving: Serving | None = None,
+        run: str | None = None,
     ) -> None:
         self._owner = LaneOwner(spec, lanes, state=state, readers=readers, options=options, name=name).start()
         self._server = None if serving is None else OwnerServer(self._owner, serving)
+        if run is not None:  # a detached owner: it outlives its coordinator, not its run
+            threading.Thread(
+                target=self._watch, args=(run, options.orphan_timeout), name="zephon-owner-watch", daemon=True
+            ).start()
+
+    def _watch(self, run: str, orphan_timeout: float) -> None:
+        """Ends this owner once its run's coordinator has been gone for ``orphan_timeout``
+        seconds: not restarting (Ray restarts one that died), but ended with the process that
+        made it, or killed for good. Owners outlive their coordinator so that one started
+        again takes them over; they do not outlive the run."""
+        ray, missing_since = _ray(), None
+        while True:
+            time.sleep(WATCH_EVERY)
+            try:
+                ray.get_actor(run, namespace=NAMESPACE)
+                missing_since = None
+            except ValueError:
+                missing_since = missing_since or time.monotonic()
+                if time.monotonic() - missing_since >= orphan_timeout:
+                    with contextlib.suppress(Exception):
+                        self.close()
+                    os._exit(0)
+            except Exception:  # Ray itself unreachable for now: its end ends this process
+                continue
+
+    def adoption(self) -> dict[str, Any]:
+        """What a coordinator started again needs to take this owner over."""
+        status = self._owner.status()
+        positions = {**status["expected"], **status["positions"]}
+        return {"positions": positions, "low": status["low"], "mix_history": self._owner.mix_history()}
 
     def address(self) -> str:
         """Where its gRPC ``StreamRows`` listens ("" when it does not serve); an owner listening
@@ -85,6 +133,13 @@ class OwnerActor:
     def snapshot(self, step: int) -> dict[int, LaneState] | None:
         return self._owner.snapshot(step)
 
+    def lanes_snapshot(self, step: int, lanes: list[int]) -> tuple[dict[int, LaneState], list[Any]] | None:
+        """``snapshot(step)`` of ``lanes`` only, with the mixture history (a rank's own state)."""
+        snaps = self._owner.snapshot(step)
+        if snaps is None:
+            return None
+        return {lane: snaps[lane] for lane in lanes}, self._owner.mix_history()
+
     def status(self) -> dict[str, Any]:
         return self._owner.status()
 
@@ -121,20 +176,32 @@ def _owner_call(handle: Any, method: str, args: tuple[Any, ...]) -> Any:
 
 
 def owner_launcher(
-    spec: LoaderSpec, options: OwnerOptions, owner_cpus: float, serving: Serving | None = None
+    spec: LoaderSpec, options: OwnerOptions, owner_cpus: float, serving: Serving | None = None, *, run: str
 ) -> Any:
     """A ``Launch`` that starts an owner as a Ray actor (spread over the cluster's nodes) and
     waits until it has built its lanes, so a failure to start is raised here. With ``serving``
-    the owner also serves its rows over gRPC on ``serving.host``, guarded as ``serving`` says."""
+    the owner also serves its rows over gRPC on ``serving.host``, guarded as ``serving`` says.
+    The owner is detached and named after the run ``run`` (``owner_actor_name``): it does not
+    die with its coordinator, and ends itself once the coordinator is gone for good."""
     ray = _ray()
     actor = ray.remote(OwnerActor)
 
     def launch(
-        index: int, name: str, lanes: list[int], state: LoaderState | None, readers: dict[int, int]
+        index: int,
+        name: str,
+        lanes: list[int],
+        state: LoaderState | None,
+        readers: dict[int, int],
+        generation: int,
     ) -> Any:
         handle = actor.options(
-            num_cpus=owner_cpus, max_concurrency=OWNER_CONCURRENCY, scheduling_strategy="SPREAD"
-        ).remote(spec, lanes, state, readers, options, name, serving)
+            name=owner_actor_name(run, index, generation),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            num_cpus=owner_cpus,
+            max_concurrency=OWNER_CONCURRENCY,
+            scheduling_strategy="SPREAD",
+        ).remote(spec, lanes, state, readers, options, name, serving, run)
         try:
             ray.get(handle.pid.remote(), timeout=options.start_timeout)
         except ray.exceptions.GetTimeoutError:
@@ -156,8 +223,16 @@ def owner_address(handle: Any) -> str:
 
 
 def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
-    """An owner's lane snapshots at ``step`` (None while it does not hold that step)."""
-    result: Mapping[int, LaneState] | None = _ray().get(handle.snapshot.remote(step), timeout=60)
+    """An owner's lane snapshots at ``step`` (None while it does not hold that step); the
+    owner's own failure is raised as itself (an ``OwnerError``), its death as Ray's error."""
+    ray = _ray()
+    try:
+        result: Mapping[int, LaneState] | None = ray.get(handle.snapshot.remote(step), timeout=60)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, OwnerError):
+            raise cause from None
+        raise
     return result
 
 
@@ -179,7 +254,9 @@ def stop_owner(handle: Any) -> None:
 
 
 class CoordinatorActor:
-    """The body of the coordinator's Ray actor: a ``Coordinator`` with Ray owners."""
+    """The body of the coordinator's Ray actor: a ``Coordinator`` with Ray owners. Ray starts
+    it again if its process dies (``max_restarts``), with the same arguments: it then takes
+    over the run's live owners (found by name) instead of starting new ones."""
 
     def __init__(
         self,
@@ -193,16 +270,23 @@ class CoordinatorActor:
         max_replacements: int,
         serving: Serving | None = None,
         fingerprint: str | None = None,
+        run: str = "zephon-owners",
     ) -> None:
         # The fingerprint as its creator computed it: a module shipped by value may fingerprint
         # otherwise in a Ray worker, and ranks compare with their own.
         self._owners, self._fingerprint = owners, fingerprint or spec.fingerprint["total"]
+        restarted = bool(_ray().get_runtime_context().was_current_actor_reconstructed)
+        found = _live_owners(run, owners)
+        if not restarted:  # a new run under a name a dead run used: its owners are not ours
+            for handle in (h for got in found for h in got.values()):
+                stop_owner(handle)
+        self.restarts = int(restarted)
         self._coordinator = Coordinator(
             spec,
             owners=owners,
             world_size=world_size,
             state=state,
-            launch=owner_launcher(spec, options, owner_cpus, serving),
+            launch=owner_launcher(spec, options, owner_cpus, serving, run=run),
             gather=gather_snapshot,
             address_of=owner_address if serving is not None else None,
             alive=owner_alive,
@@ -211,7 +295,11 @@ class CoordinatorActor:
             max_replacements=max_replacements,
             allow_mix_change=options.allow_mix_change,
             allow_code_change=options.allow_code_change,
+            adopt=_adoptions(found) if restarted else None,
         )
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def join(self, rank: int, world_size: int, first_step: int) -> OwnerTable:
         return self._coordinator.join(rank, world_size, first_step)
@@ -277,6 +365,44 @@ class CoordinatorActor:
         self._coordinator.shutdown()
 
 
+def _live_owners(run: str, owners: int) -> list[dict[int, Any]]:
+    """Per owner index, the live owner actors of the run named ``run`` by generation."""
+    ray = _ray()
+    found: list[dict[int, Any]] = [{} for _ in range(owners)]
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") != NAMESPACE:
+            continue
+        match = _OWNER_NAME.match(entry.get("name", ""))
+        if match is None or match["run"] != run or not int(match["index"]) < owners:
+            continue
+        with contextlib.suppress(ValueError):  # ended since it was listed
+            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+            found[int(match["index"])][int(match["generation"])] = handle
+    return found
+
+
+def _adoptions(found: list[dict[int, Any]]) -> list[Adopted | None]:
+    """Per owner index, its newest live generation that answers (older ones are stopped: a
+    replacement was made), as a coordinator started again takes it over."""
+    ray, out = _ray(), []
+    adopted: Adopted | None
+    for generations in found:
+        adopted = None
+        for generation in sorted(generations, reverse=True):
+            handle = generations[generation]
+            if adopted is None:
+                try:
+                    info = ray.get(handle.adoption.remote(), timeout=ALIVE_WAIT)
+                except Exception:
+                    stop_owner(handle)
+                    continue
+                adopted = Adopted(handle, generation, info["positions"], info["low"], info["mix_history"])
+            else:
+                stop_owner(handle)
+        out.append(adopted)
+    return out
+
+
 def ship_user_code(spec: LoaderSpec) -> None:
     """Has Ray pickle the module defining ``spec``'s pipeline by value (with its functions and
     DoFns), unless it is installed: a pipeline file (``examples/pipeline.py``), a script or a
@@ -317,11 +443,16 @@ def coordinator_handle(
     here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
         node_id=ray.get_runtime_context().get_node_id(), soft=False
     )
+    # Started again by Ray if its process dies (it then takes over the live owners), and its
+    # calls retried meanwhile (each is safe to repeat: a replacement names the generation).
     handle = actor.options(
         name=name,
+        namespace=NAMESPACE,
         get_if_exists=True,
         num_cpus=0,
         max_concurrency=OWNER_CONCURRENCY,
+        max_restarts=-1,
+        max_task_retries=-1,
         scheduling_strategy=here,
     ).remote(
         spec,
@@ -334,6 +465,7 @@ def coordinator_handle(
         max_replacements,
         serving,
         spec.fingerprint["total"],
+        name,
     )
     try:
         run = ray.get(handle.describe.remote(), timeout=600)

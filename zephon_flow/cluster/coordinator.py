@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imported from here
-from zephon_flow.core.errors import SpecError
+from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.engine.loader import apply_mix_change, checked_mix_change, refused_mix_step, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
@@ -84,10 +84,24 @@ class OwnerTable:
         return out
 
 
-#: Starts one owner: (index, name, lanes, state or None, readers {rank: first step}) -> handle.
-Launch = Callable[[int, str, list[int], LoaderState | None, dict[int, int]], Any]
+#: Starts one owner: (index, name, lanes, state or None, readers {rank: first step},
+#: generation) -> handle.
+Launch = Callable[[int, str, list[int], LoaderState | None, dict[int, int], int], Any]
 #: Asks an owner for its lanes' snapshots at a step: (handle, step) -> {lane: state} or None.
 Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A live owner that a restarted coordinator takes over instead of starting one: its
+    handle and generation, where its readers are (rank -> the step it asks for next), the
+    oldest step it holds, and its mixture history (changes made while the run went on)."""
+
+    handle: Any
+    generation: int
+    positions: Mapping[int, int]
+    low: int
+    mix_history: list[tuple[int, dict[str, Any]]]
 
 
 class Coordinator:
@@ -97,7 +111,9 @@ class Coordinator:
     one still answers (the Ray ones are in ``actors``).
     At most ``max_replacements`` dead owners are replaced over the run; an owner reported dead
     that still answers (``alive``) is not replaced, and counts for nothing. ``clock`` is what
-    a checkpoint's wait for the owners' snapshots reads."""
+    a checkpoint's wait for the owners' snapshots reads. ``adopt`` (a coordinator started
+    again after its own death) gives, per owner, the live one to take over (None: start it
+    again, from the snapshot it had in ``state``)."""
 
     def __init__(
         self,
@@ -116,8 +132,9 @@ class Coordinator:
         allow_mix_change: bool = False,
         allow_code_change: bool = False,
         clock: Clock = SYSTEM_CLOCK,
+        adopt: Sequence[Adopted | None] | None = None,
     ) -> None:
-        # Phases: check the topology, restore where the lanes start, launch the owners.
+        # Phases: check the topology, restore where the lanes start, launch (or adopt) the owners.
         self._clock = clock
         if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
             raise SpecError(f"lane owners: snapshot_every must be a positive integer, got {snapshot_every!r}")
@@ -144,6 +161,9 @@ class Coordinator:
         self._lock = threading.RLock()
         self._snaps: dict[int, LaneState | None] = dict(start.lanes)
         self._snap_steps = [start.step] * owners
+        # A recipe state's lanes are rebuilt by the owners that run them (not here): an owner
+        # starts from the state as given, recipes and all, until a snapshot of it is gathered.
+        self._recipe = [state is not None and state.recipe] * owners
         self._positions = dict.fromkeys(range(world_size), start.step)
         # How many ranks are at each position: the slowest is the least key, found without a
         # pass over every rank (ranks report in strides, so there are few distinct positions).
@@ -151,10 +171,13 @@ class Coordinator:
         self._joined: set[int] = set()
         self._replaced = 0
         self._generations = [0] * owners
-        self._handles = [self._start_owner(i) for i in range(owners)]
         #: Calls received and bytes of snapshots gathered (for the scale simulation).
         self.messages = 0
         self.gathers = 0
+        if adopt is None:
+            self._handles = [self._start_owner(i) for i in range(owners)]
+        else:
+            self._handles = self._adopt(list(adopt))
 
     # -- owners --------------------------------------------------------------------------------
     def _owner_name(self, index: int) -> str:
@@ -172,16 +195,54 @@ class Coordinator:
             dict(self.spec.fingerprint),
             {lane: s for lane, s in states.items() if s is not None},
             list(self._mix_history),
+            recipe=self._recipe[index],
         )
 
-    def _start_owner(self, index: int) -> Any:
+    def _start_owner(self, index: int, generation: int = 0) -> Any:
         lanes = self._groups[index]
         at = self._snap_steps[index]
         readers = {r: max(at, self._positions[r]) for r in readers_of(lanes, self.spec, self.world_size)}
-        handle = self._launch(index, self._owner_name(index), lanes, self._state_of(index), readers)
+        state = self._state_of(index)
+        handle = self._launch(index, self._owner_name(index), lanes, state, readers, generation)
         if self._address_of is not None:
             self._addresses[index] = self._address_of(handle)
         return handle
+
+    def _adopt(self, found: list[Adopted | None]) -> list[Any]:
+        """Takes over the live owners ``found`` (this coordinator was started again): their
+        generations, their readers' positions (the least each owner reports: a replacement
+        holds from there), the mixture history they run, and their lanes' snapshots at the
+        oldest step they hold; owners not found are started again (a replacement each)."""
+        if len(found) != len(self._groups):
+            raise SpecError(
+                f"lane owners: {len(found)} owners to adopt, but this run has {len(self._groups)}"
+            )
+        live = [a for a in found if a is not None]
+        if live and live[0].mix_history != self._mix_history and self._mixture is not None:
+            self._mixture = type(self._mixture).from_history(live[0].mix_history)  # type: ignore[attr-defined]
+            self._mix_history = list(live[0].mix_history)
+        for rank in self._positions:
+            seen = [a.positions[rank] for a in live if rank in a.positions]
+            self._set_position(rank, min(seen, default=self.first_step))
+        self._joined = set(range(self.world_size))  # who had left is not known: all may read
+        handles: list[Any] = []
+        for i, got in enumerate(found):
+            if got is None:
+                self._generations[i] = 1 + max((a.generation for a in live), default=0)
+                self._replaced += 1
+                handles.append(self._start_owner(i, self._generations[i]))
+                continue
+            self._generations[i] = got.generation
+            self._replaced += got.generation
+            snaps = self._gather(got.handle, got.low) if got.low > self._snap_steps[i] else None
+            if snaps is not None:
+                self._snaps.update(snaps)
+                self._snap_steps[i] = got.low
+                self._recipe[i] = False
+            if self._address_of is not None:
+                self._addresses[i] = self._address_of(got.handle)
+            handles.append(got.handle)
+        return handles
 
     def addresses(self) -> list[str]:
         """Each owner's serving address ("" for owners that do not serve over gRPC)."""
@@ -225,11 +286,7 @@ class Coordinator:
             self.messages += 1
             old = self._positions.get(rank)
             if old is not None and step > old:
-                self._positions[rank] = step
-                self._at[old] -= 1
-                if not self._at[old]:
-                    del self._at[old]
-                self._at[step] += 1
+                self._set_position(rank, step)
             slowest = min(self._at)
             due = [i for i, at in enumerate(self._snap_steps) if slowest >= at + self._snapshot_every]
             handles = [(i, self._handles[i], self._generations[i]) for i in due]
@@ -248,7 +305,16 @@ class Coordinator:
                     continue
                 self._snaps.update(snaps)
                 self._snap_steps[i] = slowest
+                self._recipe[i] = False
                 self.gathers += 1
+
+    def _set_position(self, rank: int, step: int) -> None:
+        old = self._positions[rank]
+        self._positions[rank] = step
+        self._at[old] -= 1
+        if not self._at[old]:
+            del self._at[old]
+        self._at[step] += 1
 
     def replace(self, index: int, generation: int) -> OwnerTable:
         """Owner ``index`` of ``generation`` died: starts a new one from its lanes' last
@@ -276,7 +342,7 @@ class Coordinator:
                 )
             with_snapshot = self._snap_steps[index]
             try:
-                handle = self._start_owner(index)
+                handle = self._start_owner(index, generation + 1)
             except Exception as exc:
                 raise OwnerLostError(
                     f"{self._owner_name(index)} (lanes {lanes}) died at step {step} and cannot be "
@@ -293,13 +359,17 @@ class Coordinator:
         at ``step``, in one ordinary ``LoaderState`` (waits up to ``timeout`` s for them)."""
         with self._lock:
             self.messages += 1
-            handles = list(enumerate(self._handles))
+            owners = list(range(len(self._handles)))
+            # A checkpoint is of a step the ranks are at: an owner replaced from here on holds
+            # (and so makes) the steps from there, not from their last reports.
+            for rank, at in list(self._positions.items()):
+                if at < step:
+                    self._set_position(rank, step)
         deadline = self._clock.now() + timeout
 
-        def ask(item: tuple[int, Any]) -> Mapping[int, LaneState]:
-            i, handle = item
+        def ask(i: int) -> Mapping[int, LaneState]:
             while True:
-                snaps = self._gather(handle, step)
+                snaps = self._gather_or_replace(i, step)
                 if snaps is not None:
                     return snaps
                 if self._clock.now() > deadline:
@@ -311,9 +381,23 @@ class Coordinator:
                 self._clock.sleep(0.05)
 
         lanes: dict[int, LaneState] = {}
-        for snaps in self._parallel(ask, handles):
+        for snaps in self._parallel(ask, owners):
             lanes.update(snaps)
         return LoaderState(step, self.spec.lanes, dict(self.spec.fingerprint), lanes, list(self._mix_history))
+
+    def _gather_or_replace(self, index: int, step: int) -> Mapping[int, LaneState] | None:
+        """Owner ``index``'s snapshots at ``step`` (None: not held yet); an owner that died
+        is replaced first (``replace``: its replacement recomputes up to ``step``), so a
+        checkpoint taken just after a death is the same checkpoint."""
+        with self._lock:
+            handle, generation = self._handles[index], self._generations[index]
+        try:
+            return self._gather(handle, step)
+        except ZephonError:
+            raise  # the owner's own failure (its pipeline), named by it
+        except Exception:
+            self.replace(index, generation)  # alive after all: asked again; else replaced
+            return None
 
     def _parallel(self, ask: Callable[[Any], _T], items: list[Any]) -> list[_T]:
         """``ask`` of every item, at most ``GATHER_THREADS`` at a time (owners answer in

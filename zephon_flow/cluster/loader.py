@@ -46,6 +46,9 @@ class OwnedLoader:
     A resumed owner verifies its lanes' first windows against ``state`` (``verify_resume``, as
     ``zf.Loader``'s), and a replaced one against the snapshot it restarts from. An owner that
     no node can place within ``start_timeout`` seconds is an error naming it and its lanes.
+    The coordinator is started again by Ray if its process dies, and takes over the live
+    owners (they do not die with it); owners whose coordinator is gone for good (its
+    starter's process ended, or it was killed) end themselves after ``orphan_timeout`` s.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class OwnedLoader:
         allow_code_change: bool = False,
         verify_resume: bool = True,
         start_timeout: float = 120.0,
+        orphan_timeout: float = 60.0,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
@@ -86,6 +90,7 @@ class OwnedLoader:
             allow_code_change=allow_code_change,
             verify_resume=verify_resume,
             start_timeout=start_timeout,
+            orphan_timeout=orphan_timeout,
         )
         start = None if state is None else to_loader_state(state)
         self._timeout, self._clock = timeout, clock
@@ -144,16 +149,30 @@ class OwnedLoader:
             raise
 
     def _ask_coordinator(self, what: str, ref: Any, timeout: float | None = None) -> Any:
-        """``_call`` for a call to the coordinator: its death is a ``CoordinatorLostError``
-        naming it and the call, never a raw Ray error."""
+        """``_call`` for a call to the coordinator: its end for good is a
+        ``CoordinatorLostError`` naming it and the call, and any other failure in it an
+        ``OwnerError`` naming the call, never a raw Ray error. (A coordinator whose process
+        dies is started again by Ray, and the call waits for it.)"""
+        errors = self._ray.exceptions
         try:
             return self._call(ref, timeout)
-        except self._ray.exceptions.RayActorError as exc:
+        except errors.RayActorError as exc:
+            if isinstance(exc, errors.RayTaskError):  # raised inside it (it is alive)
+                raise OwnerError(
+                    f"rank {self._slice.rank}: the lane owners' coordinator {self.name!r} failed during "
+                    f"{what}: {_first_line(exc)}"
+                ) from exc
             raise CoordinatorLostError(
                 f"rank {self._slice.rank}: the lane owners' coordinator {self.name!r} failed to start "
-                f"or died (its owners end with it) during {what}: {_first_line(exc)}; resume from the "
-                f"last checkpoint (OwnedLoader(state=...) or zf.Loader(state=...))"
+                f"or was ended for good during {what}: {_first_line(exc)}; its owners end within "
+                f"orphan_timeout; resume from the last checkpoint (OwnedLoader(state=...) or "
+                f"zf.Loader(state=...))"
             ) from None
+        except errors.RayError as exc:
+            raise OwnerError(
+                f"rank {self._slice.rank}: the lane owners' coordinator {self.name!r} failed during "
+                f"{what}: {_first_line(exc)}"
+            ) from exc
 
     # -- iteration -----------------------------------------------------------------------------
     def _ask(self, owner: int, step: int) -> tuple[Any, int]:
@@ -261,15 +280,49 @@ class OwnedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: this rank's lanes, positioned after the last batch yielded (as
-        ``zf.Loader.state_dict``; ``zf.merge_states`` joins the ranks')."""
-        full = self.checkpoint()
-        mine = set(self._slice.lane_ids)
-        full.lane_states = {lane: s for lane, s in full.lane_states.items() if lane in mine}
-        return full.to_plain()
+        ``zf.Loader.state_dict``; ``zf.merge_states`` joins the ranks'). Asked of the owners
+        of this rank's lanes only: no other rank's lanes pass through it or the coordinator."""
+        return self.rank_state().to_plain()
+
+    def rank_state(self, step: int | None = None) -> LoaderState:
+        """This rank's lanes' state from which ``step`` (default: its next) is the next global
+        batch, from the owners of its lanes (a dead one is replaced first)."""
+        at = self._step if step is None else step
+        lanes: dict[int, Any] = {}
+        history: list[Any] = []
+        for owner, owned in self._table.groups_for(self._slice.lane_ids):
+            snaps, history = self._lanes_snapshot(owner, owned, at)
+            lanes.update(snaps)
+        spec = self.spec
+        return LoaderState(at, spec.lanes, dict(spec.fingerprint), lanes, history)
+
+    def _lanes_snapshot(self, owner: int, lanes: list[int], step: int) -> tuple[dict[int, Any], list[Any]]:
+        deadline = self._clock.now() + self._timeout
+        while True:
+            generation = self._table.generations[owner]
+            try:
+                got = self._call(self._table.handles[owner].lanes_snapshot.remote(step, lanes))
+            except self._ray.exceptions.RayActorError:
+                self._replace(owner, generation)
+                continue
+            if got is not None:
+                snaps, history = got
+                return snaps, history
+            if self._clock.now() > deadline:
+                raise OwnerError(
+                    f"rank {self._slice.rank}: lane owner {owner} (lanes {list(self._table.lanes[owner])}) "
+                    f"does not hold step {step} within {self._timeout:g} s: a rank's state is of a step "
+                    f"it is at (an owner holds a few steps around its readers)"
+                )
+            self._clock.sleep(0.05)
 
     def owner_pids(self) -> list[int]:
         """The process id of each owner (for fault tests and monitoring)."""
         return [int(self._call(h.pid.remote())) for h in self._table.handles]
+
+    def coordinator_pid(self) -> int:
+        """The process id of the coordinator (for fault tests and monitoring)."""
+        return int(self._ask_coordinator("coordinator_pid()", self._coordinator.pid.remote()))
 
     def owner_nodes(self) -> list[str]:
         """The id of the Ray node each owner runs on (for monitoring and node-loss tests)."""
@@ -293,7 +346,7 @@ class OwnedLoader:
         deadline = self._clock.now() + timeout
         while self._clock.now() < deadline:
             try:
-                self._ray.get_actor(self.name)
+                self._ray.get_actor(self.name, namespace=actors.NAMESPACE)
             except ValueError:
                 return
             self._clock.sleep(0.05)

@@ -51,6 +51,10 @@ class OwnerOptions:
     #: lanes before it counts as not startable (seconds): a cluster without the resources for
     #: it is reported, not waited on for ever.
     start_timeout: float = 120.0
+    #: How long an owner on Ray goes on once its run's coordinator is gone for good (ended
+    #: with the process that started it, or killed) before it ends itself (seconds). A
+    #: coordinator that Ray restarts is not gone: it takes its owners over.
+    orphan_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -64,9 +68,10 @@ class OwnerOptions:
                 raise SpecError(f"lane owners: {name} must be a positive integer, got {value!r}")
         if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 0:
             raise SpecError(f"lane owners: keep must be an integer >= 0, got {self.keep!r}")
-        timeout = self.start_timeout
-        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-            raise SpecError(f"lane owners: start_timeout must be a number of seconds > 0, got {timeout!r}")
+        for name in ("start_timeout", "orphan_timeout"):
+            timeout = getattr(self, name)
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+                raise SpecError(f"lane owners: {name} must be a number of seconds > 0, got {timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -384,6 +389,11 @@ class LaneOwner:
         with self._cond:
             self._fence = None
             self._cond.notify_all()
+
+    def mix_history(self) -> list[tuple[int, dict[str, Any]]]:
+        """The mixture history its lanes run (``[]`` without a Mix)."""
+        with self._cond:
+            return [] if self._mixture is None else self._mixture.history()
 
     def status(self) -> dict[str, Any]:
         with self._cond:

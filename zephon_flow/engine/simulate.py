@@ -56,7 +56,7 @@ def global_batches(
             assert len(got_steps) == 1, f"ranks disagree about the step: {sorted(got_steps)}"
             yield got_steps.pop(), concat([p[1] for p in parts if p is not None])
         if final_state is not None:
-            final_state.append(merge_states([ld.state_dict() for ld in loaders]))
+            final_state.append(merge_states([ld.state_dict() for ld in loaders]).to_plain())
 
 
 def global_digests(spec: LoaderSpec, **kwargs: Any) -> list[tuple[int, str]]:

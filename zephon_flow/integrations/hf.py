@@ -84,7 +84,7 @@ def save_data_state(
         write = not _distributed() or dist.get_rank() == 0
     if write:
         os.makedirs(os.fspath(folder), exist_ok=True)
-        zf.save_state(state, path)
+        zf.save_state(zf.decode_state(state), path)
     return path
 
 
@@ -103,9 +103,9 @@ def load_data_state(
             f"save_data_state, so the data's position cannot be restored without replaying batches; "
             f"resume from a checkpoint folder that has it"
         )
-    plain = zf.load_state(path)
-    step = int(plain["step"])
-    state = {"step": step, "loader_state": zf.encode_state(plain)}
+    loaded = zf.load_state(path)
+    step = loaded.step
+    state = {"step": step, "loader_state": zf.encode_state(loaded)}
     dataset.load_state_dict(state, expected_step=expected_step)
     return step
 

@@ -11,8 +11,9 @@ from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.errors import FingerprintMismatchError, LaneCountMismatchError, StateConflictError
 
 
-def merge_states(states: list[Any]) -> dict[str, Any]:
-    """Unions the lane states of several ranks' checkpoints (plain dicts or bytes) into one.
+def merge_states(states: list[Any]) -> LoaderState:
+    """Unions the lane states of several ranks' checkpoints into one ``LoaderState``; each is a
+    ``LoaderState``, a ``Loader.state_dict()`` (torch's plain form) or checkpoint bytes.
 
     All must be for the same step and pipeline; ranks that share a lane must hold identical
     states for it, and agree on the check of its next window where both recorded one.
@@ -71,4 +72,4 @@ def merge_states(states: list[Any]) -> dict[str, Any]:
         first.mix_history,
         recipe=first.recipe,
         codecs=first.codecs,
-    ).to_plain()
+    )

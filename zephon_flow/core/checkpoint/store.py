@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from dataclasses import replace
 from typing import IO, Any
 
 from zephon_flow.core import files
@@ -18,13 +19,14 @@ CHECKPOINT_SUFFIX = ".zfstate"
 
 
 def to_loader_state(state: Any) -> LoaderState:
-    """Accepts a ``LoaderState``, its plain form, or encoded checkpoint bytes (a state whose
-    next-window checks are still pending is completed first)."""
+    """Accepts a ``LoaderState``, its plain form (``Loader.state_dict()``, torch's door), or
+    encoded checkpoint bytes (a state whose next-window checks are still pending is completed
+    first)."""
     if isinstance(state, LoaderState):
         return state if state.checks is None else state.completed()
     if isinstance(state, bytes | bytearray | memoryview):
-        state = decode_state(bytes(state))
-    elif isinstance(state, str | os.PathLike):
+        return decode_state(bytes(state))
+    if isinstance(state, str | os.PathLike):
         raise StateError(
             f"a state is a state_dict() (or merge_states of several, or checkpoint bytes), not a "
             f"path: read the checkpoint file with zf.load_state({os.fspath(state)!r})"
@@ -74,26 +76,42 @@ def write_state(
     return framed_file.write(_header(st), lanes, out, base=ref, codecs=st.codecs)
 
 
-def encode_state(state: Any) -> bytes:
-    """The checkpoint bytes of a state (plain dict as returned by ``Loader.state_dict``)."""
+def _only_a_state(state: Any, function: str) -> LoaderState:
+    """``state`` if it is a ``LoaderState``; anything else is refused, naming what it is."""
+    if isinstance(state, LoaderState):
+        return state
+    raise TypeError(
+        f"zf.{function} takes a LoaderState (loader.state(), zf.load_state, zf.decode_state or "
+        f"zf.merge_states), not a {type(state).__name__}"
+        + (
+            ": a state_dict() is the plain form torch stores; make it a LoaderState with "
+            "zf.LoaderState.from_plain(state_dict) or zf.merge_states([...])"
+            if isinstance(state, dict)
+            else ""
+        )
+    )
+
+
+def encode_state(state: LoaderState) -> bytes:
+    """The checkpoint bytes of a ``LoaderState`` (anything else is refused: ``TypeError``)."""
     out = io.BytesIO()
-    write_state(state, out)
+    write_state(_only_a_state(state, "encode_state"), out)
     return out.getvalue()
 
 
 def _read(
     stream: IO[bytes], source: str, path: str | None, chain: tuple[str, ...], codecs: DerivedCodecs
-) -> tuple[dict[str, Any], str]:
-    """The plain state in a checkpoint stream and its sha256; ``path`` locates a base."""
+) -> tuple[LoaderState, dict[str, Any], str]:
+    """The state in a checkpoint stream, its plain form and its sha256; ``path`` locates a base."""
     version, head = framed_file.read_version(stream, source)
     if version <= blob.BLOB_VERSION:
         data = head + stream.read()
         plain = blob.decode(data, source=source)
         try:
-            LoaderState.from_plain(plain)  # validate structure now, with the source's name
+            st = LoaderState.from_plain(plain)  # validate structure now, with the source's name
         except CorruptStateError as exc:
             raise CorruptStateError(f"{source}: {exc}") from exc
-        return dict(plain), data[-32:].hex()
+        return replace(st, codecs=codecs), dict(plain), data[-32:].hex()
     stream.seek(0)
     digest = framed_file.verify(stream, source)
     framed_file.read_version(stream, source)
@@ -112,7 +130,7 @@ def _read(
         raise CorruptStateError(f"{source}: {exc}") from exc
     if sorted(st.lane_states) != sorted(header["lane_ids"]):
         raise CorruptStateError(f"{source}: its lane frames do not match the lane ids in its header")
-    return plain, digest
+    return replace(st, codecs=codecs), plain, digest
 
 
 def _load_base(
@@ -125,27 +143,27 @@ def _load_base(
     assert base is not None
     framed_file.check_chain(source, base, chain)
     with open(base.path, "rb") as f:
-        base_plain, digest = _read(f, base.path, base.path, (*chain, source), codecs)
+        _, base_plain, digest = _read(f, base.path, base.path, (*chain, source), codecs)
     framed_file.check_base(source, base, digest)
     if base_plain["fingerprint"] != header.get("fingerprint") or base_plain["lanes"] != header.get("lanes"):
         raise CorruptStateError(f"{source}: its base {base.path} was written for another pipeline")
     return {ls["lane"]: ls for ls in base_plain["lane_states"]}
 
 
-def decode_state(
-    data: bytes, *, source: str = "checkpoint", codecs: DerivedCodecs = BUILTIN
-) -> dict[str, Any]:
-    """The plain state in checkpoint bytes; ``source`` names them in errors; ``codecs`` rebuild
+def decode_state(data: bytes, *, source: str = "checkpoint", codecs: DerivedCodecs = BUILTIN) -> LoaderState:
+    """The state in checkpoint bytes; ``source`` names them in errors; ``codecs`` rebuild
     derived fields beyond the format's own (a pipeline's: ``spec.compile().derived_codecs``)."""
     return _read(io.BytesIO(data), source, None, (), codecs)[0]
 
 
 def save_state(
-    state: Any, path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
+    state: LoaderState, path: str | os.PathLike[str], *, base: str | os.PathLike[str] | None = None
 ) -> framed_file.WriteStats:
-    """Writes a checkpoint atomically, lane by lane: temporary file, fsync, rename, fsync of the
-    directory. With ``base`` (an earlier checkpoint file of the same pipeline) only what changed
-    since is written; loading needs the base, next to where it was. Returns what was written."""
+    """Writes a ``LoaderState`` (anything else is refused: ``TypeError``) as a checkpoint,
+    atomically, lane by lane: temporary file, fsync, rename, fsync of the directory. With
+    ``base`` (an earlier checkpoint file of the same pipeline) only what changed since is
+    written; loading needs the base, next to where it was. Returns what was written."""
+    _only_a_state(state, "save_state")
     target = os.fspath(path)
     return files.atomic_write(
         target,
@@ -154,7 +172,7 @@ def save_state(
     )
 
 
-def load_state(path: str | os.PathLike[str], *, codecs: DerivedCodecs = BUILTIN) -> dict[str, Any]:
+def load_state(path: str | os.PathLike[str], *, codecs: DerivedCodecs = BUILTIN) -> LoaderState:
     """Reads a checkpoint file written by ``save_state`` lane by lane (following its bases, if
     incremental); errors name the file."""
     name = os.fspath(path)
