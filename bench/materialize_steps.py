@@ -19,6 +19,9 @@ goes first alternating, ``--repeats`` times:
 - ``whole pass, bounded`` and ``whole pass, per chunk``: every step (``steps`` past the end),
   each lane's chain in one call against the translation that spreads chunks over workers.
 
+With ``--workers 2`` Beam runs two worker processes (``direct_running_mode=multi_processing``),
+and ``--lanes 1`` shows what the bounded run gives up: one lane is one worker's work.
+
 Reported per contender: seconds (median), records read, steps written, and whether the
 batches equal the ``Loader``'s; and the ratios bounded / before for N steps and for the whole
 pass (medians of each round's ratio: the two runs of a round share the machine's load). Nothing is
@@ -32,10 +35,11 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import apache_beam as beam
+from apache_beam.options.pipeline_options import PipelineOptions
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner
 
 import zephon_flow as zf
@@ -87,33 +91,41 @@ def text_mix(
     return zf.LoaderSpec(build, lanes=lanes, seed=1234, global_batch_size=batch)
 
 
-def bounded(spec: zf.LoaderSpec, steps: int, out: str) -> None:
-    materialize(spec, steps=steps, out=out)
+def bounded(spec: zf.LoaderSpec, steps: int, out: str, beam_args: list[str]) -> None:
+    materialize(spec, steps=steps, out=out, beam_args=beam_args)
 
 
-def whole_translation(spec: zf.LoaderSpec, steps: int, out: str) -> None:
+def whole_translation(spec: zf.LoaderSpec, steps: int, out: str, beam_args: list[str]) -> None:
     """What ``materialize`` ran before: every step of the pass, those ``>= steps`` dropped."""
-    with beam.Pipeline(runner=FnApiRunner()) as p:
+    with beam.Pipeline(runner=FnApiRunner(), options=PipelineOptions(beam_args)) as p:
         _ = p | GlobalBatches(spec) | beam.ParDo(WriteSteps(out, steps))
 
 
-Run = Callable[[zf.LoaderSpec, int, str], None]
+Run = Callable[[zf.LoaderSpec, int, str, list[str]], None]
 
 
-def _run(spec: zf.LoaderSpec, counter: str, run: Run, steps: int) -> tuple[float, int, list[str]]:
+def _run(
+    spec: zf.LoaderSpec, counter: str, run: Run, steps: int, beam_args: list[str]
+) -> tuple[float, int, list[str]]:
     """One run: its seconds, the records it read and the digests of the steps it wrote."""
     with tempfile.TemporaryDirectory(prefix="zephon-materialize-bench-") as out:
         if os.path.exists(counter):
             os.unlink(counter)
         start = time.perf_counter()
-        run(spec, steps, out)
+        run(spec, steps, out, beam_args)
         seconds = time.perf_counter() - start
         digests = [batch_digest(b) for _, b in read_materialized(out)]
     return seconds, os.path.getsize(counter) if os.path.exists(counter) else 0, digests
 
 
 def measure(
-    spec: zf.LoaderSpec, counter: str, *, steps: int, repeats: int, reference: list[str]
+    spec: zf.LoaderSpec,
+    counter: str,
+    *,
+    steps: int,
+    repeats: int,
+    reference: list[str],
+    beam_args: Sequence[str] = (),
 ) -> dict[str, dict[str, Any]]:
     """Each pair (bounded, before) ``repeats`` times, its two runs back to back (which goes
     first alternates), for ``steps`` steps and for the whole pass; ``reference``: the
@@ -137,7 +149,7 @@ def measure(
         for r in range(repeats):
             measured = {}
             for name, run in [new, old] if r % 2 == 0 else [old, new]:
-                seconds, read, digests = _run(spec, counter, run, n)
+                seconds, read, digests = _run(spec, counter, run, n, list(beam_args))
                 measured[name] = (seconds, read)
                 row = rows.setdefault(name, {"samples": [], "records_read": read, "same_batches": True})
                 row["samples"].append(seconds)
@@ -177,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--workers", type=int, default=1, help="Beam worker processes (direct_num_workers; 1: in process)"
+    )
     parser.add_argument("--quick", action="store_true", help="a small smoke run")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args(argv)
@@ -196,7 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         with zf.Loader(spec) as loader:
             reference = [batch_digest(b) for _, b in loader]
-        rows = measure(spec, counter, steps=args.steps, repeats=args.repeats, reference=reference)
+        beam_args = (
+            []
+            if args.workers == 1
+            else [f"--direct_num_workers={args.workers}", "--direct_running_mode=multi_processing"]
+        )
+        rows = measure(
+            spec, counter, steps=args.steps, repeats=args.repeats, reference=reference, beam_args=beam_args
+        )
     print(report(rows))
     if args.out:
         with open(args.out, "w") as f:
