@@ -21,7 +21,7 @@ from zephon_flow.operators import _file_cache
 from zephon_flow.operators._video_tar import Member, MemberFile
 
 #: The cached index's kind and version: bumped when what it holds or how it is read changes.
-LISTING = "video-index 1"
+LISTING = "video-index 2"
 #: The container extensions ``ReadVideo`` is meant for (the glob decides what is read).
 EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov")
 
@@ -32,9 +32,12 @@ class VideoIndex:
 
     #: The stream's time base as (numerator, denominator): a pts times it is seconds.
     time_base: tuple[int, int]
-    #: Every frame's presentation timestamp, ascending (presentation order).
+    #: Every shown frame's presentation timestamp, ascending (presentation order); frames an
+    #: edit list cuts (a trimmed ``.mp4``: decoded for the frames after them, never shown) are
+    #: not among them.
     pts: tuple[int, ...]
-    #: The key frames' presentation timestamps, ascending: where a decode may start.
+    #: The key frames' presentation timestamps, ascending: where a decode may start (a key
+    #: frame an edit list cuts too).
     keys: tuple[int, ...]
     width: int
     height: int
@@ -195,9 +198,10 @@ def _demux(path: str, operator: str, max_pixels: int, member: Member | None = No
                 pts = packet.pts if packet.pts is not None else packet.dts
                 if pts is None:
                     raise DataError(f"{operator}: {path} has video packets without timestamps")
-                stamps.add(int(pts))
-                if packet.is_keyframe:
+                if packet.is_keyframe:  # a decode may start there, even if its frame is not shown
                     keys.add(int(pts))
+                if not packet.is_discard:  # before an edit list's start (a trimmed .mp4):
+                    stamps.add(int(pts))  # decoded for what follows, never shown
         except av.error.FFmpegError as exc:
             raise DataError(f"{operator}: {path} cannot be demuxed (damaged?): {ffmpeg_reason(exc)}") from exc
         if not stamps or not keys:

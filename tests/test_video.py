@@ -120,6 +120,38 @@ def test_fps_sampling_follows_the_timestamps_of_a_variable_frame_rate(tmp_path: 
     assert np.array_equal(frames[2], frames[3]) and not np.array_equal(frames[0], frames[1])
 
 
+def trimmed(source: Path, path: Path, cut: int) -> Path:
+    """``source``'s packets remuxed with ``cut`` time-base units moved before zero, as a trim
+    without re-encoding (a phone's editor, ``ffmpeg -ss -c copy``) writes them: the muxer puts
+    an edit list in, and the frames before it are decoded for those after, never shown."""
+    with av.open(str(source)) as src, av.open(str(path), "w") as out:
+        stream = src.streams.video[0]
+        copy = out.add_stream_from_template(stream)
+        for packet in src.demux(stream):
+            if packet.size == 0:
+                continue
+            packet.pts, packet.dts = packet.pts - cut, packet.dts - cut
+            packet.stream = copy
+            out.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize("ext", [".mp4", ".mov"])
+def test_frames_an_edit_list_cuts_are_not_planned(tmp_path: Path, ext: str) -> None:
+    # Found trying a trimmed file: the frames before the edit list's start were planned as
+    # clip 0's first frames, which the decoder never gives, so the file was refused as damaged.
+    source = make_video(tmp_path / "src" / "a.mp4", 40, gop=16)
+    tb = read_index(str(source), operator="t", max_pixels=10**6).time_base
+    path = trimmed(source, tmp_path / f"trim{ext}", 3 * tb[1] // (8 * tb[0]))  # 3 frames at 8 fps
+    whole = linear(path)
+    assert len(whole) == 37 and min(whole) == 0
+    plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
+    assert len(plans) == 4 and plans[0].pts == tuple(sorted(whole)[:8]) and plans[0].seek < 0
+    for plan in plans:
+        frames = ops.DecodeVideo().decode(str(path), plan)
+        assert np.array_equal(frames, np.stack([whole[p] for p in plan.pts]))
+
+
 def test_clip_seconds_with_a_stride_overlaps_clips(tmp_path: Path) -> None:
     path = make_video(tmp_path / "a.webm", 24)  # 3 s at 8 fps
     source = ops.ReadVideo(str(path), clip_seconds=1.0, stride=0.5, frames=2)
