@@ -590,3 +590,21 @@ def test_a_ranks_state_dict_holds_its_own_lanes_from_its_own_owners(
     assert [sorted(to_loader_state(s).lane_states) for s in states] == [[0, 1, 2], [3, 4, 5]]
     merged = zf.merge_states(states)
     assert global_digests(spec, steps=2, world_size=3, state=merged) == reference[3:5]
+
+
+@pytest.mark.parametrize("owners", [1, 2])
+def test_a_recipe_checkpoint_resumes_on_owners_with_the_loaders_bytes(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], owners: int, tmp_path: Any
+) -> None:
+    # The owners rebuild the recipes of their lanes (they served the recipe records before).
+    path = tmp_path / "recipe.zfstate"
+    with zf.Loader(spec, state_mode="recipe") as loader:
+        for step, _ in loader:
+            if step == 4:
+                zf.save_state(loader.state(), path)
+                break
+    state = zf.load_state(path)
+    assert to_loader_state(state).recipe
+    got, final = owned_digests(spec, owners=owners, world_size=2, steps=4, state=state)
+    assert got == reference[5:9]
+    assert final.step == 9 and not final.recipe
