@@ -111,7 +111,9 @@ class BatchServer:
     always made); each rank's stream sends at most ``ahead`` steps past its acknowledged step.
     ``token`` (shared secret) is required on every call but health checks; ``tls`` is
     ``(cert_path, key_path)``. ``loader`` replaces the embedded Loader by any ``ServedLoader``
-    (benchmarks feed synthetic batches this way). ``window`` is ``ahead``'s former name.
+    (benchmarks feed synthetic batches this way). The options are checked as the groups of
+    ``zephon_flow.options`` (``EndpointOptions``, ``WorkOptions``, ``ResumeOptions``,
+    ``HoldOptions``, ``CheckpointOptions``), named in messages by their ``zephon serve`` flags.
 
     Faults: when the pipeline fails, health turns NOT_SERVING, every stream and checkpoint call
     gets the error (``INTERNAL``), and ``failed`` is set (``zephon serve`` then exits with
