@@ -192,9 +192,7 @@ class BatchServer:
             keep_checkpoints=keep_checkpoints,
             owner=SERVE,
         )
-        check_int(max_streams, "max_streams", owner=SERVE)
-        if not 0 < chunk_bytes <= CHUNK_BYTES:
-            raise SpecError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes!r}")
+        _check_stream_options(max_streams, chunk_bytes)
         self._balance = _Balanced.of(balance)
         self.spec, self.fingerprint = spec, spec.fingerprint["total"]
         self._loader = loader if loader is not None else _embedded_loader(spec, resume, work, resumed)
@@ -666,3 +664,10 @@ def _hold(
         max_bytes=hold.held_bytes,
         clock=clock,
     )
+
+
+def _check_stream_options(max_streams: int, chunk_bytes: int) -> None:
+    """Refuses a bound on open calls or a message size the server cannot use."""
+    check_int(max_streams, "max_streams", owner=SERVE)
+    if not 0 < chunk_bytes <= CHUNK_BYTES:
+        raise SpecError(f"chunk_bytes must be in (0, {CHUNK_BYTES}], got {chunk_bytes!r}")
