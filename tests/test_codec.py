@@ -239,8 +239,8 @@ def test_the_public_functions_give_and_take_loader_states(loader_state: LoaderSt
             r"zf.decode_state or zf.merge_states\), not a dict: a state_dict\(\) is the plain "
             r"form torch stores; make it a LoaderState with zf.LoaderState.from_plain",
         ):
-            write(plain)
+            write(plain)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"takes a LoaderState .*, not a bytes$"):
-            write(data)
+            write(data)  # type: ignore[arg-type]
     assert not (tmp_path / "x.zf").exists()
     assert zf.encode_state(zf.LoaderState.from_plain(plain)) == data
