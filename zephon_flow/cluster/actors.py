@@ -467,10 +467,18 @@ def coordinator_handle(
         spec.fingerprint["total"],
         name,
     )
+    _check_run(handle, name, spec, owners)
+    return handle
+
+
+def _check_run(handle: Any, name: str, spec: LoaderSpec, owners: int) -> None:
+    """Refuses to join the run ``handle`` (named ``name``) when it runs another pipeline or
+    another owner count than this rank asks for."""
+    ray = _ray()
     try:
         run = ray.get(handle.describe.remote(), timeout=600)
     except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
-        return handle  # it failed to start: the caller's first call says why
+        return  # it failed to start: the caller's first call says why
     mine = spec.fingerprint["total"]
     if run["fingerprint"] != mine or run["owners"] != owners:
         raise SpecError(
@@ -479,4 +487,3 @@ def coordinator_handle(
             f"every rank of a run passes the same spec (data, seed, lanes, batch size) and "
             f"lane_owners; give another run another name="
         )
-    return handle

@@ -24,6 +24,7 @@ from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imported from here
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.options import check_int
 from zephon_flow.engine.loader import apply_mix_change, checked_mix_change, refused_mix_step, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 
@@ -136,8 +137,7 @@ class Coordinator:
     ) -> None:
         # Phases: check the topology, restore where the lanes start, launch (or adopt) the owners.
         self._clock = clock
-        if not isinstance(snapshot_every, int) or isinstance(snapshot_every, bool) or snapshot_every < 1:
-            raise SpecError(f"lane owners: snapshot_every must be a positive integer, got {snapshot_every!r}")
+        check_int(snapshot_every, "snapshot_every", owner="lane owners")
         RankSlice(rank=0, world_size=world_size, lanes=spec.lanes, global_batch_size=spec.global_batch_size)
         self.spec, self.world_size = spec, world_size
         self._groups = plan_owners(spec.lanes, owners)
@@ -151,33 +151,38 @@ class Coordinator:
             allow_code_change=allow_code_change,
             rebuild_recipes=False,  # the owners rebuild their own lanes
         )
-        self.first_step = start.step
-        self._mix_history = [] if start.mixture is None else start.mixture.history()
-        self._mixture = start.mixture  # changed from a step on by change_mixture
+        self._track(start.step, owners, recipe=state is not None and state.recipe)
         self._launch, self._gather, self._stop = launch, gather, stop
         self._address_of, self._alive = address_of, alive
-        self._addresses = [""] * owners
         self._snapshot_every, self._max_replacements = snapshot_every, max_replacements
-        self._lock = threading.RLock()
+        self._mix_history = [] if start.mixture is None else start.mixture.history()
+        self._mixture = start.mixture  # changed from a step on by change_mixture
         self._snaps: dict[int, LaneState | None] = dict(start.lanes)
-        self._snap_steps = [start.step] * owners
+        if adopt is None:
+            self._handles = [self._start_owner(i) for i in range(owners)]
+        else:
+            self._handles = self._adopt(list(adopt))
+
+    def _track(self, first_step: int, owners: int, *, recipe: bool) -> None:
+        """The bookkeeping of a run that starts at ``first_step`` (no owner started yet)."""
+        world_size = self.world_size
+        self.first_step = first_step
+        self._addresses = [""] * owners
+        self._lock = threading.RLock()
+        self._snap_steps = [first_step] * owners
         # A recipe state's lanes are rebuilt by the owners that run them (not here): an owner
         # starts from the state as given, recipes and all, until a snapshot of it is gathered.
-        self._recipe = [state is not None and state.recipe] * owners
-        self._positions = dict.fromkeys(range(world_size), start.step)
+        self._recipe = [recipe] * owners
+        self._positions = dict.fromkeys(range(world_size), first_step)
         # How many ranks are at each position: the slowest is the least key, found without a
         # pass over every rank (ranks report in strides, so there are few distinct positions).
-        self._at = Counter({start.step: world_size})
+        self._at = Counter({first_step: world_size})
         self._joined: set[int] = set()
         self._replaced = 0
         self._generations = [0] * owners
         #: Calls received and bytes of snapshots gathered (for the scale simulation).
         self.messages = 0
         self.gathers = 0
-        if adopt is None:
-            self._handles = [self._start_owner(i) for i in range(owners)]
-        else:
-            self._handles = self._adopt(list(adopt))
 
     # -- owners --------------------------------------------------------------------------------
     def _owner_name(self, index: int) -> str:

@@ -25,7 +25,7 @@ from zephon_flow.core.errors import OwnerError as OwnerError  # also imported fr
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.engine.hold import StepHold
-from zephon_flow.engine.loader import apply_mix_change, build_lane_runners, restore_lanes
+from zephon_flow.engine.loader import LaneStart, apply_mix_change, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
 from zephon_flow.runners.streams import CHUNK_RECORDS
@@ -144,12 +144,20 @@ class LaneOwner:
             depth=options.prefetch_chunks,
             on_skip=_ignore_skip,
         )
+        self._hold_from(start, readers)
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, name=f"zephon-{name}", daemon=True)
+
+    def _hold_from(self, start: LaneStart, readers: dict[int, int]) -> None:
+        """What it holds, empty but for the snapshots (and checks) of ``start``'s step, for
+        ``readers`` expected to ask from the steps given."""
         self.first_step = start.step
         self._mixture = start.mixture  # changed in place from a step on: hold/change_mixture
         self._begun = start.step  # the first step the lanes have not begun to make
         self._fence: int | None = None  # production waits before this step (a change pending)
         self._cond = threading.Condition()
-        self._hold = StepHold(first_step=start.step, ahead=options.ahead, keep=options.keep)
+        self._hold = StepHold(first_step=start.step, ahead=self.options.ahead, keep=self.options.keep)
         self._windows: dict[int, tuple[list[Any], ...]] = {}
         self._layouts: dict[int, tuple[SampleLayout | None, ...]] = {}
         self._snapshots: dict[int, dict[int, LaneState]] = {
@@ -165,9 +173,6 @@ class LaneOwner:
         # Readers expected to ask, from the step given (steps from there on are held for them);
         # once they have asked, production waits for the slowest of them.
         self._hold.expected = {reader: max(start.step, at) for reader, at in readers.items()}
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, name=f"zephon-{name}", daemon=True)
 
     # -- production ----------------------------------------------------------------------------
     def start(self) -> LaneOwner:
