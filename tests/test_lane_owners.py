@@ -387,9 +387,12 @@ def test_another_world_size_is_refused_by_running_owners(ray_session: None, spec
 
 
 # -- served: zephon serve --ray --lane-owners N, read by zf.Client(lane_owners=True) -----------
+@pytest.mark.parametrize("killed", ["owner", "coordinator then owner"])
 def test_served_owners_give_clients_the_loaders_bytes_through_a_sigkill(
-    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any, killed: str
 ) -> None:
+    import ray
+
     from zephon_flow.cluster.serve import OwnersServer
 
     server = OwnersServer(spec, owners=3, world_size=2, snapshot_every=2, checkpoint_dir=str(tmp_path))
@@ -401,12 +404,15 @@ def test_served_owners_give_clients_the_loaders_bytes_through_a_sigkill(
         iters = [iter(c) for c in clients]
         got = []
         for i in range(STEPS + 2):
+            if i == 1 and killed != "owner":  # Ray starts it again; it takes the owners over
+                os.kill(ray.get(server._coordinator.pid.remote()), signal.SIGKILL)
             if i == STEPS // 2:  # owner 1 (lanes 2 and 3) serves both ranks
                 os.kill(server.owner_pids()[1], signal.SIGKILL)
             parts = [next(it) for it in iters]
             got.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
         assert got == reference[: STEPS + 2]
         assert server.table().generations == (0, 1, 0)
+        assert server.poll() is None
         # A checkpoint written by the coordinator resumes on the embedded Loader, 3 ranks.
         path = clients[0].checkpoint()
         assert path == str(tmp_path / f"step-{STEPS + 2}.zfstate")
