@@ -614,3 +614,29 @@ def test_a_recipe_checkpoint_resumes_on_owners_with_the_loaders_bytes(
     got, final = owned_digests(spec, owners=owners, world_size=2, steps=4, state=state)
     assert got == reference[5:9]
     assert final.step == 9 and not final.recipe
+
+
+def test_owned_loader_writes_recipe_states_that_resume_anywhere(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+) -> None:
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(
+                OwnedLoader(spec, lane_owners=2, rank=r, world_size=2, name=name, state_mode="recipe")
+            )
+            for r in range(2)
+        ]
+        for _, (p0, p1) in zip(range(3), zip(*loaders, strict=True), strict=False):
+            assert p0[0] == p1[0]
+        full = loaders[0].checkpoint()
+        parts = [ld.state_dict() for ld in loaders]
+    assert full.recipe and all(to_loader_state(p).recipe for p in parts)
+    path = tmp_path / "owned.zfstate"
+    zf.save_state(full, path)
+    compact_size = len(encode_state(owned_digests(spec, owners=1, world_size=1, steps=3)[1]))
+    assert path.stat().st_size < compact_size  # recipes name the documents, not their tokens
+    assert global_digests(spec, steps=2, world_size=3, state=zf.load_state(path)) == reference[3:5]
+    assert global_digests(spec, steps=2, state=zf.merge_states(parts)) == reference[3:5]
+    with pytest.raises(SpecError, match=r"^OwnedLoader: state_mode must be one of compact, recipe, got 'x'$"):
+        OwnedLoader(spec, lane_owners=1, state_mode="x")

@@ -19,6 +19,9 @@ from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
+from zephon_flow.core.options import check_choice
+from zephon_flow.engine import recipe
+from zephon_flow.engine.options import STATE_MODES
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 
@@ -42,7 +45,8 @@ class OwnedLoader:
     their stateless work on ``backend`` with ``workers`` each; ``owner_cpus`` is what each
     owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
     lanes' last snapshot, gathered every ``snapshot_every`` steps; ``checkpoint()`` gathers
-    every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``).
+    every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``);
+    with ``state_mode="recipe"`` their buffered sequences as recipes, as ``zf.Loader``'s.
     A resumed owner verifies its lanes' first windows against ``state`` (``verify_resume``, as
     ``zf.Loader``'s), and a replaced one against the snapshot it restarts from. An owner that
     no node can place within ``start_timeout`` seconds is an error naming it and its lanes.
@@ -75,11 +79,16 @@ class OwnedLoader:
         verify_resume: bool = True,
         start_timeout: float = 120.0,
         orphan_timeout: float = 60.0,
+        state_mode: str = "compact",
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
         self.spec, self._slice = spec, _rank_slice(spec, rank, world_size)
         _check_prefetch(prefetch, keep)
+        check_choice(state_mode, "state_mode", STATE_MODES, owner="OwnedLoader")
+        # Recipes are written here, from the owners' full snapshots (refused at once, by name,
+        # for a pipeline whose buffers cannot be stored as recipes).
+        self._recipes = recipe.RecipeWriter(spec.compile()) if state_mode == "recipe" else None
         plan_owners(spec.lanes, lane_owners)  # refused here, before Ray starts
         options = OwnerOptions(
             backend=backend,
@@ -276,7 +285,11 @@ class OwnedLoader:
         state: LoaderState = self._ask_coordinator(
             f"checkpoint(step={at})", self._coordinator.checkpoint.remote(at)
         )
-        return state
+        return self._saved_form(state)
+
+    def _saved_form(self, state: LoaderState) -> LoaderState:
+        """``state`` as this loader gives it: recipes with ``state_mode="recipe"``."""
+        return state if self._recipes is None else self._recipes(state)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain data: this rank's lanes, positioned after the last batch yielded (as
@@ -294,7 +307,7 @@ class OwnedLoader:
             snaps, history = self._lanes_snapshot(owner, owned, at)
             lanes.update(snaps)
         spec = self.spec
-        return LoaderState(at, spec.lanes, dict(spec.fingerprint), lanes, history)
+        return self._saved_form(LoaderState(at, spec.lanes, dict(spec.fingerprint), lanes, history))
 
     def _lanes_snapshot(self, owner: int, lanes: list[int], step: int) -> tuple[dict[int, Any], list[Any]]:
         deadline = self._clock.now() + self._timeout
