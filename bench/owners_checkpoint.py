@@ -22,7 +22,10 @@ coordinator then gathers every owner's lane snapshots and keeps them: the coordi
   (this process) while it ran (Linux ``VmHWM``, reset before through ``/proc/PID/clear_refs``);
 - ``save``: ``zf.save_state`` of that state to a file: seconds, bytes written, the rank's peak;
 - ``state_dict``: rank 0's ``state_dict()`` (its own lanes, which today costs a checkpoint
-  of every lane): seconds, lanes in it, the coordinator's and the rank's peaks.
+  of every lane): seconds, lanes in it, the coordinator's and the rank's peaks;
+- ``loader`` (unless ``--no-loader``), the reference: the embedded ``zf.Loader`` of one rank
+  (every lane, in this process) run to the same step, its ``state()`` (what ``state_dict()``
+  makes plain) and ``zf.save_state`` of it, and this process's peak RSS meanwhile.
 
 Also the owners' RSS. The JSON line gives the median seconds and the largest peaks of the
 repeats. The coordinator's process is found among this process's
@@ -345,6 +348,34 @@ def measure(spec: Any, args: argparse.Namespace, state_mb: int, directory: str) 
             loader.close()
 
 
+def measure_loader(spec: Any, args: argparse.Namespace, directory: str) -> dict[str, Any]:
+    """The reference: the embedded ``zf.Loader`` (one process, every lane) at the same step,
+    its ``state()`` and ``zf.save_state`` of it, and this process's peak RSS."""
+    import zephon_flow as zf
+
+    me = os.getpid()
+    with zf.Loader(spec) as loader:
+        batches = iter(loader)
+        for _ in range(args.steps):
+            next(batches)
+        with Peaks([me]) as peaks:
+            start = time.perf_counter()
+            state = loader.state()  # the typed state that state_dict() makes plain
+            taken = time.perf_counter()
+            stats = zf.save_state(state, os.path.join(directory, "loader.zf"))
+            saved = time.perf_counter()
+        lanes = state_bytes(state.lane_states)
+        del state
+    return {
+        "state_seconds": taken - start,
+        "save_seconds": saved - taken,
+        "written": stats.written,
+        "lane_state_bytes": lanes,
+        "rss_before": peaks.before[me]["VmRSS"],
+        "peak_rss": peaks.peak[me],
+    }
+
+
 def _peaks(peaks: Peaks, coordinator: int, me: int) -> dict[str, Any]:
     return {
         "coordinator_rss_before": peaks.before[coordinator]["VmRSS"],
@@ -372,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="checkpoints (and state_dicts) measured")
     parser.add_argument("--record-bytes", type=int, default=8192)
+    parser.add_argument("--no-loader", action="store_true", help="skip the embedded Loader's reference")
     parser.add_argument("--quick", action="store_true", help="8 lanes x 1 MiB of 4 KB sequences, 1 owner")
     parser.add_argument("--out", default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -401,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 os.makedirs(directory)
                 result = measure(spec, args, state_mb, directory)
                 result["shuffle_buffer"] = buffer
+                if not args.no_loader:
+                    result["loader"] = measure_loader(spec, args, directory)
                 results.append(result)
                 print(json.dumps(_line(result)), flush=True)
         finally:
@@ -450,6 +484,19 @@ def _line(result: dict[str, Any]) -> dict[str, Any]:
         "state_dict_mb": mb(sds[0]["lane_state_bytes"]),
         "state_dict_coordinator_peak_mb": mb(max(d["coordinator_peak_rss"] for d in sds)),
         "state_dict_rank_peak_mb": mb(max(d["rank_peak_rss"] for d in sds)),
+        **_loader_line(result.get("loader")),
+    }
+
+
+def _loader_line(loader: dict[str, Any] | None) -> dict[str, Any]:
+    if loader is None:
+        return {}
+    return {
+        "loader_state_s": round(loader["state_seconds"], 3),
+        "loader_save_s": round(loader["save_seconds"], 3),
+        "loader_written_mb": round(loader["written"] / MIB, 1),
+        "loader_rss_before_mb": round(loader["rss_before"] / MIB, 1),
+        "loader_peak_mb": round(loader["peak_rss"] / MIB, 1),
     }
 
 

@@ -74,5 +74,7 @@ def test_quick_checkpoint_run_measures_a_checkpoint_of_every_lane(
     assert checkpoint["coordinator_peak_rss"] > 0 and result["coordinator_at_rest"]["VmRSS"] > 0
     assert checkpoint["rank_peak_rss"] > 0 and result["owners_rss"] > 0
     # Rank 0 of 2 holds half the lanes in its state_dict.
+    loader = result["loader"]  # the embedded Loader's reference, every lane in one process
+    assert loader["lane_state_bytes"] == checkpoint["lane_state_bytes"] and loader["written"] > 0
     (state_dict,) = result["state_dicts"]
     assert state_dict["lanes"] == 4 and state_dict["lane_state_bytes"] >= 4 * (1 << 20)
