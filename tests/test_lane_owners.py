@@ -640,3 +640,51 @@ def test_owned_loader_writes_recipe_states_that_resume_anywhere(
     assert global_digests(spec, steps=2, state=zf.merge_states(parts)) == reference[3:5]
     with pytest.raises(SpecError, match=r"^OwnedLoader: state_mode must be one of compact, recipe, got 'x'$"):
         OwnedLoader(spec, lane_owners=1, state_mode="x")
+
+
+def test_owners_write_their_parts_and_a_manifest_that_load_state_reads(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+) -> None:
+    from zephon_flow.core.errors import CorruptStateError, StateError, UsageError
+
+    killed: list[int] = []
+
+    def kill_owner_2_at_3(step: int, loader: OwnedLoader) -> None:
+        if step == 3 and not killed:  # the save below meets the death first, and replaces it
+            killed.append(loader.owner_pids()[2])
+            os.kill(killed[0], signal.SIGKILL)
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    path = tmp_path / "ckpt" / "step-4.zfstate"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=3, rank=r, world_size=2, name=name))
+            for r in range(2)
+        ]
+        for _, parts in zip(range(4), zip(*loaders, strict=True), strict=False):
+            kill_owner_2_at_3(parts[0][0], loaders[0])
+        assert loaders[1].save_checkpoint(path) == str(path)  # any rank may ask
+        assert loaders[0].table.generations[2] == 0  # not yet seen by the ranks: the save met it
+    manifest = path.read_text()
+    assert '"kind": "zephon-flow/loader-state+manifest"' in manifest and len(manifest) < 2000
+    written = sorted(p.name for p in (tmp_path / "ckpt" / "step-4.zfstate.parts").iterdir())
+    assert written == ["part-0.zfstate", "part-1.zfstate", "part-2.zfstate"]
+    state = zf.load_state(path)
+    assert state.step == 4 and sorted(state.lane_states) == list(range(LANES))
+    assert global_digests(spec, steps=3, world_size=3, state=state) == reference[4:7]
+    assert owned_digests(spec, owners=2, world_size=1, steps=2, state=state)[0] == reference[4:6]
+
+    part = tmp_path / "ckpt" / "step-4.zfstate.parts" / "part-1.zfstate"
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    with pytest.raises(CorruptStateError, match=r"its part step-4.zfstate.parts/part-1.zfstate was changed"):
+        zf.load_state(path)
+    part.unlink()
+    with pytest.raises(StateError, match=r"its part step-4.zfstate.parts/part-1.zfstate is missing"):
+        zf.load_state(path)
+    with (
+        OwnedLoader(spec, lane_owners=1, state_mode="recipe", name=f"test-{uuid.uuid4().hex[:8]}") as loader,
+        pytest.raises(UsageError, match=r"save_checkpoint writes compact parts"),
+    ):
+        loader.save_checkpoint(tmp_path / "r.zfstate")

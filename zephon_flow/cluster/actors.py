@@ -16,8 +16,11 @@ from zephon_flow.cluster.coordinator import Adopted, Coordinator, OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
 from zephon_flow.core.batches import Batch
+from zephon_flow.core.checkpoint import manifest
+from zephon_flow.core.checkpoint.manifest import Part
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
-from zephon_flow.core.errors import SpecError
+from zephon_flow.core.checkpoint.store import save_state
+from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import require_ray
@@ -139,6 +142,16 @@ class OwnerActor:
         if snaps is None:
             return None
         return {lane: snaps[lane] for lane in lanes}, self._owner.mix_history()
+
+    def write_part(self, step: int, manifest_path: str, index: int) -> Part | None:
+        """Writes its lanes' snapshots at ``step`` as part ``index`` of the checkpoint whose
+        manifest is ``manifest_path`` (None while it does not hold that step)."""
+        snaps = self._owner.snapshot(step)
+        if snaps is None:
+            return None
+        spec = self._owner.spec
+        state = LoaderState(step, spec.lanes, dict(spec.fingerprint), snaps, self._owner.mix_history())
+        return manifest.write_part(state, manifest_path, index, save_state)
 
     def status(self) -> dict[str, Any]:
         return self._owner.status()
@@ -354,6 +367,28 @@ class CoordinatorActor:
 
     def positions(self) -> dict[int, int]:
         return self._coordinator.positions()
+
+    def write_checkpoint(self, step: int, path: str) -> str:
+        """Has every owner write its lanes' part of the checkpoint at ``step`` next to ``path``
+        (``<path>.parts/``), then writes the manifest that names them at ``path``."""
+        ray = _ray()
+
+        def ask(index: int, handle: Any) -> Part | None:
+            try:
+                part: Part | None = ray.get(handle.write_part.remote(step, path, index), timeout=120)
+            except ray.exceptions.RayTaskError as exc:
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, ZephonError):
+                    raise cause from None
+                if isinstance(exc, ray.exceptions.RayActorError):
+                    raise  # died: replaced, then asked again
+                raise OwnerError(f"writing its part of the checkpoint at step {step}: {exc}") from exc
+            return part
+
+        parts = self._coordinator.from_owners(step, ask)
+        spec = self._coordinator.spec
+        manifest.write_manifest(path, step=step, lanes=spec.lanes, fingerprint=self._fingerprint, parts=parts)
+        return path
 
     def change_mixture(
         self, step: int, points: list[tuple[int, list[float]]], interpolation: str

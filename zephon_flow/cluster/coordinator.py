@@ -362,6 +362,19 @@ class Coordinator:
     def checkpoint(self, step: int, timeout: float = 120.0) -> LoaderState:
         """The state from which ``step`` is the next global batch: every owner's lane snapshots
         at ``step``, in one ordinary ``LoaderState`` (waits up to ``timeout`` s for them)."""
+        lanes: dict[int, LaneState] = {}
+        for snaps in self.from_owners(step, lambda _, handle: self._gather(handle, step), timeout):
+            lanes.update(snaps)
+        return LoaderState(step, self.spec.lanes, dict(self.spec.fingerprint), lanes, list(self._mix_history))
+
+    def from_owners(
+        self, step: int, ask: Callable[[int, Any], _T | None], timeout: float = 120.0
+    ) -> list[_T]:
+        """``ask(index, handle)`` of every owner, for a checkpoint at ``step``: asked again while
+        it answers None (the owner does not hold the step yet), for up to ``timeout`` s. An
+        owner that died is replaced first (its replacement recomputes up to ``step``), so a
+        checkpoint taken just after a death is the same checkpoint; an owner's own failure
+        (an error of the project's) is raised as it is."""
         with self._lock:
             self.messages += 1
             owners = list(range(len(self._handles)))
@@ -372,11 +385,19 @@ class Coordinator:
                     self._set_position(rank, step)
         deadline = self._clock.now() + timeout
 
-        def ask(i: int) -> Mapping[int, LaneState]:
+        def one(i: int) -> _T:
             while True:
-                snaps = self._gather_or_replace(i, step)
-                if snaps is not None:
-                    return snaps
+                with self._lock:
+                    handle, generation = self._handles[i], self._generations[i]
+                try:
+                    got = ask(i, handle)
+                except ZephonError:
+                    raise
+                except Exception:
+                    self.replace(i, generation)  # alive after all: asked again; else replaced
+                    got = None
+                if got is not None:
+                    return got
                 if self._clock.now() > deadline:
                     raise OwnerLostError(
                         f"checkpoint at step {step}: {self._owner_name(i)} (lanes {self._groups[i]}) "
@@ -385,24 +406,7 @@ class Coordinator:
                     )
                 self._clock.sleep(0.05)
 
-        lanes: dict[int, LaneState] = {}
-        for snaps in self._parallel(ask, owners):
-            lanes.update(snaps)
-        return LoaderState(step, self.spec.lanes, dict(self.spec.fingerprint), lanes, list(self._mix_history))
-
-    def _gather_or_replace(self, index: int, step: int) -> Mapping[int, LaneState] | None:
-        """Owner ``index``'s snapshots at ``step`` (None: not held yet); an owner that died
-        is replaced first (``replace``: its replacement recomputes up to ``step``), so a
-        checkpoint taken just after a death is the same checkpoint."""
-        with self._lock:
-            handle, generation = self._handles[index], self._generations[index]
-        try:
-            return self._gather(handle, step)
-        except ZephonError:
-            raise  # the owner's own failure (its pipeline), named by it
-        except Exception:
-            self.replace(index, generation)  # alive after all: asked again; else replaced
-            return None
+        return self._parallel(one, owners)
 
     def _parallel(self, ask: Callable[[Any], _T], items: list[Any]) -> list[_T]:
         """``ask`` of every item, at most ``GATHER_THREADS`` at a time (owners answer in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -17,7 +18,7 @@ from zephon_flow.core.batches import VALID_FIELD, Batch, concat
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
-from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError, ZephonError
+from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError, UsageError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_choice
 from zephon_flow.engine import recipe
@@ -84,12 +85,8 @@ class OwnedLoader:
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
         self.spec, self._slice = spec, _rank_slice(spec, rank, world_size)
-        _check_prefetch(prefetch, keep)
-        check_choice(state_mode, "state_mode", STATE_MODES, owner="OwnedLoader")
-        # Recipes are written here, from the owners' full snapshots (refused at once, by name,
-        # for a pipeline whose buffers cannot be stored as recipes).
-        self._recipes = recipe.RecipeWriter(spec.compile()) if state_mode == "recipe" else None
-        plan_owners(spec.lanes, lane_owners)  # refused here, before Ray starts
+        _check_run(spec, lane_owners, prefetch, keep)  # refused here, before Ray starts
+        self._recipes = _recipe_writer(spec, state_mode)
         options = OwnerOptions(
             backend=backend,
             workers=workers,
@@ -107,8 +104,7 @@ class OwnedLoader:
         # next run is asked for, and asking moves its position on the owner there, so its
         # steps from ``prefetch - 1`` back stay held (``keep``); at most ``ahead``.
         self._run = max(1, min(prefetch - 1, ahead))
-        self._snapshot_every = snapshot_every
-        self.name = name or default_name(spec)
+        self._snapshot_every, self.name = snapshot_every, name or default_name(spec)
         self._start_coordinator(
             ray_address,
             owners=lane_owners,
@@ -287,6 +283,26 @@ class OwnedLoader:
         )
         return self._saved_form(state)
 
+    def save_checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> str:
+        """Writes the checkpoint at ``step`` (default: this rank's next) where it belongs: each
+        owner writes its own lanes' part (``<path>.parts/``) and the coordinator a small
+        manifest at ``path`` that names the parts and their sha256; ``zf.load_state(path)``
+        reads it as any checkpoint. No lane's state passes through this rank or the
+        coordinator. ``path`` must be on storage the owners and the coordinator see (a shared
+        file system on a cluster). Returns the manifest's absolute path. (Compact states
+        only: with ``state_mode="recipe"``, ``zf.save_state(loader.checkpoint(), path)``.)"""
+        if self._recipes is not None:
+            raise UsageError(
+                "OwnedLoader.save_checkpoint writes compact parts; with state_mode='recipe' use "
+                "zf.save_state(loader.checkpoint(), path)"
+            )
+        at = self._step if step is None else step
+        where = os.path.abspath(os.fspath(path))
+        written: str = self._ask_coordinator(
+            f"save_checkpoint(step={at})", self._coordinator.write_checkpoint.remote(at, where)
+        )
+        return written
+
     def _saved_form(self, state: LoaderState) -> LoaderState:
         """``state`` as this loader gives it: recipes with ``state_mode="recipe"``."""
         return state if self._recipes is None else self._recipes(state)
@@ -395,14 +411,23 @@ def _rank_slice(spec: LoaderSpec, rank: int, world_size: int) -> RankSlice:
     )
 
 
-def _check_prefetch(prefetch: int, keep: int) -> None:
-    """Refuses a ``prefetch`` the owners cannot hold: they keep ``keep`` steps behind a
-    rank's request."""
+def _check_run(spec: LoaderSpec, lane_owners: int, prefetch: int, keep: int) -> None:
+    """Refuses a number of owners ``spec``'s lanes cannot be dealt to, or a ``prefetch`` the
+    owners cannot hold: they keep ``keep`` steps behind a rank's request."""
+    plan_owners(spec.lanes, lane_owners)
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= keep + 1:
         raise SpecError(
             f"OwnedLoader: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
             f"`keep` steps behind a rank's request), got {prefetch!r}"
         )
+
+
+def _recipe_writer(spec: LoaderSpec, state_mode: str) -> recipe.RecipeWriter | None:
+    """What writes recipe states (``state_mode="recipe"``), here, from the owners' full
+    snapshots: refused at once, by name, for a pipeline whose buffers cannot be stored as
+    recipes; None for compact states."""
+    check_choice(state_mode, "state_mode", STATE_MODES, owner="OwnedLoader")
+    return recipe.RecipeWriter(spec.compile()) if state_mode == "recipe" else None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -31,7 +31,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.cluster.coordinator import OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
-from zephon_flow.core.checkpoint.store import save_state
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_int, check_seconds
@@ -558,11 +557,11 @@ class CoordinatorServer:
 
     def _write(self, step: int) -> str:
         assert self._checkpoint_dir is not None
-        state = self._ray.get(self._coordinator.checkpoint.remote(step))
         os.makedirs(self._checkpoint_dir, exist_ok=True)
-        path = os.path.join(self._checkpoint_dir, f"step-{step}.zfstate")
-        save_state(state, path)
-        return os.path.abspath(path)
+        path = os.path.abspath(os.path.join(self._checkpoint_dir, f"step-{step}.zfstate"))
+        # Each owner writes its lanes' part; the coordinator, the manifest that names them.
+        written: str = self._ray.get(self._coordinator.write_checkpoint.remote(step, path))
+        return written
 
     def _checkpoint(self, request: pb.CheckpointRequest, context: grpc.ServicerContext) -> pb.CheckpointReply:
         self._check_fingerprint(request.fingerprint, context)

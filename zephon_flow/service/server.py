@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import threading
 from collections import OrderedDict
@@ -70,6 +71,7 @@ def prune_checkpoints(directory: str, keep: int) -> list[str]:
     for path in doomed:
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
+        shutil.rmtree(path + ".parts", ignore_errors=True)  # a manifest's parts (lane owners)
     return doomed
 
 

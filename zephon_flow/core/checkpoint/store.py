@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import IO, Any
 
 from zephon_flow.core import files
-from zephon_flow.core.checkpoint import blob, framed_file
+from zephon_flow.core.checkpoint import blob, framed_file, manifest
 from zephon_flow.core.checkpoint.derived_fields import DerivedCodecs
 from zephon_flow.core.checkpoint.packed_segments import BUILTIN
 from zephon_flow.core.checkpoint.state import LoaderState
@@ -174,7 +174,10 @@ def save_state(
 
 def load_state(path: str | os.PathLike[str], *, codecs: DerivedCodecs = BUILTIN) -> LoaderState:
     """Reads a checkpoint file written by ``save_state`` lane by lane (following its bases, if
-    incremental); errors name the file."""
+    incremental), or the manifest of one written in parts by lane owners (its parts checked
+    against it); errors name the file."""
     name = os.fspath(path)
+    if manifest.is_manifest(name):
+        return manifest.read_manifest(name, lambda part: load_state(part, codecs=codecs))
     with open(name, "rb") as f:
         return _read(f, name, name, (), codecs)[0]
