@@ -34,8 +34,11 @@ which is off. Memory on this machine (24 GiB shared by several agents) caps the 
 lanes x 32 MB is about 2 GiB of state, held by the owners, by the coordinator, gathered again
 by a checkpoint and returned to the rank; keep the total state under about 1 GiB here.
 
-The measuring goes through one function, ``take_checkpoint``: when the owners write their own
-checkpoint parts, that is the one place to change, and the same command measures the new way.
+A checkpoint is taken through one function, ``take_checkpoint``, two ways: ``gather``
+(today's: ``checkpoint()`` brings every lane through the coordinator to the rank, then
+``zf.save_state``) and, where ``OwnedLoader.save_checkpoint`` exists, ``parts`` (each owner
+writes its lanes' part, the coordinator a manifest), each ``--repeats`` times with the same
+peaks measured.
 The last line printed is one JSON line with every number; the file ``--out`` holds the same.
 Timings are never asserted anywhere.
 """
@@ -229,27 +232,36 @@ def state_bytes(value: Any) -> int:
 
 
 # -- the measurement -------------------------------------------------------------------------
-def take_checkpoint(loader: Any, directory: str) -> tuple[Any, dict[str, Any]]:
-    """Today's way to checkpoint lane owners from a rank: ``checkpoint()`` gathers every lane
-    through the coordinator, ``zf.save_state`` writes it. Returns the state and the numbers
-    (the one place to change when the owners write their own parts)."""
+def take_checkpoint(loader: Any, directory: str, way: str) -> tuple[Any, dict[str, Any]]:
+    """A checkpoint of every lane from a rank, written to ``directory``, one of two ways:
+    ``gather``, ``checkpoint()`` (every lane through the coordinator to the rank) then
+    ``zf.save_state``; ``parts``, ``save_checkpoint(path)`` where the owners have it (each
+    owner writes its lanes' part, the coordinator a manifest). Returns the state (``gather``)
+    or None, and the numbers."""
     import zephon_flow as zf
 
+    path = os.path.join(directory, "checkpoint.zf")
     start = time.perf_counter()
-    state = loader.checkpoint()
-    gathered = time.perf_counter()
-    stats = zf.save_state(state, os.path.join(directory, "checkpoint.zf"))
+    state, stats = None, None
+    if way == "gather":
+        state = loader.checkpoint()
+        gathered = time.perf_counter()
+        stats = zf.save_state(state, path)
+    else:
+        loader.save_checkpoint(path)
+        gathered = start
     saved = time.perf_counter()
-    files = [p for p in Path(directory).iterdir() if p.is_file()]
+    files = [p for p in Path(directory).rglob("*") if p.is_file()]
     return state, {
+        "way": way,
         "checkpoint_seconds": gathered - start,
         "save_seconds": saved - gathered,
         "total_seconds": saved - start,
         "files": len(files),
         "bytes_on_disk": sum(p.stat().st_size for p in files),
-        "written": stats.written,
-        "uncompressed": stats.uncompressed,
-        "raw_bytes": stats.raw_bytes,
+        "written": None if stats is None else stats.written,
+        "uncompressed": None if stats is None else stats.uncompressed,
+        "raw_bytes": None if stats is None else stats.raw_bytes,
     }
 
 
@@ -303,17 +315,19 @@ def measure(spec: Any, args: argparse.Namespace, state_mb: int, directory: str) 
         store_at_rest = object_store_mib()
         owners = [memory(p) for p in ranks[0].owner_pids()]
 
+        ways = ["gather"] + (["parts"] if hasattr(ranks[0], "save_checkpoint") else [])
         checkpoints = []
-        for i in range(args.repeats):
-            where = os.path.join(directory, str(i))
-            os.makedirs(where)
-            with Peaks([coordinator, me]) as peaks:
-                state, numbers = take_checkpoint(ranks[0], where)
-            numbers["lane_state_bytes"] = state_bytes(state.lane_states)
-            del state
-            shutil.rmtree(where)
-            numbers.update(_peaks(peaks, coordinator, me))
-            checkpoints.append(numbers)
+        for way in ways:
+            for i in range(args.repeats):
+                where = os.path.join(directory, f"{way}-{i}")
+                os.makedirs(where)
+                with Peaks([coordinator, me]) as peaks:
+                    state, numbers = take_checkpoint(ranks[0], where, way)
+                numbers["lane_state_bytes"] = None if state is None else state_bytes(state.lane_states)
+                del state
+                shutil.rmtree(where)
+                numbers.update(_peaks(peaks, coordinator, me))
+                checkpoints.append(numbers)
 
         state_dicts = []
         for _ in range(args.repeats):
@@ -433,9 +447,13 @@ def main(argv: list[str] | None = None) -> int:
                 os.makedirs(directory)
                 result = measure(spec, args, state_mb, directory)
                 result["shuffle_buffer"] = buffer
-                if not args.no_loader:
-                    result["loader"] = measure_loader(spec, args, directory)
                 results.append(result)
+            # The references after every owners' run: the Loader's memory stays with this process.
+            for result in results if not args.no_loader else []:
+                spec = checkpoint_spec(
+                    path, lanes=args.lanes, batch=batch, seq_len=args.seq_len, buffer=result["shuffle_buffer"]
+                )
+                result["loader"] = measure_loader(spec, args, root)
                 print(json.dumps(_line(result)), flush=True)
         finally:
             disconnect_if_started(started)
@@ -455,7 +473,9 @@ def _most(values: Iterator[int | None]) -> int | None:
 def _line(result: dict[str, Any]) -> dict[str, Any]:
     """The headline numbers of one size: medians of the repeats' seconds, the largest peaks
     (MB are MiB)."""
-    cks, sds = result["checkpoints"], result["state_dicts"]
+    cks = [c for c in result["checkpoints"] if c["way"] == "gather"]
+    parts = [c for c in result["checkpoints"] if c["way"] == "parts"]
+    sds = result["state_dicts"]
 
     def mb(value: float) -> float:
         return round(value / MIB, 1)
@@ -484,7 +504,21 @@ def _line(result: dict[str, Any]) -> dict[str, Any]:
         "state_dict_mb": mb(sds[0]["lane_state_bytes"]),
         "state_dict_coordinator_peak_mb": mb(max(d["coordinator_peak_rss"] for d in sds)),
         "state_dict_rank_peak_mb": mb(max(d["rank_peak_rss"] for d in sds)),
+        **_parts_line(parts),
         **_loader_line(result.get("loader")),
+    }
+
+
+def _parts_line(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    if not parts:
+        return {}
+    return {
+        "parts_s": round(median(c["total_seconds"] for c in parts), 3),
+        "parts_files": parts[0]["files"],
+        "parts_written_mb": round(parts[0]["bytes_on_disk"] / MIB, 1),
+        "parts_coordinator_peak_mb": round(max(c["coordinator_peak_rss"] for c in parts) / MIB, 1),
+        "parts_store_most_mb": _most(c["object_store_mib"]["most"] for c in parts),
+        "parts_rank_peak_mb": round(max(c["rank_peak_rss"] for c in parts) / MIB, 1),
     }
 
 

@@ -65,7 +65,7 @@ def test_quick_checkpoint_run_measures_a_checkpoint_of_every_lane(
     (result,) = json.loads(out.read_text(encoding="utf-8"))["results"]
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # the one JSON line
     assert last["owners_checkpoint"][0]["lanes"] == 8
-    (checkpoint,) = result["checkpoints"]
+    (checkpoint,) = [c for c in result["checkpoints"] if c["way"] == "gather"]
     # 8 lanes, each a shuffle buffer of 1 MiB of 4 KB sequences: the state gathered is all of it.
     assert checkpoint["lane_state_bytes"] >= 8 * (1 << 20)
     assert checkpoint["files"] == 1 and checkpoint["bytes_on_disk"] == checkpoint["written"] > 0
@@ -74,6 +74,8 @@ def test_quick_checkpoint_run_measures_a_checkpoint_of_every_lane(
     assert checkpoint["coordinator_peak_rss"] > 0 and result["coordinator_at_rest"]["VmRSS"] > 0
     assert checkpoint["rank_peak_rss"] > 0 and result["owners_rss"] > 0
     # Rank 0 of 2 holds half the lanes in its state_dict.
+    for parts in [c for c in result["checkpoints"] if c["way"] == "parts"]:  # where it exists
+        assert parts["files"] >= 2 and parts["bytes_on_disk"] > 0
     loader = result["loader"]  # the embedded Loader's reference, every lane in one process
     assert loader["lane_state_bytes"] == checkpoint["lane_state_bytes"] and loader["written"] > 0
     (state_dict,) = result["state_dicts"]
