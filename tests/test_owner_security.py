@@ -203,7 +203,7 @@ def test_token_tls_and_requests_checked_before_any_work(
             assert server.table().generations == (0, 1)
             # --checkpoint-every 4: written once both ranks reported step 8 (every 8 steps).
             path = tmp_path / "ckpt" / "step-8.zfstate"
-            assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.zfstate"]
+            assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-8.zfstate", "step-8.zfstate.parts"]
             resumed = global_digests(spec, steps=4, world_size=2, state=zf.load_state(str(path)))
             assert resumed[:2] == reference[8:10]
         finally:

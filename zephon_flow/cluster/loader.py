@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
-import numpy as np
-
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import OwnerOptions
-from zephon_flow.core.batches import VALID_FIELD, Batch, concat
+from zephon_flow.core.batches import Batch, concat, has_sample
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
@@ -22,6 +21,7 @@ from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError,
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_choice
 from zephon_flow.engine import recipe
+from zephon_flow.engine.endsync import OwnersEndSync
 from zephon_flow.engine.options import STATE_MODES
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
@@ -133,6 +133,8 @@ class OwnedLoader:
             "join", self._coordinator.join.remote(self._slice.rank, self._slice.world_size, step)
         )
         self._finite = self.spec.compile().finite
+        self._end = OwnersEndSync(self._lives)
+        self._stopped = threading.Event()  # never set: the rank reads in its own thread
 
     @property
     def rank_slice(self) -> RankSlice:
@@ -251,9 +253,12 @@ class OwnedLoader:
 
     def _goes_on(self, step: int, parts: list[Batch]) -> bool:
         """As ``zf.Loader``: an endless pipeline always goes on; a finite one while any lane
-        (of any owner, asked only when this rank's rows are all padding) has a sample."""
-        if not self._finite or any(bool(np.any(p[VALID_FIELD])) for p in parts):
-            return True
+        has a sample (``OwnersEndSync``: this rank's first, else the owners are asked)."""
+        return not self._finite or self._end.any_rank(step, has_sample(parts), self._stopped)
+
+    def _lives(self, step: int) -> Iterator[bool]:
+        """Each owner's answer to whether its lanes have a real sample at ``step`` (a dead
+        owner is replaced and asked again)."""
         for owner in range(len(self._table.lanes)):
             while True:
                 generation = self._table.generations[owner]
@@ -264,9 +269,7 @@ class OwnedLoader:
                     continue
                 if live is not None:
                     break
-            if live:
-                return True
-        return False
+            yield bool(live)
 
     # -- state ---------------------------------------------------------------------------------
     @property

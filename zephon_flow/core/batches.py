@@ -177,3 +177,8 @@ def _mismatch_hint(first: np.ndarray, other: np.ndarray) -> str:
             "crop every sample to one length)"
         )
     return ""
+
+
+def has_sample(parts: list[Batch]) -> bool:
+    """Whether any of ``parts`` (rows of a step, padded in a finite pass) holds a real sample."""
+    return any(bool(np.any(p[VALID_FIELD])) for p in parts)

@@ -8,6 +8,8 @@ lanes have one and learns whether any rank's lanes do (an all-reduce of one bool
 - ``TorchEndSync``: the ranks' ``torch.distributed`` group (a gloo group of its own, so it works
   next to NCCL). The default when ``torch.distributed`` is initialised.
 - ``ThreadEndSync``: ranks that are loaders in one process (tests, simulations).
+- ``OwnersEndSync``: ranks that read lane owners (``OwnedLoader`` on Ray, ``Client`` of served
+  owners) ask the owners, which run every lane.
 - No agreement is needed when every rank runs every lane (one lane, or one rank).
 
 An agreement fails fast: a rank that fails, closes or dies makes every peer waiting on it raise
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -238,6 +241,21 @@ class TorchEndSync:
         return RankLostError(
             f"rank {self._rank} of {self._world}: the ranks could not agree on step {step}: {who} {how}"
         )
+
+
+class OwnersEndSync:
+    """The end of a finite pass for a rank that reads lane owners (on Ray, or served over
+    gRPC). Every lane runs on some owner, and an owner can say whether its lanes have a real
+    sample at a step (``LaneOwner.live``): a rank whose own rows have one goes on at once, and
+    otherwise asks the owners in turn until one says yes. No rank waits for another, so no
+    ranks need to enter it together. ``lives(step)`` yields each owner's answer, asking it
+    only when the one before said no."""
+
+    def __init__(self, lives: Callable[[int], Iterable[bool]]) -> None:
+        self._lives = lives
+
+    def any_rank(self, step: int, local: bool, stop: threading.Event) -> bool:
+        return local or any(self._lives(step))
 
 
 def _first_sentence(error: BaseException) -> str:

@@ -27,11 +27,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from zephon_flow.core.batches import VALID_FIELD
+from zephon_flow.core.batches import has_sample
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.retry import Backoff
+from zephon_flow.engine.endsync import OwnersEndSync
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
 from zephon_flow.service.rpc import unary_call
@@ -376,17 +377,14 @@ class OwnerFanIn:
                     owner = self._replace(owner, step, exc)
         raise AssertionError("unreachable")
 
-    def _live(self, step: int) -> bool:
-        """Whether any owner's lanes have a real sample at ``step`` (a finite pass goes on)."""
+    def _lives(self, step: int) -> Iterator[bool]:
+        """Each owner's answer to whether its lanes have a real sample at ``step``."""
         reply = self.table()
         for entry in reply.owners:
             with open_channel(entry.address, self.root_certificates, self.channel_options) as channel:
                 call = unary_call(channel, _METHOD + "Live", lo.LiveRequest, lo.LiveReply)
-                if self._unary(
-                    call, lo.LiveRequest(step=step), f"Live(step={step})", f"lane owner at {entry.address}"
-                ).live:
-                    return True
-        return False
+                where = f"lane owner at {entry.address}"
+                yield bool(self._unary(call, lo.LiveRequest(step=step), f"Live(step={step})", where).live)
 
     def batches(self, start_step: int, as_torch: bool) -> Iterator[tuple[int, Any]]:
         """This rank's batches from ``start_step``; ends when the data ends or at ``close()``."""
@@ -398,12 +396,13 @@ class OwnerFanIn:
     def _batches(self, start_step: int, as_torch: bool) -> Iterator[tuple[int, Any]]:
         owners = self._owners(self.table())
         finite = bool(self.table().finite)
+        end, stopped = OwnersEndSync(self._lives), threading.Event()  # the rank's own thread reads
         step = start_step
         while True:
             shares = [self._share(o, step) for o in owners]
             owners = [o for o, _ in shares]
             parts = [part for _, part in shares]
-            if finite and not any(bool(np.any(p[VALID_FIELD])) for p in parts) and not self._live(step):
+            if finite and not end.any_rank(step, has_sample(parts), stopped):
                 return
             batch = (
                 parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
