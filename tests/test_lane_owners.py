@@ -688,3 +688,30 @@ def test_owners_write_their_parts_and_a_manifest_that_load_state_reads(
         pytest.raises(UsageError, match=r"save_checkpoint writes compact parts"),
     ):
         loader.save_checkpoint(tmp_path / "r.zfstate")
+
+
+def test_owners_write_incremental_parts_on_an_earlier_checkpoint(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+) -> None:
+    from zephon_flow.core.errors import StateError
+
+    first, later = tmp_path / "step-4.zfstate", tmp_path / "step-5.zfstate"
+    with OwnedLoader(spec, lane_owners=2, name=f"test-{uuid.uuid4().hex[:8]}") as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        loader.save_checkpoint(first)
+        next(it)
+        loader.save_checkpoint(later, base=first)
+        with pytest.raises(StateError, match=r"its base .*nowhere.zfstate does not exist"):
+            loader.save_checkpoint(tmp_path / "x.zfstate", base=tmp_path / "nowhere.zfstate")
+        full = tmp_path / "full-5.zfstate"
+        loader.save_checkpoint(full, step=5)
+
+    def part_bytes(manifest: Any) -> int:
+        return sum(p.stat().st_size for p in (tmp_path / f"{manifest.name}.parts").iterdir())
+
+    assert part_bytes(later) < part_bytes(full)  # a step moves a few records of each lane
+    state = zf.load_state(later)
+    assert encode_state(state) == encode_state(zf.load_state(full))
+    assert global_digests(spec, steps=2, world_size=2, state=state) == reference[5:7]

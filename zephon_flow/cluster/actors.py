@@ -143,15 +143,18 @@ class OwnerActor:
             return None
         return {lane: snaps[lane] for lane in lanes}, self._owner.mix_history()
 
-    def write_part(self, step: int, manifest_path: str, index: int) -> Part | None:
+    def write_part(self, step: int, manifest_path: str, index: int, base: str | None = None) -> Part | None:
         """Writes its lanes' snapshots at ``step`` as part ``index`` of the checkpoint whose
-        manifest is ``manifest_path`` (None while it does not hold that step)."""
+        manifest is ``manifest_path`` (None while it does not hold that step); with ``base``
+        (an earlier manifest), only what changed since its part of the same index."""
         snaps = self._owner.snapshot(step)
         if snaps is None:
             return None
         spec = self._owner.spec
         state = LoaderState(step, spec.lanes, dict(spec.fingerprint), snaps, self._owner.mix_history())
-        return manifest.write_part(state, manifest_path, index, save_state)
+        return manifest.write_part(
+            state, manifest_path, index, lambda st, path, on: save_state(st, path, base=on), base=base
+        )
 
     def status(self) -> dict[str, Any]:
         return self._owner.status()
@@ -368,14 +371,15 @@ class CoordinatorActor:
     def positions(self) -> dict[int, int]:
         return self._coordinator.positions()
 
-    def write_checkpoint(self, step: int, path: str) -> str:
+    def write_checkpoint(self, step: int, path: str, base: str | None = None) -> str:
         """Has every owner write its lanes' part of the checkpoint at ``step`` next to ``path``
-        (``<path>.parts/``), then writes the manifest that names them at ``path``."""
+        (``<path>.parts/``; with ``base``, an earlier manifest, incrementally on its parts),
+        then writes the manifest that names them at ``path``."""
         ray = _ray()
 
         def ask(index: int, handle: Any) -> Part | None:
             try:
-                part: Part | None = ray.get(handle.write_part.remote(step, path, index), timeout=120)
+                part: Part | None = ray.get(handle.write_part.remote(step, path, index, base), timeout=120)
             except ray.exceptions.RayTaskError as exc:
                 cause = getattr(exc, "cause", None)
                 if isinstance(cause, ZephonError):

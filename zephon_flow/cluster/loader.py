@@ -17,7 +17,14 @@ from zephon_flow.core.batches import Batch, concat, has_sample
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
-from zephon_flow.core.errors import CoordinatorLostError, OwnerError, SpecError, UsageError, ZephonError
+from zephon_flow.core.errors import (
+    CoordinatorLostError,
+    OwnerError,
+    SpecError,
+    StateError,
+    UsageError,
+    ZephonError,
+)
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_choice
 from zephon_flow.engine import recipe
@@ -286,14 +293,22 @@ class OwnedLoader:
         )
         return self._saved_form(state)
 
-    def save_checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> str:
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        step: int | None = None,
+        *,
+        base: str | os.PathLike[str] | None = None,
+    ) -> str:
         """Writes the checkpoint at ``step`` (default: this rank's next) where it belongs: each
         owner writes its own lanes' part (``<path>.parts/``) and the coordinator a small
         manifest at ``path`` that names the parts and their sha256; ``zf.load_state(path)``
         reads it as any checkpoint. No lane's state passes through this rank or the
         coordinator. ``path`` must be on storage the owners and the coordinator see (a shared
-        file system on a cluster). Returns the manifest's absolute path. (Compact states
-        only: with ``state_mode="recipe"``, ``zf.save_state(loader.checkpoint(), path)``.)"""
+        file system on a cluster). With ``base`` (an earlier checkpoint's manifest) each part
+        holds only what changed since that checkpoint's part (load it with its base next to
+        it). Returns the manifest's absolute path. (Compact states only: with
+        ``state_mode="recipe"``, ``zf.save_state(loader.checkpoint(), path)``.)"""
         if self._recipes is not None:
             raise UsageError(
                 "OwnedLoader.save_checkpoint writes compact parts; with state_mode='recipe' use "
@@ -301,8 +316,11 @@ class OwnedLoader:
             )
         at = self._step if step is None else step
         where = os.path.abspath(os.fspath(path))
+        on = None if base is None else os.path.abspath(os.fspath(base))
+        if on is not None and not os.path.exists(on):
+            raise StateError(f"save_checkpoint: its base {on} does not exist (give an earlier manifest)")
         written: str = self._ask_coordinator(
-            f"save_checkpoint(step={at})", self._coordinator.write_checkpoint.remote(at, where)
+            f"save_checkpoint(step={at})", self._coordinator.write_checkpoint.remote(at, where, on)
         )
         return written
 

@@ -51,15 +51,27 @@ def sha256_of(path: str) -> str:
     return digest.hexdigest()
 
 
+def part_path(manifest: str, index: int) -> str:
+    """Where part ``index`` of the checkpoint whose manifest is ``manifest`` is written."""
+    return os.path.join(manifest + ".parts", f"part-{index}.zfstate")
+
+
 def write_part(
-    state: LoaderState, manifest: str, index: int, save: Callable[[LoaderState, str], Any]
+    state: LoaderState,
+    manifest: str,
+    index: int,
+    save: Callable[[LoaderState, str, str | None], Any],
+    *,
+    base: str | None = None,
 ) -> Part:
-    """Writes ``state`` (some lanes of a checkpoint) with ``save`` as part ``index`` of the
-    checkpoint whose manifest will be ``manifest``; returns what the manifest records of it."""
-    folder = manifest + ".parts"
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"part-{index}.zfstate")
-    save(state, path)
+    """Writes ``state`` (some lanes of a checkpoint) with ``save(state, path, base)`` as part
+    ``index`` of the checkpoint whose manifest will be ``manifest``; with ``base`` (an earlier
+    manifest) the part holds only what changed since that checkpoint's part of the same index,
+    when there is one. Returns what the manifest records of it."""
+    path = part_path(manifest, index)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    earlier = None if base is None else part_path(base, index)
+    save(state, path, earlier if earlier is not None and os.path.exists(earlier) else None)
     where = os.path.dirname(os.path.abspath(manifest))
     return Part(os.path.relpath(path, where), sha256_of(path), tuple(sorted(state.lane_states)))
 
