@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from zephon_flow.core.batches import SampleLayout
@@ -15,7 +15,7 @@ from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.dofns import DoFnLaneState, StatefulInvoker, dofn_errors, dofn_seed
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.segment import Skipped
-from zephon_flow.runners.streams import SourceStream
+from zephon_flow.runners.streams import START_CHUNKS, SourceStream
 
 #: Called once per record dropped by ``on_error="skip"``: (source index, the error's message).
 SkipHook = Callable[[int, str], None]
@@ -123,10 +123,11 @@ class LaneFeed:
                     before.sources[index] = at
                 return FedRecord(taken.result, start, index, before, after, taken.doc)
 
-    def prime(self) -> None:
-        """Submits each source's first chunk now, so lanes start their stateless work together."""
+    def prime(self, chunks: int = START_CHUNKS) -> None:
+        """Submits each source's first ``chunks`` chunks now, so lanes start their stateless
+        work together."""
         for stream in self._streams:
-            stream.prime()
+            stream.prime(chunks)
 
     def close(self) -> None:
         for stream in self._streams:
@@ -339,8 +340,18 @@ class LaneRunner:
             layout=self._layout,
         )
 
-    def prime(self) -> None:
-        self._feed.prime()
+    def prime(self, chunks: int = START_CHUNKS) -> None:
+        self._feed.prime(chunks)
 
     def close(self) -> None:
         self._feed.close()
+
+
+def prime_lanes(runners: Sequence[LaneRunner]) -> None:
+    """Starts the lanes' stateless work breadth first: every lane's first chunk of each source
+    before any lane's second, so the first step (which needs every lane) is not queued behind
+    the first lane's read-ahead. The order chunks are submitted in changes no byte."""
+    for runner in runners:
+        runner.prime(1)
+    for runner in runners:
+        runner.prime()

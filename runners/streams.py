@@ -300,12 +300,16 @@ class SourceStream:
     def _deliver(self, seq: int, future: Future[ChunkResult]) -> None:
         self._reorder.put(seq, _result(future))
 
-    def prime(self) -> None:
-        """Submits the first chunk now, so lanes and sources start their stateless work together."""
-        self._top_up()
+    def prime(self, chunks: int = START_CHUNKS) -> None:
+        """Submits its first ``chunks`` chunks now (at most its start budget), so lanes and
+        sources start their stateless work together (``prime_lanes``: every lane's first
+        chunk before any lane's second)."""
+        self._top_up(chunks)
 
-    def _top_up(self) -> None:
+    def _top_up(self, limit: int | None = None) -> None:
         budget = min(self._depth, START_CHUNKS + self._taken)
+        if limit is not None:
+            budget = min(budget, limit)
         while self._error is None and self._reorder.in_flight() < budget:
             try:
                 if not self._submit_one():

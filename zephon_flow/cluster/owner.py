@@ -28,6 +28,7 @@ from zephon_flow.engine.hold import StepHold
 from zephon_flow.engine.loader import LaneStart, apply_mix_change, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
+from zephon_flow.runners.lane import prime_lanes
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
 
@@ -181,8 +182,7 @@ class LaneOwner:
 
     def _produce(self) -> None:
         try:
-            for runner in self._runners:
-                runner.prime()
+            prime_lanes(self._runners)
             while True:
                 with self._cond:
                     while not self._hold.has_room() or self._fenced():

@@ -34,7 +34,7 @@ from zephon_flow.operators.mix import Mix, Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.backends.processes import can_fork, start_worker_server
-from zephon_flow.runners.lane import LaneRunner, SkipHook
+from zephon_flow.runners.lane import LaneRunner, SkipHook, prime_lanes
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
@@ -339,8 +339,7 @@ class Loader:
         step = self._step
         before = self._last.checks  # the state the next windows complete
         try:
-            for lane in self._lanes:
-                lane.prime()
+            prime_lanes(self._lanes)
             while not self._stop.is_set():
                 with self._mix_lock:  # from here on a mixture change at ``step`` is refused
                     self._begun = step + 1

@@ -14,7 +14,7 @@ from zephon_flow.core.errors import ResumeMismatchError, SpecError
 from zephon_flow.engine.loader import build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.backends import make_backend
-from zephon_flow.runners.lane import LaneRunner
+from zephon_flow.runners.lane import LaneRunner, prime_lanes
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
 #: A lane's verdict: its first window is the recorded one, is not, or cannot be told.
@@ -62,8 +62,7 @@ def verify_state(
             spec, plan, backend_, start, chunk_records=CHUNK_RECORDS, depth=8, on_skip=_ignore
         )
         try:
-            for runner in runners:
-                runner.prime()
+            prime_lanes(runners)
             verdicts = [_verdict(runner, start.lanes[runner.lane], loaded.step) for runner in runners]
         finally:
             for runner in runners:
