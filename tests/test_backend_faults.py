@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import pytest
 from helpers import chain_spec, run_batches, write_jsonl
 
 import zephon_flow as zf
+from zephon_flow.core.clock import ManualClock
 from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 
 TARGET = 17
@@ -32,7 +34,9 @@ class Fault(beam.DoFn):  # type: ignore[misc]
     """Passes ``{"n": n}`` through; on record ``TARGET`` misbehaves as ``mode`` says.
 
     ``once-*`` modes misbehave only the first time (a marker file in ``marker_dir`` remembers),
-    so a retry on a new worker succeeds.
+    so a retry on a new worker succeeds. ``hang`` and ``hold`` first leave the marker
+    ``stuck`` (holding the pid of the process running the call); ``hold`` then waits until the
+    test leaves ``released``.
     """
 
     def __init__(self, mode: str, marker_dir: str) -> None:
@@ -51,11 +55,45 @@ class Fault(beam.DoFn):  # type: ignore[misc]
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode.endswith("exit"):
                 os._exit(3)
+            if self.mode in ("hang", "hold"):  # "stuck" holds the pid, whole once it exists
+                Path(self.marker_dir, "stuck.part").write_text(str(os.getpid()))
+                Path(self.marker_dir, "stuck.part").rename(Path(self.marker_dir, "stuck"))
             if self.mode == "hang":
                 time.sleep(3600)
-            if self.mode == "slow":
-                time.sleep(1.5)
+            if self.mode == "hold":
+                wait_for(Path(self.marker_dir, "released").exists)
         yield {"n": np.int64(n)}
+
+
+def wait_for(happened: Callable[[], bool], seconds: float = 30.0) -> None:
+    """Polls until ``happened()`` (an event, never time itself), failing after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not happened():
+        assert time.monotonic() < deadline, f"still waiting for {happened}"
+        time.sleep(0.01)
+
+
+class CountingClock(ManualClock):
+    """A manual clock that counts its readings, so that a test knows the loader looked at it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def now(self) -> float:
+        self.reads += 1
+        return super().now()
+
+    def jump(self, seconds: float) -> None:
+        """Moves ``seconds`` on, and returns once the deadlines were read since, twice (a jump
+        of 0 wakes them again): what the first reading decided is done."""
+        for step in (seconds, 0.0):
+            seen = self.reads
+            self.advance(step)
+            wait_for(self._read_since(seen))
+
+    def _read_since(self, seen: int) -> Callable[[], bool]:
+        return lambda: self.reads > seen
 
 
 class Inflate(beam.DoFn):  # type: ignore[misc]
@@ -127,17 +165,47 @@ def test_a_record_that_kills_every_worker_fails_naming_worker_lane_operator_and_
     assert "BrokenProcessPool" not in text
 
 
+def _consume(loader: zf.Loader, failed: list[BaseException]) -> threading.Thread:
+    """A thread reading ``loader`` to its end (then closing it), its error put in ``failed``."""
+
+    def run() -> None:
+        try:
+            with loader:
+                for _ in loader:
+                    pass
+        except BaseException as exc:
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("backend", ["processes", "threads"])
 def test_a_stuck_call_is_named_and_its_worker_killed(tmp_path: Path, backend: str) -> None:
+    # chunk_timeout is read on the loader's clock: once the call is stuck, the test moves the
+    # clock past it, and nothing sleeps (a backend on the system's time would wait 1000 s).
+    # One worker: the stuck call is the only one running when the clock jumps.
     spec = _spec(tmp_path, "hang")
     before = _descendants()
-    started = time.monotonic()
-    with pytest.raises(
-        ChunkTimeoutError, match=r"chunk_timeout=1 s in DoFn 'fault' on the record at .*docs\.jsonl"
-    ):
-        run_batches(spec, backend=backend, workers=2, chunk_records=4, chunk_timeout=1.0)
-    assert time.monotonic() - started < 30
+    clock = CountingClock()
+    loader = zf.Loader(spec, backend=backend, workers=1, chunk_records=4, chunk_timeout=1000.0, clock=clock)
+    failed: list[BaseException] = []
+    consumer = _consume(loader, failed)
+    wait_for((tmp_path / "stuck").exists)
+    clock.jump(990.0)
+    assert consumer.is_alive() and not failed, f"timed out before chunk_timeout: {failed}"
+    if backend == "processes":  # killed at the first reading past the deadline, so not yet
+        stuck = psutil.Process(int((tmp_path / "stuck").read_text()))
+        assert stuck.is_running() and stuck.status() != "zombie", "the worker was killed before chunk_timeout"
+    clock.advance(20.0)
+    consumer.join(timeout=30)
+    assert not consumer.is_alive(), "the stuck call was not timed out"
+    assert len(failed) == 1 and isinstance(failed[0], ChunkTimeoutError), failed
+    assert re.search(
+        r"chunk_timeout=1000 s in DoFn 'fault' on the record at .*docs\.jsonl byte 245", str(failed[0])
+    ), failed[0]
     if backend == "processes":
         _wait_gone(_descendants() - before - _multiprocessing_services())
 
@@ -149,7 +217,7 @@ def test_close_returns_within_seconds_while_a_call_hangs(tmp_path: Path, backend
     loader = zf.Loader(spec, backend=backend, workers=2, chunk_records=4)
     consumer = threading.Thread(target=lambda: [None for _ in loader], daemon=True)
     consumer.start()
-    time.sleep(1.0)  # the call on record TARGET is stuck by now
+    wait_for((tmp_path / "stuck").exists)  # the call on record TARGET is stuck
     started = time.monotonic()
     loader.close()
     assert time.monotonic() - started < 5
@@ -157,18 +225,38 @@ def test_close_returns_within_seconds_while_a_call_hangs(tmp_path: Path, backend
     assert not consumer.is_alive()
 
 
+@pytest.mark.timeout(60)
 def test_the_inline_backend_logs_a_call_past_its_deadline(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    spec = _spec(tmp_path, "slow")
+    # The call on record TARGET holds until the warning is logged, which takes the loader's
+    # clock moved past chunk_timeout: no real time passes.
+    expected = _ns(run_batches(_spec(tmp_path, "none")))
+    clock = CountingClock()
+    got: list[dict[str, np.ndarray]] = []
+
+    def warned() -> bool:
+        return any(
+            "more than chunk_timeout=1000 s in DoFn 'fault' on the record at" in r.getMessage()
+            and "cannot interrupt" in r.getMessage()
+            for r in caplog.records
+        )
+
     with caplog.at_level(logging.WARNING, logger="zephon_flow"):
-        got = _ns(run_batches(spec, chunk_records=4, chunk_timeout=0.5))
-    assert got == _ns(run_batches(_spec(tmp_path, "none")))
-    messages = [r.getMessage() for r in caplog.records]
-    assert any(
-        "more than chunk_timeout=0.5 s in DoFn 'fault' on the record at" in m and "cannot interrupt" in m
-        for m in messages
-    ), messages
+        spec = _spec(tmp_path, "hold")
+        consumer = threading.Thread(
+            target=lambda: got.extend(run_batches(spec, chunk_records=4, chunk_timeout=1000.0, clock=clock)),
+            daemon=True,
+        )
+        consumer.start()
+        wait_for((tmp_path / "stuck").exists)
+        clock.jump(990.0)
+        assert not warned(), "logged before chunk_timeout"
+        clock.advance(20.0)
+        wait_for(warned)
+        (tmp_path / "released").touch()
+        consumer.join(timeout=30)
+    assert _ns(got) == expected
 
 
 def test_chunk_timeout_must_be_positive(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from helpers import Corpus, chain_spec, example_spec, run_batches, write_jsonl
 from service_helpers import rank_digests
+from test_backend_faults import CountingClock, wait_for
 
 import zephon_flow as zf
 from zephon_flow.cli import main
@@ -56,6 +58,7 @@ class Fault(beam.DoFn):  # type: ignore[misc]
             if self.mode == "raise":
                 raise ValueError(f"record {n} is cursed")
             if self.mode == "hang":
+                Path(self.marker_dir, "stuck").touch()
                 time.sleep(3600)
         yield {"n": np.int64(n)}
 
@@ -310,13 +313,32 @@ def test_an_actor_that_dies_on_a_record_is_replaced_and_the_chunk_rerun(
 
 @pytest.mark.timeout(120)
 def test_a_stuck_call_is_named_and_its_actor_killed(tmp_path: Path, ray_cluster: None) -> None:
+    # chunk_timeout is read on the loader's clock, which the test moves past it once the call
+    # is stuck (one actor: the only call running then); nothing sleeps.
     spec = _spec(tmp_path, Fault("hang", str(tmp_path)))
-    started = time.monotonic()
-    with pytest.raises(ChunkTimeoutError) as info:
-        run_batches(spec, backend="ray", workers=2, chunk_records=4, chunk_timeout=1.0)
-    assert time.monotonic() - started < 30
-    text = str(info.value)
-    assert "chunk_timeout=1 s in DoFn 'fault' on the record at " in text
+    clock = CountingClock()
+    loader = zf.Loader(spec, backend="ray", workers=1, chunk_records=4, chunk_timeout=1000.0, clock=clock)
+    failed: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            with loader:
+                for _ in loader:
+                    pass
+        except BaseException as exc:
+            failed.append(exc)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    wait_for((tmp_path / "stuck").exists, seconds=60)
+    clock.jump(990.0)
+    assert consumer.is_alive() and not failed, f"timed out before chunk_timeout: {failed}"
+    clock.advance(20.0)
+    consumer.join(timeout=30)
+    assert not consumer.is_alive(), "the stuck call was not timed out"
+    assert len(failed) == 1 and isinstance(failed[0], ChunkTimeoutError), failed
+    text = str(failed[0])
+    assert "chunk_timeout=1000 s in DoFn 'fault' on the record at " in text
     assert "docs40.jsonl byte 245, via ReadJsonl('src')" in text
     assert "Ray actor " in text and "was killed and replaced" in text
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from zephon_flow.core.clock import Clock
 from zephon_flow.core.errors import WorkerLostError
 from zephon_flow.runners.segment import Chunk, Failure, RecordResult
 
@@ -50,6 +52,9 @@ class Task:
     future: Future[ChunkResult]
     lane: int
     deaths: list[str] = field(default_factory=list)
+    #: The clock's ``skew`` when it was last sent to a worker: its start stamp plus this is on
+    #: the backend's clock.
+    skew: float = 0.0
 
 
 def settle(future: Future[ChunkResult], result: ChunkResult) -> None:
@@ -91,6 +96,15 @@ def to_front(pending: deque[Any], future: Future[ChunkResult]) -> None:
                 del pending[i]
                 pending.appendleft(task)
             return
+
+
+def skew(clock: Clock) -> float:
+    """``clock``'s reading less the system's monotonic time, now. A worker process or a Ray
+    actor stamps the start of its call on the system's time (the one clock processes share);
+    that stamp plus the skew taken as the call was sent is on ``clock``: the stamp itself on
+    the system's clock, the time of sending plus the real seconds until the start on a
+    test's ``ManualClock``."""
+    return clock.now() - time.monotonic()
 
 
 H = TypeVar("H")

@@ -23,6 +23,7 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ChunkTimeoutError, WorkerLostError
 from zephon_flow.runners.backends import oob
 from zephon_flow.runners.backends.base import (
@@ -31,6 +32,7 @@ from zephon_flow.runners.backends.base import (
     breadth_first,
     record_death,
     settle,
+    skew,
     to_front,
 )
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
@@ -288,13 +290,26 @@ class ProcessBackend:
     the workers are doing. Workers never outlive the process that started them: each watches a
     pipe only the parent writes to and, on Linux, asks for SIGKILL when the forkserver (its
     parent, which exits with ours) dies.
+
+    ``chunk_timeout`` is measured on ``clock``: a worker stamps a chunk's start on the system's
+    time (the one clock processes share), carried onto ``clock`` by the ``skew`` taken as the
+    chunk was sent, and the dispatcher looks again at once when ``clock`` jumps. Waits for
+    processes to exit (``close``, a killed worker) stay on real time: a process takes real
+    time to die.
     """
 
-    def __init__(self, segment: FrontSegment, workers: int, *, chunk_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        segment: FrontSegment,
+        workers: int,
+        *,
+        chunk_timeout: float = 300.0,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         self._segment = segment
         self._payload = pickler.dumps(segment)
         self._sys_path = list(sys.path)
-        self._timeout = chunk_timeout
+        self._timeout, self._clock = chunk_timeout, clock
         self._ctx = _context()
         self._alive_r, self._alive_w = self._ctx.Pipe(duplex=False)
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
@@ -324,6 +339,7 @@ class ProcessBackend:
             ) from exc
         for worker in self._workers:
             _start_sender(worker)
+        self._unwatch = clock.on_move(self._wake)
         self._thread = threading.Thread(target=self._dispatch, name="zephon-workers", daemon=True)
         self._thread.start()
 
@@ -356,13 +372,14 @@ class ProcessBackend:
             if self._closing:
                 return
             self._closing = True
+        self._unwatch()
         self._wake()
         self._thread.join(timeout=CLOSE_GRACE)
         for worker in self._workers:
             worker.outbox.put(ForkingPickler.dumps(None))
             worker.outbox.put(None)
         self._alive_w.close()  # every worker's watchdog sees EOF and exits
-        deadline = time.monotonic() + CLOSE_GRACE
+        deadline = time.monotonic() + CLOSE_GRACE  # real time: the processes must really exit
         for worker in self._workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
         for worker in self._workers:
@@ -519,6 +536,7 @@ class ProcessBackend:
             except Exception as exc:
                 settle(task.future, Failure.of(exc, f"a chunk cannot be sent to a worker: {exc}"))
                 continue
+            task.skew = skew(self._clock)
             worker.outbox.put(data)
             worker.tasks[task.id] = task
 
@@ -611,17 +629,28 @@ class ProcessBackend:
             why = f"{note}, and a worker to replace it cannot be started: {_why_no_start(exc)}"
             self._break(Failure.of(WorkerLostError(why)), cannot_start=why)
 
+    def _started(self, worker: _Worker) -> tuple[Task | None, float]:
+        """The chunk the worker is running (if any) and when it started, on the clock."""
+        task = worker.tasks.get(int(worker.progress[_TASK]))
+        if task is None:
+            return None, 0.0
+        return task, float(worker.progress[_STARTED]) + task.skew
+
     def _next_deadline(self) -> float | None:
-        starts = [float(w.progress[_STARTED]) for w in self._workers if w.progress[_TASK] != _IDLE]
+        """Real seconds until the dispatcher next reads the clock (a jump wakes it sooner)."""
+        starts = [started for task, started in map(self._started, self._workers) if task is not None]
         if not starts:
             return 1.0  # progress is not pushed: look again soon
-        return max(0.01, min(min(starts) + self._timeout - time.monotonic(), 1.0))
+        return max(0.01, min(min(starts) + self._timeout - self._clock.now(), 1.0))
 
     def _check_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self._clock.now()
         for worker in list(self._workers):
-            task, where = self._running(worker)
-            if task is None or now - worker.progress[_STARTED] <= self._timeout:
+            task, started = self._started(worker)
+            if task is None or now - started <= self._timeout:
+                continue
+            running, where = self._running(worker)
+            if running is not task:  # it finished meanwhile
                 continue
             worker.process.kill()
             message = (

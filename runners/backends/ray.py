@@ -17,6 +17,7 @@ from typing import Any
 
 from apache_beam.internal import pickler
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ChunkTimeoutError
 from zephon_flow.runners import ray_env
 from zephon_flow.runners.backends import oob
@@ -26,6 +27,7 @@ from zephon_flow.runners.backends.base import (
     breadth_first,
     record_death,
     settle,
+    skew,
     to_front,
 )
 from zephon_flow.runners.segment import Chunk, Failure, FrontSegment
@@ -125,7 +127,7 @@ class _Actor:
     handle: Any  # a Ray ActorHandle
     #: Calls sent to it, in the order it runs them: the first is running (or next to run).
     calls: deque[_Call] = field(default_factory=deque)
-    #: ``time.monotonic()`` when the chunk it runs could start (a lower bound of its start).
+    #: When the chunk it runs could start (a lower bound of its start), on the backend's clock.
     head_since: float = 0.0
     pid: int | None = None
     dead: bool = False
@@ -152,6 +154,11 @@ class RayBackend:
     ``WorkerLostError`` naming the lane and the records; a chunk past ``chunk_timeout`` fails
     with ``ChunkTimeoutError`` naming the DoFn and the record, and its actor is killed and
     replaced. ``close`` returns within seconds whatever the actors are doing.
+
+    ``chunk_timeout`` is measured on ``clock``: an actor reports how long its chunk has run on
+    the system's time, carried onto ``clock`` by the ``skew`` taken as the chunk was sent, and
+    the dispatcher looks again at once when ``clock`` jumps. Waits on Ray itself (``close``,
+    a probe's answer) stay on real time.
     """
 
     def __init__(
@@ -161,13 +168,14 @@ class RayBackend:
         *,
         chunk_timeout: float = 300.0,
         ray_address: str | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._ray = ray_env.require_ray(FEATURE)
         self._address = ray_address
         self._started_ray = ray_env.connect(FEATURE, ray_address, num_cpus=max(workers, os.cpu_count() or 1))
         try:
             self._segment = segment
-            self._timeout = chunk_timeout
+            self._timeout, self._clock = chunk_timeout, clock
             self._payload = self._ray.put(pickler.dumps(segment))
             self._sys_path = list(sys.path)
             self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -181,6 +189,7 @@ class RayBackend:
         except BaseException:
             ray_env.disconnect_if_started(self._started_ray)
             raise
+        self._unwatch = clock.on_move(lambda: self._events.put(("wake",)))
         self._thread = threading.Thread(target=self._dispatch, name="zephon-ray", daemon=True)
         self._thread.start()
 
@@ -210,6 +219,7 @@ class RayBackend:
             if self._closing:
                 return
             self._closing = True
+        self._unwatch()
         self._events.put(("wake",))
         self._thread.join(timeout=CLOSE_GRACE)
         self._stop_actors()
@@ -291,6 +301,8 @@ class RayBackend:
             bundle = self._bundle()
             if not bundle:
                 return
+            for task in bundle:  # before it is sent: it may start at once
+                task.skew = skew(self._clock)
             try:
                 sent = pickle.dumps([(t.id, oob.pack_chunk(t.chunk)) for t in bundle], _PROTOCOL)
                 ref = actor.handle.run.remote(sent)
@@ -300,7 +312,7 @@ class RayBackend:
                 continue
             call = _Call(bundle)
             if not actor.calls:
-                actor.head_since = time.monotonic()
+                actor.head_since = self._clock.now()
             actor.calls.append(call)
             ref.future().add_done_callback(
                 lambda done, actor=actor, call=call: self._events.put(("done", actor, call, done))
@@ -354,7 +366,7 @@ class RayBackend:
             actor.calls.clear()
             return
         if actor.calls[0] is call:
-            actor.head_since = time.monotonic()
+            actor.head_since = self._clock.now()
         actor.calls.remove(call)
         for task, result in zip(call.tasks, results, strict=True):
             settle(task.future, result)
@@ -409,13 +421,14 @@ class RayBackend:
         self._actors.append(self._start_actor())
 
     def _next_check(self) -> float:
+        """Real seconds until the dispatcher next reads the clock (a jump wakes it sooner)."""
         heads = [a.head_since for a in self._actors if a.calls]
         if not heads:
             return 1.0
-        return max(0.01, min(min(heads) + self._timeout - time.monotonic(), 1.0))
+        return max(0.01, min(min(heads) + self._timeout - self._clock.now(), 1.0))
 
     def _check_deadlines(self) -> None:
-        now = time.monotonic()
+        now = self._clock.now()
         for actor in list(self._actors):
             if not actor.calls or now - actor.head_since <= self._timeout:
                 continue
@@ -437,6 +450,7 @@ class RayBackend:
             if running is None:  # not started yet, or between chunks: look again later
                 actor.head_since = now
                 continue
+            ran = now - (time.monotonic() - ran + running.skew)  # on the clock (see skew)
             if ran <= self._timeout:
                 actor.head_since = now - ran
                 continue

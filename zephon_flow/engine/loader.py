@@ -18,6 +18,7 @@ from zephon_flow.core.batches import Batch
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.checkpoint.window_check import PendingChecks
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import (
     SpecError,
     StateError,
@@ -80,7 +81,8 @@ class Loader:
     ``chunk_timeout`` (seconds) bounds one chunk's stateless work: past it the processes backend
     kills the stuck worker, replaces it and raises ``ChunkTimeoutError`` naming the DoFn and the
     record (threads: the error, but the thread stays stuck; inline: a logged warning only). A
-    worker that dies is replaced and its chunks recomputed, with the same batches.
+    worker that dies is replaced and its chunks recomputed, with the same batches. ``clock`` is
+    what ``chunk_timeout`` is measured on (tests pass a ``ManualClock`` and advance it).
 
     ``verify_resume`` (default True): a ``state`` that records its lanes' next windows (every
     state this version writes) is verified as the lanes make their first windows, before any
@@ -125,6 +127,7 @@ class Loader:
         verify_resume: bool = True,
         keep_states: int = 8,
         balance: str | RowCost | RankBalance | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, start the backend and restore the state, build the
         # lanes, take the first state, get the producer ready.
@@ -151,7 +154,7 @@ class Loader:
             start_worker_server()
         self._balance = RankBalance.of(balance)
         plan = self._compile(spec, topology, states)
-        start = self._start_backend(plan, work, state, resume)
+        start = self._start_backend(plan, work, state, resume, clock)
         self._build_lanes(plan, start, chunk_records=work.chunk_records, depth=work.prefetch_chunks)
         self._take_first_state(plan, start, end_sync, keep_states=states.keep_states)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=work.prefetch)
@@ -181,11 +184,12 @@ class Loader:
         work: WorkOptions,
         state: LoaderState | bytes | Mapping[str, Any] | None,
         resume: ResumeOptions,
+        clock: Clock,
     ) -> LaneStart:
         """Starts the backend (first: a recipe state's restore runs the front on it) and
         restores where this rank's lanes start, and their mixture; the backend is closed if
         that fails."""
-        self._backend = work.make_backend(plan.front_segment())
+        self._backend = work.make_backend(plan.front_segment(), clock)
         try:
             start = self._restore(plan, state, **resume.kwargs())
             self._slice.check_from(start.step)  # the world size divides every size from there

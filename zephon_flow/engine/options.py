@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.options import (
     check_choice,
@@ -97,14 +98,15 @@ class WorkOptions(_Group):
                 f"a non-empty address such as 'ray://HOST:10001' or 'HOST:6379' (got backend={self.backend!r})"
             )
 
-    def make_backend(self, segment: FrontSegment) -> Backend:
-        """The backend running ``segment`` as these options say."""
+    def make_backend(self, segment: FrontSegment, clock: Clock = SYSTEM_CLOCK) -> Backend:
+        """The backend running ``segment`` as these options say, its ``chunk_timeout`` on ``clock``."""
         return make_backend(
             self.backend,
             workers=self.workers,
             segment=segment,
             chunk_timeout=self.chunk_timeout,
             ray_address=self.ray_address,
+            clock=clock,
         )
 
 
