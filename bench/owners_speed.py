@@ -17,7 +17,10 @@ global batch 32), one trainer rank (world size 1: every lane) reads, with the sa
 - ``served1`` / ``served2``: ``zephon serve --ray --lane-owners 1 / 2`` (``OwnersServer``) read
   by ``zf.Client(lane_owners=True)``: the rank's rows straight from the owners over gRPC.
 
-Every contender may run ``--ahead`` steps past its reader. All are started first and stay open;
+Every contender may run ``--ahead`` steps past its reader. The owners' coordinator gathers
+every lane's snapshot every ``--snapshot-every`` steps (what a dead owner is replaced from; the
+embedded ``Loader`` and ``zephon serve`` pay no such cost): a larger value shows what the
+gathers cost. All are started first and stay open;
 then, in each of ``--rounds`` rounds, each contender in turn (the order rotating between rounds)
 is read for a window: ``--warmup`` batches untimed (more than it can have made ahead, so the
 window times its steady rate, not a buffer), then ``--steps`` batches timed. So the contenders
@@ -85,7 +88,9 @@ def time_batches(batches: Iterator[tuple[int, Any]], warmup: int, steps: int) ->
     return time.perf_counter() - start
 
 
-def contenders(root: str, *, backend: str, workers: int, ahead: int) -> dict[str, Contender]:
+def contenders(
+    root: str, *, backend: str, workers: int, ahead: int, snapshot_every: int = 8
+) -> dict[str, Contender]:
     import zephon_flow as zf
     from zephon_flow.cluster.serve import OwnersServer
     from zephon_flow.demo import demo_spec
@@ -100,7 +105,13 @@ def contenders(root: str, *, backend: str, workers: int, ahead: int) -> dict[str
     @contextmanager
     def owned1() -> Iterator[Iterator[tuple[int, Any]]]:
         with zf.cluster.OwnedLoader(
-            spec, lane_owners=1, name="bench-owners-speed", ahead=ahead, backend=backend, workers=workers
+            spec,
+            lane_owners=1,
+            name="bench-owners-speed",
+            ahead=ahead,
+            backend=backend,
+            workers=workers,
+            snapshot_every=snapshot_every,
         ) as ld:
             yield iter(ld)
 
@@ -116,7 +127,14 @@ def contenders(root: str, *, backend: str, workers: int, ahead: int) -> dict[str
         @contextmanager
         def run() -> Iterator[Iterator[tuple[int, Any]]]:
             owners = OwnersServer(
-                spec, owners=n, world_size=1, ahead=ahead, keep=ahead, backend=backend, workers=workers
+                spec,
+                owners=n,
+                world_size=1,
+                ahead=ahead,
+                keep=ahead,
+                backend=backend,
+                workers=workers,
+                snapshot_every=snapshot_every,
             )
             try:
                 with zf.Client(f"127.0.0.1:{owners.port}", 0, 1, lane_owners=True) as client:
@@ -139,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ahead", type=int, default=8)
     parser.add_argument("--backend", default="inline")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=8,
+        help="steps between the coordinator's gathers of the owners' lane snapshots (the owners' default 8)",
+    )
     parser.add_argument("--only", default="", help="comma-separated contenders (default: all)")
     parser.add_argument("--quick", action="store_true", help="10 steps, 2 rounds")
     parser.add_argument("--out", default=DEFAULT_OUT)
@@ -152,7 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     data = build_demo_data(progress=True)
     started = connect("bench.owners_speed", None, num_cpus=2)
     try:
-        runs = contenders(data.root, backend=args.backend, workers=args.workers, ahead=args.ahead)
+        runs = contenders(
+            data.root,
+            backend=args.backend,
+            workers=args.workers,
+            ahead=args.ahead,
+            snapshot_every=args.snapshot_every,
+        )
         if args.only:
             runs = {name: runs[name] for name in args.only.split(",")}
         seconds: dict[str, list[float]] = {name: [] for name in runs}
