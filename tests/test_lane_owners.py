@@ -715,3 +715,38 @@ def test_owners_write_incremental_parts_on_an_earlier_checkpoint(
     state = zf.load_state(later)
     assert encode_state(state) == encode_state(zf.load_state(full))
     assert global_digests(spec, steps=2, world_size=2, state=state) == reference[5:7]
+
+
+def test_owners_keep_their_snapshots_in_files_and_replacements_start_from_them(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+) -> None:
+    def kill_owner_1(step: int, loader: OwnedLoader) -> None:
+        if step == 6:
+            os.kill(loader.owner_pids()[1], signal.SIGKILL)
+        if step == 2 * STEPS - 1:  # the coordinator holds names, the files hold the states
+            import ray
+
+            kept = ray.get(loader._coordinator.snapshot_files.remote())
+            assert kept and all(os.path.exists(path) for path in kept.values())
+            assert {os.path.basename(p).split("-step-")[0] for p in kept.values()} <= {
+                "owner-0",
+                "owner-1",
+                "owner-2",
+            }
+
+    tables: list[Any] = []
+    got, _ = owned_digests(
+        spec,
+        owners=3,
+        world_size=2,
+        steps=2 * STEPS,
+        on_step=kill_owner_1,
+        snapshot_every=2,
+        snapshot_dir=str(tmp_path),
+        tables=tables,
+    )
+    assert got == reference[: 2 * STEPS]
+    assert (0, 1, 0) in [
+        t.generations for t in tables
+    ]  # replaced (a rank that had its steps need not see it)
+    assert not list(tmp_path.rglob("*.zfstate"))  # removed when the run ended

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import sys
 import threading
 import time
@@ -12,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from zephon_flow.cluster.coordinator import Adopted, Coordinator, OwnerTable
+from zephon_flow.cluster.coordinator import Adopted, Coordinator, OwnerTable, Store
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
 from zephon_flow.core.batches import Batch
@@ -156,6 +157,18 @@ class OwnerActor:
             state, manifest_path, index, lambda st, path, on: save_state(st, path, base=on), base=base
         )
 
+    def write_snapshot(self, step: int, path: str) -> str | None:
+        """Writes its lanes' snapshots at ``step`` to ``path`` (None while it does not hold
+        that step): what its replacement would start from."""
+        snaps = self._owner.snapshot(step)
+        if snaps is None:
+            return None
+        spec = self._owner.spec
+        state = LoaderState(step, spec.lanes, dict(spec.fingerprint), snaps, self._owner.mix_history())
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        save_state(state, path)
+        return path
+
     def status(self) -> dict[str, Any]:
         return self._owner.status()
 
@@ -231,6 +244,30 @@ def owner_launcher(
         return handle
 
     return launch
+
+
+def snapshot_folder(run: str, folder: str) -> str:
+    """Where the owners of the run named ``run`` write their snapshots under ``folder``."""
+    return os.path.join(os.path.abspath(folder), run.replace("/", "_"))
+
+
+def snapshot_store(run: str, folder: str) -> Store:
+    """A ``Store``: owner ``index`` writes its snapshot of a step to
+    ``folder/<run>/owner-<index>-step-<step>.zfstate``."""
+    ray = _ray()
+
+    def store(handle: Any, step: int, index: int) -> str | None:
+        path = os.path.join(snapshot_folder(run, folder), f"owner-{index}-step-{step}.zfstate")
+        try:
+            written: str | None = ray.get(handle.write_snapshot.remote(step, path), timeout=60)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, OwnerError):
+                raise cause from None
+            raise
+        return written
+
+    return store
 
 
 def owner_address(handle: Any) -> str:
@@ -312,6 +349,10 @@ class CoordinatorActor:
             allow_mix_change=options.allow_mix_change,
             allow_code_change=options.allow_code_change,
             adopt=_adoptions(found) if restarted else None,
+            store=None if options.snapshot_dir is None else snapshot_store(run, options.snapshot_dir),
+        )
+        self._snapshot_folder = (
+            None if options.snapshot_dir is None else snapshot_folder(run, options.snapshot_dir)
         )
 
     def pid(self) -> int:
@@ -371,6 +412,9 @@ class CoordinatorActor:
     def positions(self) -> dict[int, int]:
         return self._coordinator.positions()
 
+    def snapshot_files(self) -> dict[int, str]:
+        return self._coordinator.snapshot_files()
+
     def write_checkpoint(self, step: int, path: str, base: str | None = None) -> str:
         """Has every owner write its lanes' part of the checkpoint at ``step`` next to ``path``
         (``<path>.parts/``; with ``base``, an earlier manifest, incrementally on its parts),
@@ -402,6 +446,8 @@ class CoordinatorActor:
 
     def shutdown(self) -> None:
         self._coordinator.shutdown()
+        if self._snapshot_folder is not None:  # snapshots a late write left: the run is over
+            shutil.rmtree(self._snapshot_folder, ignore_errors=True)
 
 
 def _live_owners(run: str, owners: int) -> list[dict[int, Any]]:

@@ -12,6 +12,8 @@ world size. It runs as a named Ray actor (``coordinator_actor``), or in-process 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
+from zephon_flow.core.checkpoint.store import load_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imported from here
 from zephon_flow.core.errors import SpecError, ZephonError
@@ -92,6 +95,11 @@ Launch = Callable[[int, str, list[int], LoaderState | None, dict[int, int], int]
 Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
 
 
+#: Has an owner write its lanes' snapshots at a step to a file: (handle, step, index) -> the
+#: file's path, or None while it does not hold that step.
+Store = Callable[[Any, int, int], str | None]
+
+
 @dataclass(frozen=True)
 class Adopted:
     """A live owner that a restarted coordinator takes over instead of starting one: its
@@ -114,7 +122,9 @@ class Coordinator:
     that still answers (``alive``) is not replaced, and counts for nothing. ``clock`` is what
     a checkpoint's wait for the owners' snapshots reads. ``adopt`` (a coordinator started
     again after its own death) gives, per owner, the live one to take over (None: start it
-    again, from the snapshot it had in ``state``)."""
+    again, from the snapshot it had in ``state``). With ``store`` the owners write their
+    snapshots to files (``store(handle, step, index)`` -> the file, or None while the step is
+    not held) and the coordinator keeps only their names, not every lane's state."""
 
     def __init__(
         self,
@@ -134,6 +144,7 @@ class Coordinator:
         allow_code_change: bool = False,
         clock: Clock = SYSTEM_CLOCK,
         adopt: Sequence[Adopted | None] | None = None,
+        store: Store | None = None,
     ) -> None:
         # Phases: check the topology, restore where the lanes start, launch (or adopt) the owners.
         self._clock = clock
@@ -153,6 +164,10 @@ class Coordinator:
         )
         self._track(start.step, owners, recipe=state is not None and state.recipe)
         self._launch, self._gather, self._stop = launch, gather, stop
+        self._store = store
+        self._snap_files: dict[int, str] = {}  # owner -> the file of its last snapshot (store)
+        self._closed = False
+        self._gathering: set[int] = set()  # owners whose snapshot is being gathered
         self._address_of, self._alive = address_of, alive
         self._snapshot_every, self._max_replacements = snapshot_every, max_replacements
         self._mix_history = [] if start.mixture is None else start.mixture.history()
@@ -190,6 +205,8 @@ class Coordinator:
 
     def _state_of(self, index: int) -> LoaderState | None:
         """The last gathered snapshot of owner ``index``'s lanes, as a state to start from."""
+        if index in self._snap_files:  # written by the owner: read only to start its replacement
+            return load_state(self._snap_files[index], codecs=self.spec.compile().derived_codecs)
         lanes = self._groups[index]
         states = {lane: self._snaps[lane] for lane in lanes}
         if all(s is None for s in states.values()):
@@ -239,11 +256,8 @@ class Coordinator:
                 continue
             self._generations[i] = got.generation
             self._replaced += got.generation
-            snaps = self._gather(got.handle, got.low) if got.low > self._snap_steps[i] else None
-            if snaps is not None:
-                self._snaps.update(snaps)
-                self._snap_steps[i] = got.low
-                self._recipe[i] = False
+            if got.low > self._snap_steps[i]:
+                self._keep_snapshot(i, got.low, self._snapshot(i, got.handle, got.low))
             if self._address_of is not None:
                 self._addresses[i] = self._address_of(got.handle)
             handles.append(got.handle)
@@ -293,25 +307,66 @@ class Coordinator:
             if old is not None and step > old:
                 self._set_position(rank, step)
             slowest = min(self._at)
-            due = [i for i, at in enumerate(self._snap_steps) if slowest >= at + self._snapshot_every]
+            if self._closed:
+                return
+            due = [
+                i
+                for i, at in enumerate(self._snap_steps)
+                if slowest >= at + self._snapshot_every and i not in self._gathering
+            ]
+            self._gathering.update(due)  # one gather per owner at a time, whoever reports
             handles = [(i, self._handles[i], self._generations[i]) for i in due]
 
-        def ask(item: tuple[int, Any, int]) -> Mapping[int, LaneState] | None:
+        def ask(item: tuple[int, Any, int]) -> Mapping[int, LaneState] | str | None:
             try:
-                return self._gather(item[1], slowest)
+                return self._snapshot(item[0], item[1], slowest)
             except Exception:  # a dead owner: its replacement restores from the last snapshot
                 return None
 
-        for (i, _, generation), snaps in zip(handles, self._parallel(ask, handles), strict=True):
+        try:
+            gathered = self._parallel(ask, handles)
+        finally:
+            with self._lock:
+                self._gathering.difference_update(due)
+        for (i, _, generation), snaps in zip(handles, gathered, strict=True):
             if snaps is None:
                 continue  # not held (or dead): the next report brings another chance
             with self._lock:
-                if self._generations[i] != generation or slowest <= self._snap_steps[i]:
+                stale = self._closed or self._generations[i] != generation
+                if stale or slowest <= self._snap_steps[i]:
+                    if isinstance(snaps, str) and snaps != self._snap_files.get(i):
+                        _remove(snaps)  # another report kept a newer one meanwhile
                     continue
-                self._snaps.update(snaps)
-                self._snap_steps[i] = slowest
-                self._recipe[i] = False
+                self._keep_snapshot(i, slowest, snaps)
                 self.gathers += 1
+
+    def snapshot_files(self) -> dict[int, str]:
+        """Per owner, the file of the snapshot its replacement would start from (``store``)."""
+        with self._lock:
+            return dict(self._snap_files)
+
+    def _snapshot(self, index: int, handle: Any, step: int) -> Mapping[int, LaneState] | str | None:
+        """Owner ``index``'s snapshots at ``step``: its lanes' states, or with ``store`` the
+        file it wrote them to (None while it does not hold the step)."""
+        if self._store is not None:
+            return self._store(handle, step, index)
+        return self._gather(handle, step)
+
+    def _keep_snapshot(self, index: int, step: int, snaps: Mapping[int, LaneState] | str | None) -> None:
+        """Keeps owner ``index``'s snapshot of ``step`` (``_snapshot``'s answer) to restart it
+        from; a file replaces (and removes) the one before."""
+        if snaps is None:
+            return
+        if isinstance(snaps, str):
+            before = self._snap_files.get(index)
+            self._snap_files[index] = snaps
+            self._snaps.update(dict.fromkeys(self._groups[index]))  # held in the file, not here
+            if before is not None and before != snaps:
+                _remove(before)
+        else:
+            self._snaps.update(snaps)
+        self._snap_steps[index] = step
+        self._recipe[index] = False
 
     def _set_position(self, rank: int, step: int) -> None:
         old = self._positions[rank]
@@ -462,5 +517,14 @@ class Coordinator:
     def shutdown(self) -> None:
         with self._lock:
             handles, self._handles = list(self._handles), []
+            files, self._snap_files = list(self._snap_files.values()), {}
+            self._closed = True
         for handle in handles:
             self._stop(handle)
+        for path in files:  # the run is over: nothing will start from them
+            _remove(path)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)

@@ -52,7 +52,8 @@ class OwnedLoader:
     process is connected to or starts a local one; an address joins that cluster. Owners run
     their stateless work on ``backend`` with ``workers`` each; ``owner_cpus`` is what each
     owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
-    lanes' last snapshot, gathered every ``snapshot_every`` steps; ``checkpoint()`` gathers
+    lanes' last snapshot, gathered every ``snapshot_every`` steps (held by the coordinator, or
+    with ``snapshot_dir`` written by each owner to a file there); ``checkpoint()`` gathers
     every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``);
     with ``state_mode="recipe"`` their buffered sequences as recipes, as ``zf.Loader``'s.
     A resumed owner verifies its lanes' first windows against ``state`` (``verify_resume``, as
@@ -88,6 +89,7 @@ class OwnedLoader:
         start_timeout: float = 120.0,
         orphan_timeout: float = 60.0,
         state_mode: str = "compact",
+        snapshot_dir: str | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
@@ -104,13 +106,11 @@ class OwnedLoader:
             verify_resume=verify_resume,
             start_timeout=start_timeout,
             orphan_timeout=orphan_timeout,
+            snapshot_dir=snapshot_dir,
         )
         start = None if state is None else to_loader_state(state)
         self._timeout, self._clock = timeout, clock
-        # Steps fetched per call: the rank holds at most this many it has not taken while the
-        # next run is asked for, and asking moves its position on the owner there, so its
-        # steps from ``prefetch - 1`` back stay held (``keep``); at most ``ahead``.
-        self._run = max(1, min(prefetch - 1, ahead))
+        self._run = _run_length(prefetch, ahead)
         self._snapshot_every, self.name = snapshot_every, name or default_name(spec)
         self._start_coordinator(
             ray_address,
@@ -411,6 +411,13 @@ class OwnedLoader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _run_length(prefetch: int, ahead: int) -> int:
+    """Steps fetched per call: the rank holds at most this many it has not taken while the
+    next run is asked for, and asking moves its position on the owner there, so its steps
+    from ``prefetch - 1`` back stay held (``keep``); at most ``ahead``."""
+    return max(1, min(prefetch - 1, ahead))
 
 
 class _Run:

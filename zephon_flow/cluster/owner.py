@@ -56,6 +56,9 @@ class OwnerOptions:
     #: with the process that started it, or killed) before it ends itself (seconds). A
     #: coordinator that Ray restarts is not gone: it takes its owners over.
     orphan_timeout: float = 60.0
+    #: Where owners on Ray write the snapshots their replacements start from (a folder every
+    #: node sees), instead of handing every lane's state to the coordinator to hold (None).
+    snapshot_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
