@@ -254,17 +254,12 @@ def snapshot_folder(run: str, folder: str) -> str:
 def snapshot_store(run: str, folder: str) -> Store:
     """A ``Store``: owner ``index`` writes its snapshot of a step to
     ``folder/<run>/owner-<index>-step-<step>.zfstate``."""
-    ray = _ray()
 
     def store(handle: Any, step: int, index: int) -> str | None:
         path = os.path.join(snapshot_folder(run, folder), f"owner-{index}-step-{step}.zfstate")
-        try:
-            written: str | None = ray.get(handle.write_snapshot.remote(step, path), timeout=60)
-        except ray.exceptions.RayTaskError as exc:
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, OwnerError):
-                raise cause from None
-            raise
+        written: str | None = owner_answer(
+            handle.write_snapshot.remote(step, path), 60, "writing its snapshot"
+        )
         return written
 
     return store
@@ -278,15 +273,24 @@ def owner_address(handle: Any) -> str:
 def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
     """An owner's lane snapshots at ``step`` (None while it does not hold that step); the
     owner's own failure is raised as itself (an ``OwnerError``), its death as Ray's error."""
+    result: Mapping[int, LaneState] | None = owner_answer(handle.snapshot.remote(step), 60, "its snapshot")
+    return result
+
+
+def owner_answer(ref: Any, timeout: float, what: str) -> Any:
+    """An owner call's answer: the owner's own failure (an error of the project's) raised as
+    itself, its death as Ray's error (the caller replaces it), anything else raised in it as
+    an ``OwnerError`` naming ``what`` it was doing."""
     ray = _ray()
     try:
-        result: Mapping[int, LaneState] | None = ray.get(handle.snapshot.remote(step), timeout=60)
+        return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayTaskError as exc:
         cause = getattr(exc, "cause", None)
-        if isinstance(cause, OwnerError):
+        if isinstance(cause, ZephonError):
             raise cause from None
-        raise
-    return result
+        if isinstance(exc, ray.exceptions.RayActorError):
+            raise
+        raise OwnerError(f"a lane owner failed {what}: {exc}") from exc
 
 
 def owner_alive(handle: Any) -> bool:
@@ -419,18 +423,10 @@ class CoordinatorActor:
         """Has every owner write its lanes' part of the checkpoint at ``step`` next to ``path``
         (``<path>.parts/``; with ``base``, an earlier manifest, incrementally on its parts),
         then writes the manifest that names them at ``path``."""
-        ray = _ray()
 
         def ask(index: int, handle: Any) -> Part | None:
-            try:
-                part: Part | None = ray.get(handle.write_part.remote(step, path, index, base), timeout=120)
-            except ray.exceptions.RayTaskError as exc:
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, ZephonError):
-                    raise cause from None
-                if isinstance(exc, ray.exceptions.RayActorError):
-                    raise  # died: replaced, then asked again
-                raise OwnerError(f"writing its part of the checkpoint at step {step}: {exc}") from exc
+            ref = handle.write_part.remote(step, path, index, base)
+            part: Part | None = owner_answer(ref, 120, f"writing its part of the checkpoint at step {step}")
             return part
 
         parts = self._coordinator.from_owners(step, ask)
