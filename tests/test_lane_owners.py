@@ -25,6 +25,7 @@ from zephon_flow.cluster import (
     plan_owners,
 )
 from zephon_flow.cluster.coordinator import readers_of
+from zephon_flow.cluster.owner import OwnerError
 from zephon_flow.core.batches import batch_digest, concat
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import encode_state, to_loader_state
@@ -750,3 +751,19 @@ def test_owners_keep_their_snapshots_in_files_and_replacements_start_from_them(
         t.generations for t in tables
     ]  # replaced (a rank that had its steps need not see it)
     assert not list(tmp_path.rglob("*.zfstate"))  # removed when the run ended
+
+
+def test_a_snapshot_of_a_step_an_owner_let_go_is_refused_by_name(spec: zf.LoaderSpec) -> None:
+    # Served ranks are not in lockstep: a checkpoint at the slowest rank's step used to wait
+    # 120 s on an owner whose own readers were far past it (found by the soak).
+    owner = LaneOwner(spec, [0, 1], state=None, readers={0: 0}, options=OwnerOptions(ahead=2, keep=1)).start()
+    try:
+        for step in range(6):
+            assert owner.rows(0, step, timeout=60) is not None
+        assert owner.snapshot(5) is not None
+        with pytest.raises(
+            OwnerError, match=r"no snapshot of step 1: lane owner \(lanes \[0, 1\]\) holds steps \[4, "
+        ):
+            owner.snapshot(1)
+    finally:
+        owner.close()

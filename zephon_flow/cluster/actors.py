@@ -184,7 +184,7 @@ class OwnerActor:
     def failure(self) -> str | None:
         """Why its pipeline failed (None while it runs): the run cannot go on from here."""
         try:
-            self._owner.snapshot(-1, timeout=0)  # raises the owner's error, if any
+            self._owner.check()  # raises the owner's error, if any
         except OwnerError as exc:
             return str(exc)
         return None

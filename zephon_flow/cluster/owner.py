@@ -214,6 +214,11 @@ class LaneOwner:
                 self._error = exc
                 self._cond.notify_all()
 
+    def check(self) -> None:
+        """Raises its pipeline's failure (an ``OwnerError``), if it failed."""
+        with self._cond:
+            self._raise_error()
+
     def _raise_error(self) -> None:
         if self._error is not None:
             raise OwnerError(
@@ -353,10 +358,16 @@ class LaneOwner:
     def snapshot(self, step: int, timeout: float = 5.0) -> dict[int, LaneState] | None:
         """Each lane's state from which ``step`` is its next window, with the check of that
         window (waiting up to ``timeout`` seconds for it to be made; without the check past
-        that); None if not held (yet)."""
+        that); None if not made yet. A step it has let go (its readers are more than ``keep``
+        past it) is an ``OwnerError`` naming the steps it holds: it will not come back."""
         with self._cond:
             self._raise_error()
             snaps = self._snapshots.get(step)
+            if snaps is None and step < self._hold.low:
+                raise OwnerError(
+                    f"no snapshot of step {step}: {self._held()}, its readers are past it; "
+                    f"checkpoint a step every rank is at"
+                )
             if snaps is None:
                 return None
             self._cond.wait_for(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 from collections import Counter
@@ -45,6 +46,8 @@ from zephon_flow.service.wire import MAX_MESSAGE_BYTES, encode_step
 SERVICE = "zephon.v1.LaneOwners"
 #: How long one wait for a step lasts before the stream checks that its client is still there.
 POLL = 1.0
+
+_log = logging.getLogger("zephon_flow.serve")
 
 
 def _abort(context: grpc.ServicerContext, code: str, message: str) -> NoReturn:
@@ -540,6 +543,7 @@ class CoordinatorServer:
             return
         if not self._checkpointing.acquire(blocking=False):
             return  # one is being written
+        step = -1
         try:
             positions = self._ray.get(self._coordinator.positions.remote(), timeout=60)
             step = min(positions.values())
@@ -550,7 +554,8 @@ class CoordinatorServer:
             self._write(step)
             prune_checkpoints(self._checkpoint_dir, self._keep_checkpoints)
             self._last_checkpoint = step
-        except Exception:  # best effort (an owner just died): the next report brings another chance
+        except Exception as exc:  # best effort: the next report brings another chance
+            _log.warning("zephon serve --ray: no checkpoint written (step %d): %s", step, exc)
             return
         finally:
             self._checkpointing.release()
