@@ -317,20 +317,15 @@ class OwnerFanIn:
     def _replace(self, owner: _Owner, step: int, exc: grpc.RpcError) -> _Owner:
         """Reports ``owner`` dead; returns its replacement (the coordinator makes one once; an
         owner that still answers is kept, and the same owner is returned)."""
-        try:
-            self._reply = self._replace_call(
-                lo.ReplaceRequest(owner=owner.index, generation=owner.generation),
-                metadata=self.metadata,
-                timeout=self._timeout,
-            )
-        except grpc.RpcError as err:
-            if self._closed:
-                raise _Closed from None
+        request = lo.ReplaceRequest(owner=owner.index, generation=owner.generation)
+        try:  # retried while the coordinator is unavailable (restarting), as every unary call
+            self._reply = self._unary(self._replace_call, request, f"Replace(owner={owner.index})")
+        except ServiceError as err:
             raise ServiceError(
                 f"rank {self.rank} lost lane owner {owner.index} (lanes {list(owner.lanes)}) at step "
                 f"{step} ({exc.code().name}: {exc.details()}), and the coordinator could not replace it: "
-                f"{err.details()}",
-                code=err.code().name,
+                f"{err}",
+                code=err.code,
             ) from None
         return next(o for o in self._owners(self._reply) if o.index == owner.index)
 
