@@ -459,7 +459,7 @@ def _identities(procs: list[psutil.Process]) -> set[tuple[int, float]]:
     return out
 
 
-def _reap(procs: set[tuple[int, float]], wait: float = 15.0) -> int:
+def _reap(procs: set[tuple[int, float]], wait: float = 45.0) -> int:
     """Waits for the processes of a stopped or killed server's tree (Ray's own end with their
     parent), then SIGKILLs, by PID, those still there (the same process: its start time is
     checked); returns how many had to be killed."""
