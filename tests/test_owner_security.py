@@ -359,7 +359,10 @@ def test_serve_exits_with_status_3_when_an_owner_is_lost_for_good(
     ray_session: None, spec: zf.LoaderSpec, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``zephon serve --ray`` (its ``serve`` loop, in this process's Ray): the only owner dies
-    with ``--max-replacements 0``; the rank is told and the server exits with status 3."""
+    with ``--max-replacements 0``; the rank is told and the server exits with status 3. The
+    server notices first (it polls every 0.2 s here) and the rank asks to replace the owner
+    only 3 s after it lost it (its backoff): the server keeps answering until it has told the
+    rank (it used to stop 2 s after the failure, and the rank met a closed port)."""
     import argparse
 
     from zephon_flow.cluster import serve as serve_module
@@ -375,6 +378,7 @@ def test_serve_exits_with_status_3_when_an_owner_is_lost_for_good(
             ready.set()
 
     monkeypatch.setattr(serve_module, "OwnersServer", Recorded)
+    monkeypatch.setattr(serve_module, "POLL_SECONDS", 0.2)
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     args = argparse.Namespace(
@@ -404,7 +408,8 @@ def test_serve_exits_with_status_3_when_an_owner_is_lost_for_good(
     def rank() -> None:
         assert ready.wait(120)
         server = made[0]
-        with zf.Client(f"127.0.0.1:{server.port}", 0, 1, lane_owners=True, token="s3cret") as client:
+        address = f"127.0.0.1:{server.port}"
+        with zf.Client(address, 0, 1, lane_owners=True, token="s3cret", backoff=3.0) as client:
             it = iter(client)
             assert next(it)[0] == 0
             os.kill(server.owner_pids()[0], signal.SIGKILL)
@@ -424,7 +429,7 @@ def test_serve_exits_with_status_3_when_an_owner_is_lost_for_good(
             signal.signal(sig, handler)
         worker.join(60)
     assert len(told) == 1 and "lane owner 0 (lanes [0, 1, 2, 3, 4, 5]) died at step" in str(told[0])
-    assert "max_replacements=0" in str(told[0])
+    assert "max_replacements=0" in str(told[0]) and "the run cannot go on" in str(told[0])
 
 
 def test_a_failed_owner_pipeline_stops_the_run(ray_session: None, tmp_path: Any) -> None:

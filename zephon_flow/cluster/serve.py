@@ -149,6 +149,10 @@ class OwnersServer:
         """Why the run cannot go on (None while it can)."""
         return self._server.failed
 
+    def told_every_rank(self) -> bool:
+        """Whether every rank has been answered with the run's failure."""
+        return self._server.told_every_rank()
+
     def poll(self) -> str | None:
         """Checks the coordinator still answers; returns ``failed``."""
         self._server.poll()
@@ -285,4 +289,6 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         failed = server.poll() if ticks % int(POLL_SECONDS / 0.2) == 0 else server.failed
     # Asked once more before stopping, whatever ended the wait: a signal that came after a
     # failure this loop had not seen yet still exits as a failure (as zephon serve does).
-    return exit_status(failed or server.failed, "the run cannot go on", done, server.stop)
+    return exit_status(
+        failed or server.failed, "the run cannot go on", done, server.stop, told=server.told_every_rank
+    )

@@ -428,6 +428,7 @@ class CoordinatorServer:
         self._checkpointing = threading.Lock()
         #: Why the run cannot go on (None while it can).
         self.failed: str | None = None
+        self._told: set[int] = set()  # the ranks answered with ``failed``
         self._server, self.port, self._health = _server(
             serving.host,
             port,
@@ -452,6 +453,17 @@ class CoordinatorServer:
         for name in ("", SERVICE):
             self._health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    def told_every_rank(self) -> bool:
+        """Whether every rank of the run has been answered with ``failed`` (``zephon serve``
+        waits for that, within a bound, before it exits)."""
+        return len(self._told) >= self.world_size
+
+    def _refuse_if_failed(self, context: grpc.ServicerContext, rank: int) -> None:
+        """Once the run cannot go on, every call is answered with why (and its rank counted)."""
+        if self.failed is not None:
+            self._told.add(rank)
+            _abort(context, "FAILED_PRECONDITION", f"the run cannot go on: {self.failed}")
+
     def poll(self, timeout: float = 30.0) -> None:
         """Checks that the coordinator actor still answers and that no owner's pipeline has
         failed (else ``fail``)."""
@@ -465,7 +477,7 @@ class CoordinatorServer:
         if why is not None:
             self.fail(str(why))
 
-    def _reply(self, ref: Any, context: grpc.ServicerContext) -> lo.TableReply:
+    def _reply(self, ref: Any, context: grpc.ServicerContext, rank: int) -> lo.TableReply:
         from zephon_flow.cluster.coordinator import OwnerLostError
 
         try:
@@ -474,6 +486,7 @@ class CoordinatorServer:
             cause = getattr(exc, "cause", exc)
             if isinstance(cause, OwnerLostError):
                 self.fail(str(cause))
+                self._refuse_if_failed(context, rank)
             if isinstance(cause, SpecError):
                 _abort(context, "INVALID_ARGUMENT", str(cause))
             _abort(context, "UNAVAILABLE" if isinstance(cause, ZephonError) else "INTERNAL", str(cause))
@@ -487,7 +500,8 @@ class CoordinatorServer:
 
     def _table(self, request: lo.TableRequest, context: grpc.ServicerContext) -> lo.TableReply:
         self._check_fingerprint(request.fingerprint, context)
-        return self._reply(self._coordinator.served_table.remote(), context)
+        self._refuse_if_failed(context, int(request.rank))
+        return self._reply(self._coordinator.served_table.remote(), context, int(request.rank))
 
     def _replace(self, request: lo.ReplaceRequest, context: grpc.ServicerContext) -> lo.TableReply:
         index = int(request.owner)
@@ -497,8 +511,9 @@ class CoordinatorServer:
                 "INVALID_ARGUMENT",
                 f"Replace(owner={index}): no such lane owner; this run's owners are 0..{self.owners - 1}",
             )
+        self._refuse_if_failed(context, int(request.rank))
         ref = self._coordinator.replace_served.remote(index, int(request.generation))
-        return self._reply(ref, context)
+        return self._reply(ref, context, int(request.rank))
 
     def _progress(self, request: pb.AckRequest, context: grpc.ServicerContext) -> pb.AckReply:
         self._check_fingerprint(request.fingerprint, context)
@@ -506,6 +521,7 @@ class CoordinatorServer:
         _check_run(context, self.fingerprint, "", self.world_size, world_size)
         if not 0 <= rank < world_size:
             _abort(context, "INVALID_ARGUMENT", f"rank must be in [0, {world_size}), got {rank}")
+        self._refuse_if_failed(context, rank)
         reported = self._coordinator.progress.remote(rank, int(request.step))
         if self._checkpoint_every is not None:
             with contextlib.suppress(Exception):  # best effort, as the report itself

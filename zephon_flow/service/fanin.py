@@ -310,14 +310,14 @@ class OwnerFanIn:
     def table(self) -> lo.TableReply:
         if self._reply is None:
             self._reply = self._unary(
-                self._table_call, lo.TableRequest(fingerprint=self.fingerprint), "the table"
+                self._table_call, lo.TableRequest(fingerprint=self.fingerprint, rank=self.rank), "the table"
             )
         return self._reply
 
     def _replace(self, owner: _Owner, step: int, exc: grpc.RpcError) -> _Owner:
         """Reports ``owner`` dead; returns its replacement (the coordinator makes one once; an
         owner that still answers is kept, and the same owner is returned)."""
-        request = lo.ReplaceRequest(owner=owner.index, generation=owner.generation)
+        request = lo.ReplaceRequest(owner=owner.index, generation=owner.generation, rank=self.rank)
         try:  # retried while the coordinator is unavailable (restarting), as every unary call
             self._reply = self._unary(self._replace_call, request, f"Replace(owner={owner.index})")
         except ServiceError as err:

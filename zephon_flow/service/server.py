@@ -52,6 +52,9 @@ SERVE = "zephon serve"
 EXIT_PIPELINE_FAILED = 3
 #: How long a failed server keeps serving the error to connected clients before it exits.
 FAILURE_NOTICE_SECONDS = 2.0
+#: ``zephon serve --ray`` waits until each rank has been told, at most this long: a rank learns
+#: of a lost owner only when it next asks the coordinator, after its own retries.
+FAILURE_NOTICE_MAX_SECONDS = 30.0
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)\.zfstate$")
 _log = logging.getLogger("zephon_flow.serve")
 
@@ -613,10 +616,18 @@ def serve_forever(server: BatchServer) -> int:
     return exit_status(server.failed, "the pipeline failed", done, lambda: server.stop(grace=1.0))
 
 
-def exit_status(failed: object | None, what: str, done: threading.Event, stop: Callable[[], None]) -> int:
+def exit_status(
+    failed: object | None,
+    what: str,
+    done: threading.Event,
+    stop: Callable[[], None],
+    told: Callable[[], bool] | None = None,
+) -> int:
     """How ``zephon serve`` (and ``serve --ray``) ends once its wait is over: 0 after a signal
     with nothing failed; else the failure said on stderr, ``FAILURE_NOTICE_SECONDS`` for the
-    ranks' streams to get it (unless a signal came), and ``EXIT_PIPELINE_FAILED``."""
+    ranks' streams to get it (with ``told``: until it says every rank was answered with the
+    failure, at most ``FAILURE_NOTICE_MAX_SECONDS``; a signal cuts either short), and
+    ``EXIT_PIPELINE_FAILED``."""
     if failed is None:
         stop()
         return 0
@@ -627,7 +638,12 @@ def exit_status(failed: object | None, what: str, done: threading.Event, stop: C
         file=sys.stderr,
         flush=True,
     )
-    done.wait(FAILURE_NOTICE_SECONDS)
+    if told is None:
+        done.wait(FAILURE_NOTICE_SECONDS)
+    else:
+        for _ in range(int(FAILURE_NOTICE_MAX_SECONDS / 0.1)):
+            if told() or done.wait(0.1):
+                break
     stop()
     return EXIT_PIPELINE_FAILED
 

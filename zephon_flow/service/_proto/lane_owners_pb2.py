@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import batch_service_pb2 as zephon_dot_v1_dot_batch__service__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bzephon/v1/lane_owners.proto\x12\tzephon.v1\x1a\x1dzephon/v1/batch_service.proto\"#\n\x0cTableRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"@\n\nOwnerEntry\x12\r\n\x05lanes\x18\x01 \x03(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\x82\x01\n\nTableReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05lanes\x18\x02 \x01(\r\x12\x19\n\x11global_batch_size\x18\x03 \x01(\x04\x12\x0e\n\x06\x66inite\x18\x04 \x01(\x08\x12%\n\x06owners\x18\x05 \x03(\x0b\x32\x15.zephon.v1.OwnerEntry\"3\n\x0eReplaceRequest\x12\r\n\x05owner\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\"\x8a\x01\n\x0bRowsRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nstart_step\x18\x04 \x01(\x04\x12\x11\n\tstop_step\x18\x05 \x01(\x04\x12\x0e\n\x06window\x18\x06 \x01(\r\x12\r\n\x05taken\x18\x07 \x01(\x04\"\x1b\n\x0bLiveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\"\x19\n\tLiveReply\x12\x0c\n\x04live\x18\x01 \x01(\x08\x32\xca\x03\n\nLaneOwners\x12\x37\n\x05Table\x12\x17.zephon.v1.TableRequest\x1a\x15.zephon.v1.TableReply\x12;\n\x07Replace\x12\x19.zephon.v1.ReplaceRequest\x1a\x15.zephon.v1.TableReply\x12\x46\n\nCheckpoint\x12\x1c.zephon.v1.CheckpointRequest\x1a\x1a.zephon.v1.CheckpointReply\x12\x36\n\x08Progress\x12\x15.zephon.v1.AckRequest\x1a\x13.zephon.v1.AckReply\x12O\n\rChangeMixture\x12\x1f.zephon.v1.ChangeMixtureRequest\x1a\x1d.zephon.v1.ChangeMixtureReply\x12?\n\nStreamRows\x12\x16.zephon.v1.RowsRequest\x1a\x15.zephon.v1.BatchChunk(\x01\x30\x01\x12\x34\n\x04Live\x12\x16.zephon.v1.LiveRequest\x1a\x14.zephon.v1.LiveReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bzephon/v1/lane_owners.proto\x12\tzephon.v1\x1a\x1dzephon/v1/batch_service.proto\"1\n\x0cTableRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\"@\n\nOwnerEntry\x12\r\n\x05lanes\x18\x01 \x03(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\"\x82\x01\n\nTableReply\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05lanes\x18\x02 \x01(\r\x12\x19\n\x11global_batch_size\x18\x03 \x01(\x04\x12\x0e\n\x06\x66inite\x18\x04 \x01(\x08\x12%\n\x06owners\x18\x05 \x03(\x0b\x32\x15.zephon.v1.OwnerEntry\"A\n\x0eReplaceRequest\x12\r\n\x05owner\x18\x01 \x01(\r\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x8a\x01\n\x0bRowsRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x12\n\nstart_step\x18\x04 \x01(\x04\x12\x11\n\tstop_step\x18\x05 \x01(\x04\x12\x0e\n\x06window\x18\x06 \x01(\r\x12\r\n\x05taken\x18\x07 \x01(\x04\"\x1b\n\x0bLiveRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\"\x19\n\tLiveReply\x12\x0c\n\x04live\x18\x01 \x01(\x08\x32\xca\x03\n\nLaneOwners\x12\x37\n\x05Table\x12\x17.zephon.v1.TableRequest\x1a\x15.zephon.v1.TableReply\x12;\n\x07Replace\x12\x19.zephon.v1.ReplaceRequest\x1a\x15.zephon.v1.TableReply\x12\x46\n\nCheckpoint\x12\x1c.zephon.v1.CheckpointRequest\x1a\x1a.zephon.v1.CheckpointReply\x12\x36\n\x08Progress\x12\x15.zephon.v1.AckRequest\x1a\x13.zephon.v1.AckReply\x12O\n\rChangeMixture\x12\x1f.zephon.v1.ChangeMixtureRequest\x1a\x1d.zephon.v1.ChangeMixtureReply\x12?\n\nStreamRows\x12\x16.zephon.v1.RowsRequest\x1a\x15.zephon.v1.BatchChunk(\x01\x30\x01\x12\x34\n\x04Live\x12\x16.zephon.v1.LiveRequest\x1a\x14.zephon.v1.LiveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,19 +34,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'zephon.v1.lane_owners_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TABLEREQUEST']._serialized_start=73
-  _globals['_TABLEREQUEST']._serialized_end=108
-  _globals['_OWNERENTRY']._serialized_start=110
-  _globals['_OWNERENTRY']._serialized_end=174
-  _globals['_TABLEREPLY']._serialized_start=177
-  _globals['_TABLEREPLY']._serialized_end=307
-  _globals['_REPLACEREQUEST']._serialized_start=309
-  _globals['_REPLACEREQUEST']._serialized_end=360
-  _globals['_ROWSREQUEST']._serialized_start=363
-  _globals['_ROWSREQUEST']._serialized_end=501
-  _globals['_LIVEREQUEST']._serialized_start=503
-  _globals['_LIVEREQUEST']._serialized_end=530
-  _globals['_LIVEREPLY']._serialized_start=532
-  _globals['_LIVEREPLY']._serialized_end=557
-  _globals['_LANEOWNERS']._serialized_start=560
-  _globals['_LANEOWNERS']._serialized_end=1018
+  _globals['_TABLEREQUEST']._serialized_end=122
+  _globals['_OWNERENTRY']._serialized_start=124
+  _globals['_OWNERENTRY']._serialized_end=188
+  _globals['_TABLEREPLY']._serialized_start=191
+  _globals['_TABLEREPLY']._serialized_end=321
+  _globals['_REPLACEREQUEST']._serialized_start=323
+  _globals['_REPLACEREQUEST']._serialized_end=388
+  _globals['_ROWSREQUEST']._serialized_start=391
+  _globals['_ROWSREQUEST']._serialized_end=529
+  _globals['_LIVEREQUEST']._serialized_start=531
+  _globals['_LIVEREQUEST']._serialized_end=558
+  _globals['_LIVEREPLY']._serialized_start=560
+  _globals['_LIVEREPLY']._serialized_end=585
+  _globals['_LANEOWNERS']._serialized_start=588
+  _globals['_LANEOWNERS']._serialized_end=1046
 # @@protoc_insertion_point(module_scope)

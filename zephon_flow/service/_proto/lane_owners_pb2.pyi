@@ -9,10 +9,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class TableRequest(_message.Message):
-    __slots__ = ("fingerprint",)
+    __slots__ = ("fingerprint", "rank")
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     fingerprint: str
-    def __init__(self, fingerprint: _Optional[str] = ...) -> None: ...
+    rank: int
+    def __init__(self, fingerprint: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class OwnerEntry(_message.Message):
     __slots__ = ("lanes", "address", "generation")
@@ -39,12 +41,14 @@ class TableReply(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ..., lanes: _Optional[int] = ..., global_batch_size: _Optional[int] = ..., finite: _Optional[bool] = ..., owners: _Optional[_Iterable[_Union[OwnerEntry, _Mapping]]] = ...) -> None: ...
 
 class ReplaceRequest(_message.Message):
-    __slots__ = ("owner", "generation")
+    __slots__ = ("owner", "generation", "rank")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     owner: int
     generation: int
-    def __init__(self, owner: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, owner: _Optional[int] = ..., generation: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
     __slots__ = ("fingerprint", "rank", "world_size", "start_step", "stop_step", "window", "taken")
