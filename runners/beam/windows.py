@@ -18,7 +18,7 @@ import apache_beam as beam
 from apache_beam.coders import PickleCoder
 from apache_beam.transforms.userstate import ReadModifyWriteStateSpec
 
-from zephon_flow.core.assemble import assemble_rows
+from zephon_flow.core.assemble import assemble_rows, step_exists
 from zephon_flow.core.batches import Batch, SampleLayout, stack
 from zephon_flow.core.schedule import WindowLengths, window_length
 from zephon_flow.runners.beam.order import Resequencer
@@ -78,22 +78,24 @@ class AssembleStep(beam.DoFn):  # type: ignore[misc]
         by_lane = {lane: (samples, layout) for lane, samples, layout in windows}
         where = f"global batch {step}"
         per_lane = window_length(self._per_lane, step)
+        empty: tuple[list[Any], SampleLayout | None] = ([], None)
+        lanes = [by_lane.get(lane, empty) for lane in range(self._lanes)]
+        # A lane with no window for the step: endless, past the passes read (the step is not
+        # whole, so not made); finite, its input has ended (padded).
+        if not step_exists([window for window, _ in lanes], per_lane=per_lane, finite=self._finite):
+            return
         if not self._finite:
-            # Past the passes read some lane's window is not whole: that step is not made.
-            if len(by_lane) == self._lanes and all(len(s) == per_lane for s, _ in by_lane.values()):
-                yield step, stack([v for lane in range(self._lanes) for v in by_lane[lane][0]], where=where)
-        else:
-            empty: tuple[list[Any], SampleLayout | None] = ([], None)
-            lanes = [by_lane.get(lane, empty) for lane in range(self._lanes)]
-            yield (
+            yield step, stack([v for window, _ in lanes for v in window], where=where)
+            return
+        yield (
+            step,
+            assemble_rows(
                 step,
-                assemble_rows(
-                    step,
-                    [window for window, _ in lanes],
-                    [(lane, layout) for lane, (_, layout) in enumerate(lanes)],
-                    rows=slice(None),
-                    per_lane=per_lane,
-                    finite=True,
-                    padding=self._padding,
-                ),
-            )
+                [window for window, _ in lanes],
+                [(lane, layout) for lane, (_, layout) in enumerate(lanes)],
+                rows=slice(None),
+                per_lane=per_lane,
+                finite=True,
+                padding=self._padding,
+            ),
+        )

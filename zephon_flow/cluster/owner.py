@@ -17,7 +17,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
-from zephon_flow.core.assemble import assemble_rows
+from zephon_flow.core.assemble import assemble_rows, step_exists
 from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.window_check import MadeWindow, WindowCheck
@@ -206,7 +206,8 @@ class LaneOwner:
                     self._windows[step], self._layouts[step] = windows, layouts
                     self._made.setdefault(step, made)
                     self._snapshots[step + 1] = snaps
-                    if self._dead_from is None and not any(windows):
+                    exists = step_exists(windows, per_lane=self.spec.per_lane_at(step), finite=self._finite)
+                    if self._dead_from is None and not exists:
                         self._dead_from = step
                     self._cond.notify_all()
         except BaseException as exc:  # handed to every reader, naming the owner's lanes

@@ -8,6 +8,7 @@ The one assembly of every way of running lanes: the embedded ``Loader`` and ``ze
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,18 @@ def assemble_rows(
             pad = padding if padding is not None else _pad(lane, layout, windows, where)
             samples += [pad] * (per_lane - len(window))
     return with_valid(stack(samples[rows], where=where), valid[rows], where=where)
+
+
+def step_exists(windows: Sequence[Sequence[Any]], *, per_lane: int, finite: bool) -> bool:
+    """Whether global batch ``step`` exists as far as ``windows`` (its windows of the lanes at
+    hand, ``per_lane`` outputs each when whole) tell: a finite pass goes on while some lane has
+    a real sample, an endless one while every lane fills its window. The one test of every way
+    of running lanes (the Loader, the lane owners, the Beam translation's ``AssembleStep``);
+    ranks that do not run every lane agree on a finite pass's end through an ``EndSync``, and
+    readers holding assembled rows ask ``core.batches.has_sample``."""
+    if finite:
+        return any(len(window) for window in windows)
+    return all(len(window) == per_lane for window in windows)
 
 
 def _pad(lane: int, layout: SampleLayout | None, windows: list[list[Any]], where: str) -> Any:
