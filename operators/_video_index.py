@@ -21,7 +21,7 @@ from zephon_flow.operators import _file_cache
 from zephon_flow.operators._video_tar import Member, MemberFile
 
 #: The cached index's kind and version: bumped when what it holds or how it is read changes.
-LISTING = "video-index 2"
+LISTING = "video-index 3"
 #: The container extensions ``ReadVideo`` is meant for (the glob decides what is read).
 EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov")
 
@@ -122,13 +122,28 @@ def open_container(path: str, operator: str, member: Member | None = None) -> It
         yield container
 
 
+#: ``AVStream.disposition``'s attached-picture flag (``AV_DISPOSITION_ATTACHED_PIC``): a cover
+#: image FFmpeg presents as a one-frame video stream (an MP4's ``covr`` art, a Matroska image
+#: attachment). A stable part of FFmpeg's ABI, so no import of PyAV is needed to name it.
+ATTACHED_PIC = 0x0400
+
+
 def video_stream(container: Any, path: str, operator: str, max_pixels: int) -> Any:
-    """The file's first video stream, refused by name if there is none, if FFmpeg has no
-    decoder for its codec, or if its frames have more than ``max_pixels`` pixels."""
-    if not container.streams.video:
+    """The file's video: its first video stream that is not an attached picture (a cover image,
+    disposition ``attached_pic``), refused by name if there is none, if FFmpeg has no decoder
+    for its codec, or if its frames have more than ``max_pixels`` pixels. Listing and decoding
+    both choose it by this rule, from the file's header alone."""
+    videos = list(container.streams.video)
+    if not videos:
         kinds = sorted({s.type for s in container.streams}) or ["no streams"]
         raise DataError(f"{operator}: {path} has no video stream (it has {', '.join(kinds)})")
-    stream = container.streams.video[0]
+    moving = [s for s in videos if not int(s.disposition) & ATTACHED_PIC]
+    if not moving:
+        raise DataError(
+            f"{operator}: {path} has no video stream but its cover image (an attached picture: "
+            f"{len(videos)} stream{'s' if len(videos) > 1 else ''} flagged attached_pic)"
+        )
+    stream = moving[0]
     ctx = stream.codec_context
     name = getattr(ctx, "name", None) if ctx is not None else None
     if not name:
@@ -218,19 +233,32 @@ def _demux(path: str, operator: str, max_pixels: int, member: Member | None = No
             int(ctx.height),
             str(ctx.name),
         )
-        _check_length(index, container.duration, path, operator)
+        others = len(container.streams.video) - 1
+        _check_length(index, container.duration, path, operator, (stream.index, others))
         return index
 
 
-def _check_length(index: VideoIndex, duration_us: int | None, path: str, operator: str) -> None:
+def _check_length(
+    index: VideoIndex, duration_us: int | None, path: str, operator: str, stream: tuple[int, int] = (0, 0)
+) -> None:
     """Refuses a file whose frames end well before the length its header declares: a cut
-    download or copy, whose missing tail would otherwise just quietly be fewer clips."""
+    download or copy, whose missing tail would otherwise just quietly be fewer clips.
+    ``stream``: the index of the stream read and how many other video streams the file has."""
     if not duration_us:
         return
     declared = duration_us / 1_000_000
     step = index.seconds(index.pts[-1]) / max(1, len(index.pts) - 1)
     seen = index.seconds(index.pts[-1]) + step
     if declared - seen > max(2 * step, 0.02 * declared):
+        number, others = stream
+        if others:  # perhaps not cut: a one-frame cover image Matroska stores as an ordinary track
+            raise DataError(
+                f"{operator}: {path} is truncated, or its video stream #{number} is not its main "
+                f"video: its header says {declared:.3f} s but that stream's frames end at "
+                f"{seen:.3f} s (the file has {others} other video stream{'s' if others > 1 else ''}; "
+                "the first video stream not flagged an attached picture is read, and a cover image "
+                "stored as an ordinary track is not flagged)"
+            )
         raise DataError(
             f"{operator}: {path} is truncated: its header says {declared:.3f} s but its video "
             f"frames end at {seen:.3f} s"

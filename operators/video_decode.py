@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -74,6 +76,11 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         self.output = output
         self.max_pixels = max_pixels
         self.rotate = bool(rotate)
+        # PyAV imported now, where the pipeline is built: the processes backend forks its workers
+        # from this process, so they start with it instead of each importing it (about 50 ms)
+        # before its first clip. Without PyAV, the first decode says what to install.
+        with contextlib.suppress(SpecError):
+            pyav()
 
     def params(self) -> dict[str, Any]:
         return {
@@ -223,7 +230,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
 
     def _pixels(self, frame: Any, path: str, where: str) -> np.ndarray:
         """One kept frame, upright, resized: a view (the clip's ``np.stack`` is its one copy)."""
-        turns = (round(frame.rotation / 90) % 4) if self.rotate and frame.rotation else 0
+        turns = quarter_turns(frame, path, where) if self.rotate else 0
         if self.scaler is not None:
             return self.scaler(frame, turns)
         arr = rgb(frame)
@@ -232,3 +239,43 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         if self.resizer is not None:  # a filter swscale lacks: Pillow's
             return self.resizer.resize(np.ascontiguousarray(arr), f"{where} of {path}")
         return arr
+
+
+#: A display matrix's 2x2 part ``(a, b, c, d)`` (FFmpeg's ``int32[9]``, 16.16 fixed point, entries
+#: 0, 1, 3, 4) for each exact counterclockwise quarter turn, and the turns ``np.rot90`` makes.
+_ONE = 1 << 16
+_QUARTER_TURNS = {
+    (_ONE, 0, 0, _ONE): 0,
+    (0, -_ONE, _ONE, 0): 1,
+    (-_ONE, 0, 0, -_ONE): 2,
+    (0, _ONE, -_ONE, 0): 3,
+}
+
+
+def quarter_turns(frame: Any, path: str, where: str) -> int:
+    """The counterclockwise quarter turns that show ``frame`` upright, from its display matrix
+    (none: 0). Only an exact rotation by a multiple of 90 degrees is applied; any other matrix
+    (a rotation by another angle, a mirror, a scale) is refused by name rather than rounded to
+    the nearest quarter turn or ignored, which would silently change the frames. The translation
+    part (MP4 writers put the frame's size there for a turn) does not change the picture."""
+    data = frame.side_data.get("DISPLAYMATRIX")
+    if data is None:
+        return 0
+    raw = bytes(data)
+    if len(raw) != 36:
+        raise DataError(f"DecodeVideo: {path} has a display matrix of {len(raw)} bytes (not 36) in {where}")
+    m = struct.unpack("=9i", raw)
+    a, b, c, d = m[0], m[1], m[3], m[4]
+    turns = _QUARTER_TURNS.get((a, b, c, d))
+    if turns is not None:
+        return turns
+    s0, s1 = math.hypot(a, c), math.hypot(b, d)
+    angle = f"{0.0 - math.degrees(math.atan2(b / s1, a / s0)):.2f}" if s0 and s1 else "undefined"
+    mirrored = ", mirrored" if a * d - b * c < 0 else ""
+    scaled = "" if abs(s0 - _ONE) <= 4 and abs(s1 - _ONE) <= 4 else ", scaled"  # 16.16's rounding
+    raise DataError(
+        f"DecodeVideo: {path} asks for a display transform that is not a quarter turn (a rotation "
+        f"of {angle} degrees{mirrored}{scaled}: display matrix {[a, b, c, d]} in 16.16) in {where}; "
+        "only rotations by multiples of 90 degrees are applied (none is rounded): give "
+        "DecodeVideo(rotate=False) to read its frames as stored"
+    )
