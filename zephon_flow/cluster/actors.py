@@ -16,6 +16,7 @@ from typing import Any
 from zephon_flow.cluster.coordinator import Adopted, Coordinator, OwnerTable, Store
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
+from zephon_flow.cluster.snapshots import PackedSnapshot, SnapshotPacker
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.checkpoint import manifest
 from zephon_flow.core.checkpoint.manifest import Part
@@ -64,6 +65,7 @@ class OwnerActor:
         run: str | None = None,
     ) -> None:
         self._owner = LaneOwner(spec, lanes, state=state, readers=readers, options=options, name=name).start()
+        self._packer = SnapshotPacker()
         self._server = None if serving is None else OwnerServer(self._owner, serving)
         if run is not None:  # a detached owner: it outlives its coordinator, not its run
             threading.Thread(
@@ -136,6 +138,12 @@ class OwnerActor:
 
     def snapshot(self, step: int) -> dict[int, LaneState] | None:
         return self._owner.snapshot(step)
+
+    def packed_snapshot(self, step: int) -> PackedSnapshot | None:
+        """``snapshot(step)`` packed for the coordinator to keep (``cluster/snapshots.py``):
+        the elements it held at the last gather are not pickled again."""
+        snaps = self._owner.snapshot(step)
+        return None if snaps is None else self._packer.pack(step, snaps)
 
     def lanes_snapshot(self, step: int, lanes: list[int]) -> tuple[dict[int, LaneState], list[Any]] | None:
         """``snapshot(step)`` of ``lanes`` only, with the mixture history (a rank's own state)."""
@@ -277,6 +285,13 @@ def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
     return result
 
 
+def pack_snapshot(handle: Any, step: int) -> PackedSnapshot | None:
+    """An owner's lane snapshots at ``step``, packed (``OwnerActor.packed_snapshot``); errors
+    as ``gather_snapshot``'s."""
+    result: PackedSnapshot | None = owner_answer(handle.packed_snapshot.remote(step), 60, "its snapshot")
+    return result
+
+
 def owner_answer(ref: Any, timeout: float, what: str) -> Any:
     """An owner call's answer: the owner's own failure (an error of the project's) raised as
     itself, its death as Ray's error (the caller replaces it), anything else raised in it as
@@ -354,6 +369,7 @@ class CoordinatorActor:
             allow_code_change=options.allow_code_change,
             adopt=_adoptions(found) if restarted else None,
             store=None if options.snapshot_dir is None else snapshot_store(run, options.snapshot_dir),
+            pack=pack_snapshot,
         )
         self._snapshot_folder = (
             None if options.snapshot_dir is None else snapshot_folder(run, options.snapshot_dir)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from zephon_flow.cluster.snapshots import PackedSnapshot
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.store import load_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
@@ -95,6 +96,14 @@ Launch = Callable[[int, str, list[int], LoaderState | None, dict[int, int], int]
 Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
 
 
+#: Asks an owner for its lanes' snapshots at a step packed (``cluster/snapshots.py``: each
+#: buffered element pickled once, not at every gather): (handle, step) -> the packed snapshots,
+#: or None while it does not hold that step.
+Pack = Callable[[Any, int], PackedSnapshot | None]
+#: One gather's answer: the lanes' states, packed, or the file they were written to.
+Snapshot = Mapping[int, LaneState] | PackedSnapshot | str
+
+
 #: Has an owner write its lanes' snapshots at a step to a file: (handle, step, index) -> the
 #: file's path, or None while it does not hold that step.
 Store = Callable[[Any, int, int], str | None]
@@ -124,7 +133,10 @@ class Coordinator:
     again after its own death) gives, per owner, the live one to take over (None: start it
     again, from the snapshot it had in ``state``). With ``store`` the owners write their
     snapshots to files (``store(handle, step, index)`` -> the file, or None while the step is
-    not held) and the coordinator keeps only their names, not every lane's state."""
+    not held) and the coordinator keeps only their names, not every lane's state; else with
+    ``pack`` the periodic gathers ask for packed snapshots (``pack(handle, step)``), which it
+    keeps as they came (bytes) and unpacks only to start a replacement. ``gather`` is what a
+    checkpoint asks."""
 
     def __init__(
         self,
@@ -145,6 +157,7 @@ class Coordinator:
         clock: Clock = SYSTEM_CLOCK,
         adopt: Sequence[Adopted | None] | None = None,
         store: Store | None = None,
+        pack: Pack | None = None,
     ) -> None:
         # Phases: check the topology, restore where the lanes start, launch (or adopt) the owners.
         self._clock = clock
@@ -164,7 +177,8 @@ class Coordinator:
         )
         self._track(start.step, owners, recipe=state is not None and state.recipe)
         self._launch, self._gather, self._stop = launch, gather, stop
-        self._store = store
+        self._store, self._pack = store, pack
+        self._packed: dict[int, PackedSnapshot] = {}  # owner -> its last snapshot, packed (pack)
         self._snap_files: dict[int, str] = {}  # owner -> the file of its last snapshot (store)
         self._closed = False
         self._gathering: set[int] = set()  # owners whose snapshot is being gathered
@@ -208,7 +222,11 @@ class Coordinator:
         if index in self._snap_files:  # written by the owner: read only to start its replacement
             return load_state(self._snap_files[index], codecs=self.spec.compile().derived_codecs)
         lanes = self._groups[index]
-        states = {lane: self._snaps[lane] for lane in lanes}
+        states: dict[int, LaneState | None]
+        if index in self._packed:  # kept packed: unpacked only to start its replacement
+            states = dict(self._packed[index].unpack())
+        else:
+            states = {lane: self._snaps[lane] for lane in lanes}
         if all(s is None for s in states.values()):
             return None  # a fresh start: the lanes start at step 0 with no state
         return LoaderState(
@@ -317,7 +335,7 @@ class Coordinator:
             self._gathering.update(due)  # one gather per owner at a time, whoever reports
             handles = [(i, self._handles[i], self._generations[i]) for i in due]
 
-        def ask(item: tuple[int, Any, int]) -> Mapping[int, LaneState] | str | None:
+        def ask(item: tuple[int, Any, int]) -> Snapshot | None:
             try:
                 return self._snapshot(item[0], item[1], slowest)
             except Exception:  # a dead owner: its replacement restores from the last snapshot
@@ -345,14 +363,16 @@ class Coordinator:
         with self._lock:
             return dict(self._snap_files)
 
-    def _snapshot(self, index: int, handle: Any, step: int) -> Mapping[int, LaneState] | str | None:
-        """Owner ``index``'s snapshots at ``step``: its lanes' states, or with ``store`` the
-        file it wrote them to (None while it does not hold the step)."""
+    def _snapshot(self, index: int, handle: Any, step: int) -> Snapshot | None:
+        """Owner ``index``'s snapshots at ``step``: with ``store`` the file it wrote them to,
+        with ``pack`` packed, else its lanes' states (None while it does not hold the step)."""
         if self._store is not None:
             return self._store(handle, step, index)
+        if self._pack is not None:
+            return self._pack(handle, step)
         return self._gather(handle, step)
 
-    def _keep_snapshot(self, index: int, step: int, snaps: Mapping[int, LaneState] | str | None) -> None:
+    def _keep_snapshot(self, index: int, step: int, snaps: Snapshot | None) -> None:
         """Keeps owner ``index``'s snapshot of ``step`` (``_snapshot``'s answer) to restart it
         from; a file replaces (and removes) the one before."""
         if snaps is None:
@@ -363,6 +383,9 @@ class Coordinator:
             self._snaps.update(dict.fromkeys(self._groups[index]))  # held in the file, not here
             if before is not None and before != snaps:
                 _remove(before)
+        elif isinstance(snaps, PackedSnapshot):
+            self._packed[index] = snaps
+            self._snaps.update(dict.fromkeys(self._groups[index]))  # held packed, not here
         else:
             self._snaps.update(snaps)
         self._snap_steps[index] = step

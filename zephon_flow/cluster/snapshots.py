@@ -1,0 +1,165 @@
+"""Lane snapshots packed in an owner for its coordinator: each immutable item pickled once.
+
+Every ``snapshot_every`` steps the coordinator keeps a copy of each owner's lane snapshots, what
+a replacement starts from if the owner dies. Pickled whole, that copy costs the owner a pickle
+of every buffered element each time (the demo's shuffle buffers and pending outputs: ~4 MB, a
+few thousand small arrays) and the coordinator an unpickle of it. Most of those elements were
+in the previous snapshot too: by the state contract (``runners/userstate.py``
+``snapshot_value``), a state value's top-level list or dict is copied per snapshot, but what
+it holds, like a lane's pending outputs, is never changed in place once stored. So a
+``SnapshotPacker`` pickles each such item once, keeps its bytes while a snapshot holds it, and
+packs a snapshot as a small pickled skeleton whose items are references into a list of those
+bytes (``PackedSnapshot``). The coordinator keeps the packed form as it is (bytes, nothing to
+rebuild) and unpacks it only to start a replacement. A transient form between two processes
+of one run, never written anywhere: checkpoints keep their own codec.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from zephon_flow.core.checkpoint.state import LaneState
+
+#: Types of items worth pickling once and referring to (an int or a string is cheaper inline).
+_ITEM_TYPES = (dict, list, tuple, np.ndarray)
+#: Array kinds whose bytes, dtype string and shape are the whole array (bool, integers,
+#: floats, complex): pickled as raw bytes, several times faster than numpy's own pickling.
+_RAW_KINDS = frozenset("biufc")
+
+
+def _raw(value: Any) -> bool:
+    return (
+        type(value) is np.ndarray
+        and value.dtype.kind in _RAW_KINDS
+        and value.dtype.fields is None
+        and value.flags.c_contiguous
+    )
+
+
+def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
+    """An array rebuilt from its raw bytes (its own, writable copy, as unpickling gives)."""
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
+
+
+def _arrays(fields: list[tuple[str, str, tuple[int, ...], bytes]]) -> dict[str, np.ndarray]:
+    return {key: _array(dtype, shape, data) for key, dtype, shape, data in fields}
+
+
+class _RawArray:
+    """Pickles as ``_array(...)``: an array as its dtype string, shape and bytes."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: np.ndarray) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        v = self.value
+        return _array, (v.dtype.str, v.shape, v.tobytes())
+
+
+class _RawArrays:
+    """Pickles as ``_arrays(...)``: a dict of arrays (an element: ``input_ids``...) as each
+    array's key, dtype string, shape and bytes."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: dict[str, np.ndarray]) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _arrays, ([(k, v.dtype.str, v.shape, v.tobytes()) for k, v in self.value.items()],)
+
+
+def _dumps(item: Any) -> bytes:
+    """One item's bytes (``pickle.loads`` gives it back): an array, or a dict of arrays with
+    string keys, as raw bytes; anything else pickled."""
+    wrapped: Any = item
+    if _raw(item):
+        wrapped = _RawArray(item)
+    elif type(item) is dict and all(type(k) is str and _raw(v) for k, v in item.items()):
+        wrapped = _RawArrays(item)
+    return pickle.dumps(wrapped, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+@dataclass(frozen=True)
+class PackedSnapshot:
+    """An owner's lane snapshots at ``step``: ``skeleton`` (the ``{lane: LaneState}`` mapping
+    pickled with its items replaced by their index in ``items``) and ``items`` (each item
+    pickled on its own)."""
+
+    step: int
+    skeleton: bytes
+    items: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.skeleton) + sum(len(b) for b in self.items)
+
+    def unpack(self) -> dict[int, LaneState]:
+        """The ``{lane: LaneState}`` mapping that was packed (items shared as they were)."""
+        items = [pickle.loads(b) for b in self.items]
+        unpickler = pickle.Unpickler(io.BytesIO(self.skeleton))
+        unpickler.persistent_load = items.__getitem__  # type: ignore[assignment]
+        lanes: dict[int, LaneState] = unpickler.load()
+        return lanes
+
+
+def _items(snaps: Mapping[int, LaneState]) -> Iterator[Any]:
+    """The items of lane states that are never changed in place once stored: what each stage's
+    state values (lists and dicts) hold, and the pending outputs."""
+    for ls in snaps.values():
+        for stage in ls.stages.values():
+            for value in stage.values.values():
+                if isinstance(value, list):
+                    yield from value
+                elif isinstance(value, dict):
+                    yield from value.values()
+        yield from ls.pending
+
+
+class SnapshotPacker:
+    """Packs an owner's lane snapshots (``pack``), pickling each item only the first time a
+    snapshot holds it: the bytes of the items of the last packed snapshot are kept, by the
+    item's identity (the item itself is kept with them, so its identity is not reused)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[int, tuple[Any, bytes]] = {}
+        #: Items pickled by the last ``pack``, and items it took from the cache (for tests and
+        #: the benchmark).
+        self.pickled = 0
+        self.reused = 0
+
+    def pack(self, step: int, snaps: Mapping[int, LaneState]) -> PackedSnapshot:
+        with self._lock:
+            cache, kept = self._cache, {}
+            index: dict[int, int] = {}
+            items: list[bytes] = []
+            pickled = reused = 0
+            for item in _items(snaps):
+                key = id(item)
+                if key in index or not isinstance(item, _ITEM_TYPES):
+                    continue
+                hit = cache.get(key)
+                if hit is None:
+                    hit = (item, _dumps(item))
+                    pickled += 1
+                else:
+                    reused += 1
+                kept[key] = hit
+                index[key] = len(items)
+                items.append(hit[1])
+            out = io.BytesIO()
+            pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
+            pickler.persistent_id = lambda obj: index.get(id(obj))  # type: ignore[method-assign]
+            pickler.dump(dict(snaps))
+            self._cache, self.pickled, self.reused = kept, pickled, reused
+            return PackedSnapshot(step, out.getvalue(), tuple(items))
