@@ -31,11 +31,12 @@ from zephon_flow.engine.balance import RankBalance, RowCost
 from zephon_flow.engine.endsync import EndSync, bind_end_sync, default_end_sync
 from zephon_flow.engine.options import ResumeOptions, StateOptions, TopologyOptions, WorkOptions
 from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.engine.steps import LaneSteps, MadeStep, produce
 from zephon_flow.operators.mix import Mix, Mixture
 from zephon_flow.runners.backends import DEFAULT_CHUNK_TIMEOUT
 from zephon_flow.runners.backends.base import Backend
 from zephon_flow.runners.backends.processes import can_fork, start_worker_server
-from zephon_flow.runners.lane import LaneRunner, SkipHook, prime_lanes
+from zephon_flow.runners.lane import LaneRunner, SkipHook
 from zephon_flow.runners.plan import Plan
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
@@ -219,6 +220,9 @@ class Loader:
             self._slice.rank,
         )
         self._step = start.step
+        self._steps = LaneSteps(
+            self._lanes, first_step=start.step, per_lane_at=self.spec.per_lane_at, finite=plan.finite
+        )
         self._last = self._state(start.step, {ln.lane: ln.snapshot() for ln in self._lanes})
         known = {lane: ls.next_window for lane, ls in start.lanes.items() if ls is not None}
         if self._last.checks is not None and known and all(known.values()):
@@ -340,47 +344,23 @@ class Loader:
             return list(self._mix_history)
 
     def _produce(self) -> None:
-        step = self._step
-        before = self._last.checks  # the state the next windows complete
+        """The producer thread: the engine's loop (``engine/steps.py``) from this rank's lanes
+        into the queue of ``prefetch`` batches."""
+        sink = _Queued(self)
         try:
-            prime_lanes(self._lanes)
-            while not self._stop.is_set():
-                with self._mix_lock:  # from here on a mixture change at ``step`` is refused
-                    self._begun = step + 1
-                windows = [lane.next_window() for lane in self._lanes]
-                if before is not None:
-                    before.fill({ln.lane: ln.made for ln in self._lanes})
-                if not self._goes_on(step, windows):
-                    self._put(_END)
-                    return
-                batch = self._assemble(step, windows)
-                snap = {ln.lane: ln.snapshot() for ln in self._lanes}
-                step += 1
-                after = self._state(step, snap)
-                before = after.checks
-                self._put((step - 1, batch, after))
-        except BaseException as exc:  # delivered to the consumer, re-raised there
-            if before is not None:
-                before.give_up()
-            if self._end_sync is not None:  # peers waiting on this rank raise at once, naming it
-                self._end_sync.leave(exc)
-            self._put(exc)
+            produce(self._steps, room=sink.room, put=sink.put, fail=sink.fail)
         finally:
-            if before is not None:
-                before.give_up()  # stopped: a state() waiting for these windows returns
+            sink.stopped()
 
-    def _goes_on(self, step: int, windows: list[list[Any]]) -> bool:
-        """Whether global batch ``step`` exists: an endless pipeline's lanes fill every window;
-        a finite one goes on while any lane (of any rank: ``end_sync``) has a real sample."""
-        per_lane = self.spec.per_lane_at(step)
-        if not self._finite:
-            return all(len(w) == per_lane for w in windows)
-        local = any(windows)
-        if self._end_sync is None:
-            return local
+    def _goes_on(self, step: int, exists: bool) -> bool:
+        """Whether global batch ``step`` exists, given whether it does from this rank's lanes
+        (``step_exists``): an endless pipeline's lanes fill every window; a finite one goes on
+        while any lane (of any rank: ``end_sync``) has a real sample."""
+        if not self._finite or self._end_sync is None:
+            return exists
         if getattr(self._end_sync, "lockstep", False) and not self._wait_for_request(step):
             return False
-        return self._end_sync.any_rank(step, local, self._stop)
+        return self._end_sync.any_rank(step, exists, self._stop)
 
     def _wait_for_request(self, step: int) -> bool:
         """Waits until the consumer has asked for ``step`` (False: the loader closed first).
@@ -394,13 +374,14 @@ class Loader:
                 self._requested_cond.wait(timeout=0.1)
         return True
 
-    def _assemble(self, step: int, windows: list[list[Any]]) -> Batch:
-        """This rank's rows of global batch ``step`` (see ``assemble_rows``); balanced, the
-        whole batch (every lane is local), then this rank's rows of ``balance``."""
+    def _assemble(self, made: MadeStep) -> Batch:
+        """This rank's rows of global batch ``made.step`` (see ``assemble_rows``); balanced,
+        the whole batch (every lane is local), then this rank's rows of ``balance``."""
+        step = made.step
         batch = assemble_rows(
             step,
-            windows,
-            [(lane.lane, lane.layout) for lane in self._lanes],
+            list(made.windows),
+            made.lane_layouts(),
             rows=self._slice.at(step).rows_of_lanes() if self._balance is None else slice(None),
             per_lane=self.spec.per_lane_at(step),
             finite=self._finite,
@@ -518,6 +499,50 @@ class Loader:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+class _Queued:
+    """The embedded Loader's sink for the engine's producer loop: each step it makes, if the
+    step exists (``Loader._goes_on``), assembled into this rank's rows and queued with the
+    state after it; the state before it completed with the checks of the windows made."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+        self._before = loader._last.checks  # the state the next windows complete
+
+    def room(self, step: int) -> bool:
+        loader = self._loader
+        if loader._stop.is_set():
+            return False
+        with loader._mix_lock:  # from here on a mixture change at ``step`` is refused
+            loader._begun = step + 1
+        return True
+
+    def put(self, made: MadeStep) -> bool:
+        loader = self._loader
+        if self._before is not None:
+            self._before.fill(made.made)
+        if not loader._goes_on(made.step, made.exists):
+            loader._put(_END)
+            return False
+        batch = loader._assemble(made)
+        after = loader._state(made.step + 1, made.snapshots)
+        self._before = after.checks
+        loader._put((made.step, batch, after))
+        return True
+
+    def fail(self, exc: BaseException) -> None:
+        """Delivered to the consumer, re-raised there."""
+        loader = self._loader
+        self.stopped()
+        if loader._end_sync is not None:  # peers waiting on this rank raise at once, naming it
+            loader._end_sync.leave(exc)
+        loader._put(exc)
+
+    def stopped(self) -> None:
+        """A state() waiting for windows that will not be made returns."""
+        if self._before is not None:
+            self._before.give_up()
 
 
 @dataclass(frozen=True)
