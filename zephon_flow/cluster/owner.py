@@ -17,18 +17,19 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
-from zephon_flow.core.assemble import assemble_rows, step_exists
+from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.window_check import MadeWindow, WindowCheck
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerError as OwnerError  # also imported from here
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.engine.hold import StepHold
 from zephon_flow.engine.loader import LaneStart, apply_mix_change, build_lane_runners, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.engine.steps import LaneSteps, MadeStep, produce
 from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
-from zephon_flow.runners.lane import prime_lanes
 from zephon_flow.runners.streams import CHUNK_RECORDS
 
 
@@ -104,7 +105,8 @@ def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
 class LaneOwner:
     """Runs ``lanes`` of ``spec`` from ``state`` (a ``LoaderState`` holding at least those lanes,
     or None: the start) for the ranks ``readers`` (rank -> the first step it may ask for);
-    ``name`` is how errors refer to it."""
+    ``name`` is how errors refer to it. ``clock`` is what its production's wait for room and
+    its backend's chunk deadlines read (an owner on Ray: the system's)."""
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class LaneOwner:
         readers: dict[int, int],
         options: OwnerOptions,
         name: str = "lane owner",
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         # Phases: restore the lanes' start, build the runners, start producing (``start``).
         if not lanes or sorted(set(lanes)) != list(lanes) or not 0 <= lanes[0] <= lanes[-1] < spec.lanes:
@@ -138,7 +141,9 @@ class LaneOwner:
             workers=options.workers,
             segment=plan.front_segment(),
             chunk_timeout=options.chunk_timeout,
+            clock=clock,
         )
+        self._clock = clock
         self._runners = build_lane_runners(
             spec,
             plan,
@@ -147,6 +152,9 @@ class LaneOwner:
             chunk_records=options.chunk_records,
             depth=options.prefetch_chunks,
             on_skip=_ignore_skip,
+        )
+        self._steps = LaneSteps(
+            self._runners, first_step=start.step, per_lane_at=spec.per_lane_at, finite=self._finite
         )
         self._hold_from(start, readers)
         self._error: BaseException | None = None
@@ -184,36 +192,39 @@ class LaneOwner:
         return self
 
     def _produce(self) -> None:
-        try:
-            prime_lanes(self._runners)
-            while True:
-                with self._cond:
-                    while not self._hold.has_room() or self._fenced():
-                        if self._stop.is_set():
-                            return
-                        self._cond.wait(0.2)
-                    self._begun = self._hold.produced + 1
+        """The producer thread: the engine's loop (``engine/steps.py``) from its lanes into the
+        steps it holds for its readers."""
+        produce(self._steps, room=self._room, put=self._keep, fail=self._fail)
+
+    def _room(self, step: int) -> bool:
+        """Waits until its readers leave room for one more step (``StepHold``) and no mixture
+        change holds production back; False once it is closed."""
+        with self._cond:
+            while not self._hold.has_room() or self._fenced():
                 if self._stop.is_set():
-                    return
-                windows = tuple(runner.next_window() for runner in self._runners)
-                layouts = tuple(runner.layout for runner in self._runners)
-                snaps = {runner.lane: runner.snapshot() for runner in self._runners}
-                made: dict[int, MadeWindow | WindowCheck] = {
-                    runner.lane: runner.made for runner in self._runners if runner.made is not None
-                }
-                with self._cond:
-                    step = self._hold.add()
-                    self._windows[step], self._layouts[step] = windows, layouts
-                    self._made.setdefault(step, made)
-                    self._snapshots[step + 1] = snaps
-                    exists = step_exists(windows, per_lane=self.spec.per_lane_at(step), finite=self._finite)
-                    if self._dead_from is None and not exists:
-                        self._dead_from = step
-                    self._cond.notify_all()
-        except BaseException as exc:  # handed to every reader, naming the owner's lanes
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+                    return False
+                self._clock.wait(self._cond, 0.2)
+            self._begun = self._hold.produced + 1
+        return not self._stop.is_set()
+
+    def _keep(self, made: MadeStep) -> bool:
+        """Holds step ``made``: its windows and layouts for the readers, the snapshots after it
+        and its windows as made (for the checks of the snapshots before it)."""
+        with self._cond:
+            step = self._hold.add()
+            self._windows[step], self._layouts[step] = made.windows, made.layouts
+            self._made.setdefault(step, made.made)
+            self._snapshots[step + 1] = made.snapshots
+            if self._dead_from is None and not made.exists:
+                self._dead_from = step
+            self._cond.notify_all()
+        return True
+
+    def _fail(self, exc: BaseException) -> None:
+        """Its pipeline failed: handed to every reader, naming the owner's lanes."""
+        with self._cond:
+            self._error = exc
+            self._cond.notify_all()
 
     def check(self) -> None:
         """Raises its pipeline's failure (an ``OwnerError``), if it failed."""
