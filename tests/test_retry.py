@@ -41,3 +41,13 @@ def test_bad_retry_options_are_refused_by_the_client_before_connecting(
         zf.Client("127.0.0.1:1", 0, 1, **options)
     with pytest.raises(SpecError, match=shown.replace("(", r"\(")):
         zf.Client("127.0.0.1:1", 0, 1, **options)
+
+
+def test_a_loop_bounded_by_time_tries_at_once_then_backs_off_to_the_deadline() -> None:
+    policy = Backoff(initial=0.25, maximum=1.0)
+    clock = ManualClock()
+    times = [clock.now() for _ in policy.until(clock, 2.0)]
+    # At once, then after 0.25, 0.5 and 1.0 s; the last pause is cut at the deadline, where
+    # the last try is made.
+    assert times == pytest.approx([0.0, 0.25, 0.75, 1.75, 2.0])
+    assert [clock.now() for _ in policy.until(clock, 0)] == [2.0]  # no time: one try, no pause

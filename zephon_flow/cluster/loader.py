@@ -27,6 +27,7 @@ from zephon_flow.core.errors import (
 )
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_choice
+from zephon_flow.core.retry import POLL
 from zephon_flow.engine import recipe
 from zephon_flow.engine.endsync import OwnersEndSync
 from zephon_flow.engine.options import STATE_MODES
@@ -347,8 +348,9 @@ class OwnedLoader:
         return self._saved_form(LoaderState(at, spec.lanes, dict(spec.fingerprint), lanes, history))
 
     def _lanes_snapshot(self, owner: int, lanes: list[int], step: int) -> tuple[dict[int, Any], list[Any]]:
-        deadline = self._clock.now() + self._timeout
-        while True:
+        """``owner``'s snapshots of ``lanes`` at ``step``, asked again (``POLL``, on the clock)
+        while it has not made that step, for up to ``timeout`` s (a dead owner is replaced)."""
+        for _ in POLL.until(self._clock, self._timeout):
             generation = self._table.generations[owner]
             try:
                 got = self._call(self._table.handles[owner].lanes_snapshot.remote(step, lanes))
@@ -358,13 +360,11 @@ class OwnedLoader:
             if got is not None:
                 snaps, history = got
                 return snaps, history
-            if self._clock.now() > deadline:
-                raise OwnerError(
-                    f"rank {self._slice.rank}: lane owner {owner} (lanes {list(self._table.lanes[owner])}) "
-                    f"does not hold step {step} within {self._timeout:g} s: a rank's state is of a step "
-                    f"it is at (an owner holds a few steps around its readers)"
-                )
-            self._clock.sleep(0.05)
+        raise OwnerError(
+            f"rank {self._slice.rank}: lane owner {owner} (lanes {list(self._table.lanes[owner])}) "
+            f"does not hold step {step} within {self._timeout:g} s: a rank's state is of a step "
+            f"it is at (an owner holds a few steps around its readers)"
+        )
 
     def owner_pids(self) -> list[int]:
         """The process id of each owner (for fault tests and monitoring)."""
@@ -393,13 +393,11 @@ class OwnedLoader:
     def _await_name_released(self, timeout: float = 10.0) -> None:
         """Waits until the killed coordinator's name is free, so that loaders made next with
         the same name start a new one instead of finding the dying one."""
-        deadline = self._clock.now() + timeout
-        while self._clock.now() < deadline:
+        for _ in POLL.until(self._clock, timeout):
             try:
                 self._ray.get_actor(self.name, namespace=actors.NAMESPACE)
             except ValueError:
                 return
-            self._clock.sleep(0.05)
 
     def __enter__(self) -> OwnedLoader:
         return self

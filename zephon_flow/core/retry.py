@@ -1,12 +1,15 @@
-"""The one retry policy of every client-side loop: how many tries, and the pause before each.
+"""The one retry policy of every loop that asks again: how many tries, and the pause before each.
 
-``Client`` (the server's stream and its unary calls), the fan-in from served lane owners and
-``OwnedLoader`` all pause through a ``Backoff`` on their injected clock, so a test drives their
-retries with a ``ManualClock`` instead of sleeping, and the policy's checks live here once.
+``Client`` (the server's stream and its unary calls), the fan-in from served lane owners,
+``OwnedLoader`` and the lane owners' coordinator all pause through a ``Backoff`` on their
+injected clock, so a test drives their retries with a ``ManualClock`` instead of sleeping, and
+the policy's checks live here once. A loop bounded by a number of tries counts them
+(``last``, ``pause``); one bounded by a time asks ``until`` for its tries.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from zephon_flow.core.clock import Clock
@@ -48,3 +51,23 @@ class Backoff:
     def pause(self, attempt: int, clock: Clock) -> None:
         """Waits ``delay(attempt)`` on ``clock``."""
         clock.sleep(self.delay(attempt))
+
+    def until(self, clock: Clock, timeout: float) -> Iterator[int]:
+        """The tries of a loop bounded by ``timeout`` seconds on ``clock`` (not by ``retries``):
+        yields each try's number, from 0 at once, with a pause of ``delay(attempt)`` before each
+        later one (cut short at the deadline), and ends after the try made at the deadline (the
+        caller then gives up)."""
+        deadline = clock.now() + timeout
+        attempt = 0
+        while True:
+            yield attempt
+            left = deadline - clock.now()
+            if left <= 0:
+                return
+            clock.sleep(min(self.delay(attempt), left))
+            attempt += 1
+
+
+#: How a loop waiting for something another process makes (an owner's step, a name Ray frees)
+#: asks again: soon at first, then at most every half second.
+POLL = Backoff(initial=0.05, maximum=0.5, owner="poll")
