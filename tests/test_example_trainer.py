@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,15 +71,23 @@ def run_until_step_then_kill(cmd: list[str], out: Path, step: int) -> None:
             proc.stdout.close()
 
 
+@pytest.fixture(scope="module")
+def killed_run(demo: DemoData, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 ranks checkpointed at step 3 only (5 is not a multiple of 3), killed once step 4 is
+    logged: each test resumes a copy of it (the same killed run for every resume world size)."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    run_until_step_then_kill(trainer(out, demo, "--world-size", "2", "--steps", "5"), out, 4)
+    return out
+
+
 @pytest.mark.parametrize(
     "resume_world", [1, pytest.param(4, marks=pytest.mark.slow)], ids=lambda w: f"resume-on-{w}"
 )
 def test_killed_run_resumes_on_another_world_size_with_the_same_batches(
-    demo: DemoData, tmp_path: Path, resume_world: int
+    demo: DemoData, killed_run: Path, tmp_path: Path, resume_world: int
 ) -> None:
     out = tmp_path / "run"
-    # Checkpoints at step 3 only (5 is not a multiple of 3); killed once step 4 is logged.
-    run_until_step_then_kill(trainer(out, demo, "--world-size", "2", "--steps", "5"), out, 4)
+    shutil.copytree(killed_run, out, symlinks=True)
     killed = log_lines(out)
     assert (out / "latest").read_text().strip() == "step-000003"
 
