@@ -36,6 +36,7 @@ from zephon_flow.engine.options import (
     WorkOptions,
 )
 from zephon_flow.engine.spec import LoaderSpec
+from zephon_flow.engine.steps import produce
 from zephon_flow.service import auth
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service.held import HeldSteps, HeldStepsError
@@ -145,8 +146,9 @@ class BatchServer:
     ranks of its world size, with a ``rows`` field (their global indices); the held batches
     and the checkpoints are the same as without it.
 
-    ``clock`` is what the held steps' waits, the streams' idle timeouts and the rate read
-    (tests pass a ``ManualClock``).
+    ``clock`` is what the held steps' waits, the streams' idle timeouts, the rate and the
+    embedded Loader's chunk deadlines (``chunk_timeout``) read (tests pass a ``ManualClock``;
+    each wait on it moves it, so the chunks in flight age with the server's waits too).
     """
 
     def __init__(
@@ -200,8 +202,9 @@ class BatchServer:
         _check_stream_options(max_streams, chunk_bytes)
         self._balance = _Balanced.of(balance)
         self.spec, self.fingerprint = spec, spec.fingerprint["total"]
-        self._loader = loader if loader is not None else _embedded_loader(spec, resume, work, resumed)
+        self._loader = loader if loader is not None else _embedded_loader(spec, resume, work, resumed, clock)
         first = self._state_now()
+        self._first_step = first.step
         self._held = _hold(first, hold, checkpoints, clock)
         self._set_up_checkpoints(checkpoints, first.step)
         self._set_up_streams(endpoint.stream_timeout, chunk_bytes)
@@ -297,16 +300,20 @@ class BatchServer:
         self._server.wait_for_termination()
 
     def _produce(self) -> None:
-        try:
-            batches = iter(self._loader)
-            while self._held.wait_for_room(self._stop.is_set):
-                item = next(batches, None)
-                if item is None:
-                    self._held.finish()
-                    return
-                self._held.add(item[1], self._state_now())
-        except BaseException as exc:  # carried to every stream as INTERNAL
-            self._fail(exc)
+        """The producer thread: the engine's loop (``engine/steps.py``) from the loader's
+        batches, each with the state after it, into the held steps (the embedded Loader makes
+        its steps with the same loop)."""
+        produce(
+            _Drained(self._loader, self._state_now, self._first_step),
+            room=lambda step: self._held.wait_for_room(self._stop.is_set),
+            put=self._hold_step,
+            fail=self._fail,
+            end=self._held.finish,
+        )
+
+    def _hold_step(self, made: tuple[Batch, LoaderState]) -> bool:
+        self._held.add(*made)
+        return True
 
     def _fail(self, exc: BaseException) -> None:
         """The pipeline failed: health says so, and every stream and checkpoint call gets the
@@ -556,6 +563,26 @@ class BatchServer:
         )
 
 
+class _Drained:
+    """A served loader as the engine's source of steps: each batch it yields, with the state
+    after it (``state_now``); None once it has no more. Iterating starts at the first step
+    asked for, in the producer's thread."""
+
+    def __init__(self, loader: ServedLoader, state_now: Callable[[], LoaderState], first_step: int) -> None:
+        self._loader, self._state_now = loader, state_now
+        self._batches: Iterator[tuple[int, Batch]] | None = None
+        self.step = first_step
+
+    def make(self) -> tuple[Batch, LoaderState] | None:
+        if self._batches is None:
+            self._batches = iter(self._loader)
+        item = next(self._batches, None)
+        if item is None:
+            return None
+        self.step += 1
+        return item[1], self._state_now()
+
+
 class _Balanced:
     """A server's balanced slices: each (step, world size)'s assignment made once, for the
     ranks that ask for it (the last ``keep`` kept)."""
@@ -649,14 +676,17 @@ def exit_status(
 
 
 def _embedded_loader(
-    spec: LoaderSpec, resume: str | None, work: WorkOptions, resumed: ResumeOptions
+    spec: LoaderSpec, resume: str | None, work: WorkOptions, resumed: ResumeOptions, clock: Clock
 ) -> Loader:
     """The server's own Loader: world size 1, every lane, from ``resume`` or the start (its
     lanes' first windows verified against the checkpoint unless ``verify_resume`` is False;
-    a changed mixture accepted with ``allow_mix_change``; refused, the error names the flag)."""
+    a changed mixture accepted with ``allow_mix_change``; refused, the error names the flag);
+    its backend's chunk deadlines read the server's ``clock``."""
     state = load_state(resume, codecs=spec.compile().derived_codecs) if resume is not None else None
     try:
-        return Loader(spec, rank=0, world_size=1, state=state, **work.kwargs(), **resumed.kwargs())
+        return Loader(
+            spec, rank=0, world_size=1, state=state, clock=clock, **work.kwargs(), **resumed.kwargs()
+        )
     except FingerprintMismatchError as exc:
         named = naming_the_flag(exc, "zephon serve")
         if "allow_batch_change=True" in str(exc):  # a changed global_batch_size: its flag
