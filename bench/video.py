@@ -5,6 +5,7 @@ Run from the repository root::
     .venv/bin/python -m bench.video                    # 240p H.264, 360p VP9, 720p H.264
     .venv/bin/python -m bench.video --configs 240p-h264 --repeats 5
     .venv/bin/python -m bench.video --quick            # a smoke run
+    .venv/bin/python -m bench.video --first-only --configs 240p-h264 --first-batch 7
 
 The videos are synthesised here with PyAV (24 fps, a key frame every 24 frames; a moving
 gradient with noise, so it compresses like footage; no downloads). Every clip is 16 frames of
@@ -24,8 +25,11 @@ alike), medians reported:
   **torch_swscale**, the same resizing in FFmpeg (``to_ndarray(width=, height=)``, FFmpeg's
   default threads and rounding) as ``DecodeVideo`` does.
 
-Also the first batch of the loader and of the torch DataLoader (seconds from constructing
-it). The two-hour 1080p video's memory and resume costs are ``bench/video_long.py``. Nothing
+Also the first batch of the loader and of the torch DataLoader: in each repeat, in this
+process (seconds from constructing it, every import done), and in ``--first-batch`` pairs of
+fresh interpreters, alternated (``first_batch_child``: what a user's first run waits for, from
+building the contender to its first batch, with the tree's CPU; ``--first-only`` runs only
+these). The two-hour 1080p video's memory and resume costs are ``bench/video_long.py``. Nothing
 here is asserted; results go to ``bench/results/video.json``.
 """
 
@@ -36,14 +40,16 @@ import json
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import apache_beam as beam
-import av
 import numpy as np
 import psutil
 
@@ -69,6 +75,8 @@ CONFIGS = {
     "360p-vp9": Config(640, 360, "libvpx-vp9", 4, 6),
     "720p-h264": Config(1280, 720, "libx264", 2, 6),
     "1080p-h264": Config(1920, 1080, "libx264", 2, 4),
+    "360p-h264": Config(640, 360, "libx264", 4, 6),
+    "720p-vp9": Config(1280, 720, "libvpx-vp9", 2, 6),
 }
 CONTENDERS = ("zephon", "alone", "torch", "torch_1thread", "torch_swscale")
 #: The fewest clips a contender decodes in a run (30 batches).
@@ -112,6 +120,8 @@ def synthesise(
     path: Path, seconds: int, width: int, height: int, *, seed: int = 0, codec: str = "libx264"
 ) -> Path:
     """A video of a moving gradient with noise (so it compresses like footage)."""
+    import av
+
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     amplitude = 24 if width * height <= 320 * 240 else 8  # finer grain at higher resolutions
@@ -201,6 +211,8 @@ class TorchClips:
         return len(self.jobs)
 
     def __getitem__(self, i: int) -> np.ndarray:
+        import av  # imported by the parent before its workers fork (first_batch_child)
+
         path, plan = self.jobs[i]
         wanted, got = set(plan.pts), {}
         with av.open(path) as container:
@@ -251,18 +263,85 @@ def run_torch(jobs: list[tuple[str, ClipPlan]], procs: int, **how: bool) -> tupl
     return rate, first
 
 
-def run_config(
-    name: str, config: Config, root: Path, repeats: int, procs: int, passes: int
-) -> dict[str, Any]:
-    t0 = time.perf_counter()
+def first_batch_child(which: str, pattern: str, procs: int, launched: float) -> dict[str, float]:
+    """In a fresh interpreter (``--first-child``, started at ``launched``, ``time.time()``): the
+    seconds from its start to the contender's imports done (the interpreter, this module and
+    zephon-flow, which both import; torch and PyAV for torch, as a user's dataset module would;
+    the loader imports PyAV itself, in ``DecodeVideo()``), then from building the contender to its
+    first batch (the loader: ``LoaderSpec`` and ``Loader()``, which compiles the pipeline, lists
+    the clips from the index cache and starts the workers; torch: listing the clips from the same
+    cache, then the ``DataLoader`` and its workers), and the CPU seconds of the whole process
+    tree over that second span."""
+    if which == "torch":
+        import av  # noqa: F401
+        import torch.utils.data
+    t1, cpu = time.perf_counter(), tree_cpu()
+    imports = time.time() - launched
+    if which == "zephon":
+        loader: Any = zf.Loader(
+            zephon_spec(pattern), rank=0, world_size=1, backend="processes", workers=procs
+        )
+    else:
+        source = ops.ReadVideo(pattern, clip_frames=CLIP, frames=KEEP)
+        jobs = [(p, plan) for p in source.paths() for plan in source.clips(p)]
+        dataset: Any = TorchClips(jobs)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=BATCH, num_workers=procs)
+    batches = iter(loader)  # kept until the CPU is read: its workers' CPU is counted while they live
+    next(batches)
+    first, cpu = time.perf_counter() - t1, tree_cpu() - cpu
+    return {"imports": round(imports, 3), "first": round(first, 3), "cpu": round(cpu, 3)}
+
+
+def first_batches(pattern: str, pairs: int, procs: int) -> dict[str, Any]:
+    """``pairs`` fresh-process runs of each contender, alternated (which goes first alternates
+    too), each timing its first batch as ``first_batch_child`` says; medians and every run."""
+    source = ops.ReadVideo(pattern, clip_frames=CLIP, frames=KEEP)
+    for path in source.paths():  # the index cache warm for both, as after a first run
+        source.clips(path)
+    runs: dict[str, list[dict[str, float]]] = {"zephon": [], "torch": []}
+    root = str(Path(__file__).resolve().parent.parent)
+    for i in range(pairs):
+        for which in ("zephon", "torch") if i % 2 == 0 else ("torch", "zephon"):
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.video",
+                "--procs",
+                str(procs),
+                "--first-child",
+                which,
+                pattern,
+            ]
+            cmd.append(repr(time.time()))
+            out = subprocess.run(cmd, cwd=root, check=True, capture_output=True, text=True).stdout
+            runs[which].append(json.loads(out.strip().splitlines()[-1]))
+    median = {k: {f: round(statistics.median(r[f] for r in v), 3) for f in v[0]} for k, v in runs.items()}
+    return {
+        "pairs": pairs,
+        "median": median,
+        "zephon/torch": round(median["zephon"]["first"] / median["torch"]["first"], 3),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "runs": runs,
+    }
+
+
+def make_videos(name: str, config: Config, root: Path) -> str:
+    """The config's videos under ``root/name``; their glob."""
     folder = root / name
     folder.mkdir()
     for v in range(config.videos):
         synthesise(
             folder / f"v{v}.mp4", config.seconds, config.width, config.height, seed=v, codec=config.codec
         )
+    return str(folder / "*.mp4")
+
+
+def run_config(
+    name: str, config: Config, root: Path, repeats: int, procs: int, passes: int, first_pairs: int
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    pattern = make_videos(name, config, root)
     made = time.perf_counter() - t0
-    pattern = str(folder / "*.mp4")
     source = ops.ReadVideo(pattern, clip_frames=CLIP, frames=KEEP)
     # Each contender decodes the clips ``passes`` times over (and at least MIN_CLIPS clips), so
     # what its prefetch does before the clock starts (at its first batch) is a small part.
@@ -300,6 +379,7 @@ def run_config(
             f"zephon/{k}": round(per_cpu["zephon"] / per_cpu[k], 3) for k in CONTENDERS if k != "zephon"
         },
         "first_batch_seconds": {k: round(statistics.median(v), 3) for k, v in firsts.items()},
+        "first_batch_fresh": first_batches(pattern, first_pairs, procs) if first_pairs else None,
         "runs": {k: [[round(r.wall, 1), round(r.cpu, 1)] for r in v] for k, v in rates.items()},
     }
 
@@ -312,18 +392,41 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--passes", type=int, default=3, help="times each contender decodes every clip")
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--quick", action="store_true", help="2 videos of 4 s at 240p, once")
+    parser.add_argument(
+        "--first-batch",
+        type=int,
+        default=5,
+        metavar="PAIRS",
+        help="fresh-process pairs (loader, torch DataLoader; alternated) timing the first batch; 0: none",
+    )
+    parser.add_argument("--first-only", action="store_true", help="only the fresh-process first batches")
+    parser.add_argument(
+        "--first-child", nargs=3, metavar=("WHICH", "PATTERN", "LAUNCHED"), help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
+    if args.first_child:
+        which, pattern, launched = args.first_child
+        child = first_batch_child(which, pattern, args.procs, float(launched))
+        print(json.dumps(child))
+        return child
     names = args.configs.split(",")
     configs = {n: CONFIGS[n] for n in names}
     if args.quick:
         configs, args.repeats = {"240p-h264": Config(320, 240, "libx264", 2, 4)}, 1
     with tempfile.TemporaryDirectory() as tmp:
-        results = {
-            name: run_config(name, c, Path(tmp), args.repeats, args.procs, args.passes)
-            for name, c in configs.items()
-        }
-    result = {
-        "setup": {"procs": args.procs, "repeats": args.repeats, "cpus": os.cpu_count(), "av": av.__version__},
+        results: dict[str, Any]
+        if args.first_only:
+            results = {}
+            for name, c in configs.items():
+                pattern = make_videos(name, c, Path(tmp))
+                results[name] = {"first_batch_fresh": first_batches(pattern, args.first_batch, args.procs)}
+        else:
+            results = {
+                name: run_config(name, c, Path(tmp), args.repeats, args.procs, args.passes, args.first_batch)
+                for name, c in configs.items()
+            }
+    result: dict[str, Any] = {
+        "setup": {"procs": args.procs, "repeats": args.repeats, "cpus": os.cpu_count(), "av": version("av")},
         "configs": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -349,9 +349,10 @@ class LaneRunner:
 
 def prime_lanes(runners: Sequence[LaneRunner]) -> None:
     """Starts the lanes' stateless work breadth first: every lane's first chunk of each source
-    before any lane's second, so the first step (which needs every lane) is not queued behind
-    the first lane's read-ahead. The order chunks are submitted in changes no byte."""
-    for runner in runners:
-        runner.prime(1)
-    for runner in runners:
-        runner.prime()
+    before any lane's second, every lane's second before any lane's third, and so on up to the
+    start budget, so the first step (which needs every lane, often more than one chunk of each:
+    a chunk of video is about one clip) is not queued behind any lane's read-ahead. The order
+    chunks are submitted in changes no byte."""
+    for chunks in range(1, START_CHUNKS + 1):
+        for runner in runners:
+            runner.prime(chunks)
