@@ -13,7 +13,7 @@ from helpers import Corpus, example_spec
 
 import zephon_flow as zf
 from zephon_flow.cluster import Coordinator, LaneOwner, OwnerOptions
-from zephon_flow.cluster.snapshots import PackedSnapshot, SnapshotPacker
+from zephon_flow.cluster.snapshots import Held, PackedSnapshot, SnapshotPacker
 from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import batch_digest, concat
 from zephon_flow.core.checkpoint.state import FeedCursor, LaneState, LoaderState, SourceCursor, StageState
@@ -45,18 +45,24 @@ def test_packed_snapshots_unpack_to_the_same_state_and_pickle_each_element_once(
     packer = SnapshotPacker()
     rs = RankSlice(rank=0, world_size=1, lanes=LANES, global_batch_size=BATCH)
     try:
-        counts = []
+        counts, kept = [], None
         for step in range(STEPS):
             assert owner.share(rs, step, timeout=30) is not None
             snaps = owner.snapshot(step)
             assert snaps is not None
-            packed = _wire(packer.pack(step, snaps))
-            assert _state(spec, step, packed.unpack()) == _state(spec, step, snaps)
-            counts.append((packer.pickled, packer.reused, len(packed.items)))
-        assert all(pickled + reused == items for pickled, reused, items in counts)
-        # The buffered elements outlive a step: later packs pickle only the new ones.
-        assert sum(reused for _, reused, _ in counts[1:]) > 0
-        assert all(pickled < items for pickled, _, items in counts[2:])
+            expected = _state(spec, step, snaps)
+            whole = _wire(packer.pack(step, snaps))
+            assert set(whole.items) == set(whole.keys)
+            assert _state(spec, step, whole.unpack()) == expected
+            # As the coordinator asks: the items it holds are not sent again.
+            sent = _wire(packer.pack(step, snaps, None if kept is None else kept.held()))
+            assert packer.pickled == 0  # the same snapshot again: nothing pickled twice
+            kept = sent.complete(kept)
+            assert kept.items == whole.items
+            assert _state(spec, step, kept.unpack()) == expected
+            counts.append((len(sent.items), len(whole.items)))
+        # The buffered elements outlive a step: later gathers send only the new ones.
+        assert all(sent < items for sent, items in counts[2:])
     finally:
         owner.close()
 
@@ -117,6 +123,10 @@ def test_every_kind_of_element_comes_back_as_it_was() -> None:
     assert back.pending[0] is back.stages["s"].values["buffer"][0] is back.stages["s"].values["by_key"]["a"]
     again = _wire(packer.pack(1, {0: ls}))
     assert packer.pickled == 0 and again.items == packed.items
+    assert _wire(packer.pack(2, {0: ls}, again.held())).items == {}
+    assert _wire(packer.pack(2, {0: ls}, ("another packer", again.keys))).items == packed.items
+    with pytest.raises(KeyError):
+        _wire(packer.pack(3, {0: ls}, again.held())).complete(None)
 
 
 def test_a_coordinator_keeping_packed_snapshots_replaces_an_owner_with_the_same_bytes(
@@ -131,10 +141,10 @@ def test_a_coordinator_keeping_packed_snapshots_replaces_an_owner_with_the_same_
     ) -> LaneOwner:
         return LaneOwner(spec, lanes, state=st, readers=readers, options=options, name=name).start()
 
-    def pack(owner: LaneOwner, step: int) -> PackedSnapshot | None:
+    def pack(owner: LaneOwner, step: int, held: Held | None) -> PackedSnapshot | None:
         snaps = owner.snapshot(step)
         packer = packers.setdefault(id(owner), SnapshotPacker())
-        return None if snaps is None else _wire(packer.pack(step, snaps))
+        return None if snaps is None else _wire(packer.pack(step, snaps, held))
 
     coord = Coordinator(
         spec,

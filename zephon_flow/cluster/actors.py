@@ -16,7 +16,7 @@ from typing import Any
 from zephon_flow.cluster.coordinator import Adopted, Coordinator, OwnerTable, Store
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, OwnerOptions, OwnerRows
 from zephon_flow.cluster.serving import OwnerServer, Serving
-from zephon_flow.cluster.snapshots import PackedSnapshot, SnapshotPacker
+from zephon_flow.cluster.snapshots import Held, PackedSnapshot, SnapshotPacker
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.checkpoint import manifest
 from zephon_flow.core.checkpoint.manifest import Part
@@ -139,11 +139,12 @@ class OwnerActor:
     def snapshot(self, step: int) -> dict[int, LaneState] | None:
         return self._owner.snapshot(step)
 
-    def packed_snapshot(self, step: int) -> PackedSnapshot | None:
+    def packed_snapshot(self, step: int, held: Held | None = None) -> PackedSnapshot | None:
         """``snapshot(step)`` packed for the coordinator to keep (``cluster/snapshots.py``):
-        the elements it held at the last gather are not pickled again."""
+        the elements it held at the last gather are not pickled again, and those the
+        coordinator holds (``held``) not sent again."""
         snaps = self._owner.snapshot(step)
-        return None if snaps is None else self._packer.pack(step, snaps)
+        return None if snaps is None else self._packer.pack(step, snaps, held)
 
     def lanes_snapshot(self, step: int, lanes: list[int]) -> tuple[dict[int, LaneState], list[Any]] | None:
         """``snapshot(step)`` of ``lanes`` only, with the mixture history (a rank's own state)."""
@@ -285,10 +286,11 @@ def gather_snapshot(handle: Any, step: int) -> Mapping[int, LaneState] | None:
     return result
 
 
-def pack_snapshot(handle: Any, step: int) -> PackedSnapshot | None:
-    """An owner's lane snapshots at ``step``, packed (``OwnerActor.packed_snapshot``); errors
-    as ``gather_snapshot``'s."""
-    result: PackedSnapshot | None = owner_answer(handle.packed_snapshot.remote(step), 60, "its snapshot")
+def pack_snapshot(handle: Any, step: int, held: Held | None) -> PackedSnapshot | None:
+    """An owner's lane snapshots at ``step``, packed, but for the items of ``held``
+    (``OwnerActor.packed_snapshot``); errors as ``gather_snapshot``'s."""
+    ref = handle.packed_snapshot.remote(step, held)
+    result: PackedSnapshot | None = owner_answer(ref, 60, "its snapshot")
     return result
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from zephon_flow.cluster.snapshots import PackedSnapshot
+from zephon_flow.cluster.snapshots import Held, PackedSnapshot
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.store import load_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
@@ -97,9 +97,10 @@ Gather = Callable[[Any, int], Mapping[int, LaneState] | None]
 
 
 #: Asks an owner for its lanes' snapshots at a step packed (``cluster/snapshots.py``: each
-#: buffered element pickled once, not at every gather): (handle, step) -> the packed snapshots,
-#: or None while it does not hold that step.
-Pack = Callable[[Any, int], PackedSnapshot | None]
+#: buffered element pickled once, not at every gather, and not sent again while the
+#: coordinator holds it): (handle, step, what it holds of that owner's snapshot or None) ->
+#: the packed snapshots, or None while it does not hold that step.
+Pack = Callable[[Any, int, Held | None], PackedSnapshot | None]
 #: One gather's answer: the lanes' states, packed, or the file they were written to.
 Snapshot = Mapping[int, LaneState] | PackedSnapshot | str
 
@@ -134,8 +135,9 @@ class Coordinator:
     again, from the snapshot it had in ``state``). With ``store`` the owners write their
     snapshots to files (``store(handle, step, index)`` -> the file, or None while the step is
     not held) and the coordinator keeps only their names, not every lane's state; else with
-    ``pack`` the periodic gathers ask for packed snapshots (``pack(handle, step)``), which it
-    keeps as they came (bytes) and unpacks only to start a replacement. ``gather`` is what a
+    ``pack`` the periodic gathers ask for packed snapshots (``pack(handle, step, held)``),
+    which it keeps as bytes and unpacks only to start a replacement; an owner sends only the
+    items that the snapshot kept before does not hold. ``gather`` is what a
     checkpoint asks."""
 
     def __init__(
@@ -369,7 +371,9 @@ class Coordinator:
         if self._store is not None:
             return self._store(handle, step, index)
         if self._pack is not None:
-            return self._pack(handle, step)
+            with self._lock:
+                before = self._packed.get(index)
+            return self._pack(handle, step, None if before is None else before.held())
         return self._gather(handle, step)
 
     def _keep_snapshot(self, index: int, step: int, snaps: Snapshot | None) -> None:
@@ -384,7 +388,10 @@ class Coordinator:
             if before is not None and before != snaps:
                 _remove(before)
         elif isinstance(snaps, PackedSnapshot):
-            self._packed[index] = snaps
+            try:  # with the items the owner did not send again, from the snapshot kept before
+                self._packed[index] = snaps.complete(self._packed.get(index))
+            except KeyError:
+                return  # not told of what is held here (cannot be): the next gather sends all
             self._snaps.update(dict.fromkeys(self._groups[index]))  # held packed, not here
         else:
             self._snaps.update(snaps)

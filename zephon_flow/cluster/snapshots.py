@@ -10,8 +10,9 @@ it holds, like a lane's pending outputs, is never changed in place once stored. 
 ``SnapshotPacker`` pickles each such item once, keeps its bytes while a snapshot holds it, and
 packs a snapshot as a small pickled skeleton whose items are references into a list of those
 bytes (``PackedSnapshot``). The coordinator keeps the packed form as it is (bytes, nothing to
-rebuild) and unpacks it only to start a replacement. A transient form between two processes
-of one run, never written anywhere: checkpoints keep their own codec.
+rebuild) and unpacks it only to start a replacement; it tells the owner which items it holds
+already (``Held``), and the owner sends only the others. A transient form between two
+processes of one run, never written anywhere: checkpoints keep their own codec.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -89,23 +91,46 @@ def _dumps(item: Any) -> bytes:
     return pickle.dumps(wrapped, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+#: What a coordinator holds of an owner's snapshot: the packer that made it and its items' keys.
+Held = tuple[str, tuple[int, ...]]
+
+
 @dataclass(frozen=True)
 class PackedSnapshot:
-    """An owner's lane snapshots at ``step``: ``skeleton`` (the ``{lane: LaneState}`` mapping
-    pickled with its items replaced by their index in ``items``) and ``items`` (each item
-    pickled on its own)."""
+    """An owner's lane snapshots at ``step``, made by the packer named ``source``:
+    ``skeleton`` (the ``{lane: LaneState}`` mapping pickled with each item replaced by its
+    key), ``keys`` (the keys it refers to) and ``items`` (key -> the item pickled on its own:
+    all of them, or as the owner sends it, only those the coordinator did not hold; see
+    ``complete``)."""
 
     step: int
+    source: str
     skeleton: bytes
-    items: tuple[bytes, ...]
+    keys: tuple[int, ...]
+    items: dict[int, bytes]
 
     @property
     def nbytes(self) -> int:
-        return len(self.skeleton) + sum(len(b) for b in self.items)
+        return len(self.skeleton) + sum(len(b) for b in self.items.values())
+
+    def held(self) -> Held:
+        """What to tell the owner's packer at the next gather (``SnapshotPacker.pack``)."""
+        return self.source, self.keys
+
+    def complete(self, before: PackedSnapshot | None) -> PackedSnapshot:
+        """This snapshot with every item it refers to: those the owner did not send (it was
+        told ``before.held()``) taken from ``before``. A ``KeyError`` if one is in neither."""
+        if all(key in self.items for key in self.keys):
+            return self
+        if before is None or before.source != self.source:
+            raise KeyError(f"a packed snapshot of {self.source} refers to items sent before, not held here")
+        items = {key: self.items[key] if key in self.items else before.items[key] for key in self.keys}
+        return PackedSnapshot(self.step, self.source, self.skeleton, self.keys, items)
 
     def unpack(self) -> dict[int, LaneState]:
-        """The ``{lane: LaneState}`` mapping that was packed (items shared as they were)."""
-        items = [pickle.loads(b) for b in self.items]
+        """The ``{lane: LaneState}`` mapping that was packed (items shared as they were);
+        a complete snapshot only (``complete``)."""
+        items = {key: pickle.loads(self.items[key]) for key in self.keys}
         unpickler = pickle.Unpickler(io.BytesIO(self.skeleton))
         unpickler.persistent_load = items.__getitem__  # type: ignore[assignment]
         lanes: dict[int, LaneState] = unpickler.load()
@@ -128,38 +153,43 @@ def _items(snaps: Mapping[int, LaneState]) -> Iterator[Any]:
 class SnapshotPacker:
     """Packs an owner's lane snapshots (``pack``), pickling each item only the first time a
     snapshot holds it: the bytes of the items of the last packed snapshot are kept, by the
-    item's identity (the item itself is kept with them, so its identity is not reused)."""
+    item's identity (the item itself is kept with them, so its identity is not reused), with
+    a key unique to this packer (``source``)."""
 
     def __init__(self) -> None:
+        self.source = uuid.uuid4().hex
         self._lock = threading.Lock()
-        self._cache: dict[int, tuple[Any, bytes]] = {}
+        self._next_key = 0
+        self._cache: dict[int, tuple[Any, int, bytes]] = {}
         #: Items pickled by the last ``pack``, and items it took from the cache (for tests and
         #: the benchmark).
         self.pickled = 0
         self.reused = 0
 
-    def pack(self, step: int, snaps: Mapping[int, LaneState]) -> PackedSnapshot:
+    def pack(self, step: int, snaps: Mapping[int, LaneState], held: Held | None = None) -> PackedSnapshot:
+        """``snaps`` packed; the items of ``held`` (what the coordinator holds: the
+        ``held()`` of a snapshot this packer made) are referred to, not sent again."""
+        known = set(held[1]) if held is not None and held[0] == self.source else set()
         with self._lock:
-            cache, kept = self._cache, {}
-            index: dict[int, int] = {}
-            items: list[bytes] = []
+            cache: dict[int, tuple[Any, int, bytes]] = {}
             pickled = reused = 0
             for item in _items(snaps):
-                key = id(item)
-                if key in index or not isinstance(item, _ITEM_TYPES):
+                ident = id(item)
+                if ident in cache or not isinstance(item, _ITEM_TYPES):
                     continue
-                hit = cache.get(key)
+                hit = self._cache.get(ident)
                 if hit is None:
-                    hit = (item, _dumps(item))
+                    hit = (item, self._next_key, _dumps(item))
+                    self._next_key += 1
                     pickled += 1
                 else:
                     reused += 1
-                kept[key] = hit
-                index[key] = len(items)
-                items.append(hit[1])
+                cache[ident] = hit
             out = io.BytesIO()
             pickler = pickle.Pickler(out, protocol=pickle.HIGHEST_PROTOCOL)
-            pickler.persistent_id = lambda obj: index.get(id(obj))  # type: ignore[method-assign]
+            pickler.persistent_id = lambda obj: None if (hit := cache.get(id(obj))) is None else hit[1]  # type: ignore[method-assign]
             pickler.dump(dict(snaps))
-            self._cache, self.pickled, self.reused = kept, pickled, reused
-            return PackedSnapshot(step, out.getvalue(), tuple(items))
+            self._cache, self.pickled, self.reused = cache, pickled, reused
+            keys = tuple(key for _, key, _ in cache.values())
+            items = {key: data for _, key, data in cache.values() if key not in known}
+            return PackedSnapshot(step, self.source, out.getvalue(), keys, items)
