@@ -767,3 +767,74 @@ def test_a_snapshot_of_a_step_an_owner_let_go_is_refused_by_name(spec: zf.Loader
             owner.snapshot(1)
     finally:
         owner.close()
+
+
+def test_ranks_read_on_through_a_restart_of_the_served_owners_from_their_checkpoint(
+    ray_session: None, spec: zf.LoaderSpec, tmp_path: Any
+) -> None:
+    """``zephon serve --ray --checkpoint-every 64`` stopped at step 110 and started again with
+    ``--resume`` from its newest checkpoint (step 64 or 72: the slowest rank's step when it was
+    written, on the same port): the ranks, which read on, come back further past it than a rank
+    may usually ask ahead, and get the same bytes; the owners replay the steps in between, as
+    ``zephon serve`` does. Each rank reads only its own owner, so the checkpoint is written
+    while one rank runs ahead: its owner must still hold the slower rank's step."""
+    from zephon_flow.cluster.serve import OwnersServer
+    from zephon_flow.cluster.serving import ASK_SLACK
+
+    first, last = 110, 123  # the ranks hold a few steps fetched before the stop: read past them
+    reference = global_digests(spec, steps=last)
+    kwargs: dict[str, Any] = {"owners": 2, "world_size": 2, "checkpoint_dir": str(tmp_path)}
+    server = OwnersServer(spec, checkpoint_every=64, **kwargs)
+    port = server.port
+    clients = [
+        zf.Client(f"127.0.0.1:{port}", r, 2, lane_owners=True, retries=30, max_backoff=2.0) for r in range(2)
+    ]
+    try:
+        iters = [iter(c) for c in clients]
+        got = []
+        for step in range(last):
+            if step == first:
+                server.stop()  # the ranks' owners end with it
+                written = sorted(os.listdir(tmp_path))
+                assert len(written) == 2 and written[1] == written[0] + ".parts", written
+                at = int(written[0].removeprefix("step-").removesuffix(".zfstate"))
+                assert first - at > 8 + ASK_SLACK  # further than a rank may ask without a resume
+                resume = str(tmp_path / written[0])
+                server = OwnersServer(spec, checkpoint_every=64, port=port, resume=resume, **kwargs)
+            parts = [next(it) for it in iters]
+            got.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
+        assert got == reference
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
+def test_a_rank_far_ahead_leaves_the_slowest_ranks_step_held_for_a_checkpoint(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    """Each of the 2 ranks reads only its own owner (owner 0: lanes 0-2, rank 0). Rank 0 reads
+    40 steps while rank 1 reads 8: rank 1's checkpoint at step 8 needs owner 0's lanes at step
+    8, which owner 0's only reader left 32 steps behind. Owners hold the run's slowest rank's
+    step (the coordinator tells them as ranks report), so the checkpoint is taken and resumes
+    with the reference bytes; and owner 0 makes at most ``ahead + FLOOR_REACH`` steps past it."""
+    import ray
+
+    from zephon_flow.cluster.owner import FLOOR_REACH
+
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=2, rank=r, world_size=2, name=name, ahead=8))
+            for r in range(2)
+        ]
+        assert [g for g, _ in loaders[0].table.groups_for(loaders[0]._slice.lane_ids)] == [0]
+        fast, slow = iter(loaders[0]), iter(loaders[1])
+        assert [next(fast)[0] for _ in range(40)] == list(range(40))
+        assert [next(slow)[0] for _ in range(8)] == list(range(8))
+        state = loaders[1].checkpoint()
+        assert state.step == 8
+        status = ray.get(loaders[0].table.handles[0].status.remote())
+        assert status["produced"] <= 8 + 8 + FLOOR_REACH
+    resumed = global_digests(spec, steps=4, world_size=1, state=state)
+    assert resumed == reference[8:12]

@@ -181,6 +181,9 @@ class OwnerActor:
     def status(self) -> dict[str, Any]:
         return self._owner.status()
 
+    def hold_floor(self, step: int) -> None:
+        self._owner.hold_floor(step)
+
     def hold_mixture(self, step: int) -> int | None:
         return self._owner.hold_mixture(step)
 
@@ -320,6 +323,12 @@ def owner_alive(handle: Any) -> bool:
     return True
 
 
+def tell_floor(handle: Any, step: int) -> None:
+    """Tells an owner actor the run's slowest rank's step, without waiting for it (a dead
+    owner's call fails unseen: its replacement is told when it starts)."""
+    handle.hold_floor.remote(step)
+
+
 def stop_owner(handle: Any) -> None:
     ray = _ray()
     with contextlib.suppress(Exception):  # already dead or stuck: killing it is all that is left
@@ -372,6 +381,7 @@ class CoordinatorActor:
             adopt=_adoptions(found) if restarted else None,
             store=None if options.snapshot_dir is None else snapshot_store(run, options.snapshot_dir),
             pack=pack_snapshot,
+            hold_floor=tell_floor,
         )
         self._snapshot_folder = (
             None if options.snapshot_dir is None else snapshot_folder(run, options.snapshot_dir)

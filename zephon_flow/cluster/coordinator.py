@@ -160,6 +160,7 @@ class Coordinator:
         adopt: Sequence[Adopted | None] | None = None,
         store: Store | None = None,
         pack: Pack | None = None,
+        hold_floor: Callable[[Any, int], None] | None = None,
     ) -> None:
         # Phases: check the topology, restore where the lanes start, launch (or adopt) the owners.
         self._clock = clock
@@ -180,6 +181,10 @@ class Coordinator:
         self._track(start.step, owners, recipe=state is not None and state.recipe)
         self._launch, self._gather, self._stop = launch, gather, stop
         self._store, self._pack = store, pack
+        # Tells an owner the run's slowest rank's step (it holds steps from there), without
+        # waiting: every owner keeps what a checkpoint or snapshot at that step needs.
+        self._hold_floor = hold_floor
+        self._floor = -1  # the last floor the owners were told
         self._packed: dict[int, PackedSnapshot] = {}  # owner -> its last snapshot, packed (pack)
         self._snap_files: dict[int, str] = {}  # owner -> the file of its last snapshot (store)
         self._closed = False
@@ -246,6 +251,8 @@ class Coordinator:
         readers = {r: max(at, self._positions[r]) for r in readers_of(lanes, self.spec, self.world_size)}
         state = self._state_of(index)
         handle = self._launch(index, self._owner_name(index), lanes, state, readers, generation)
+        if self._hold_floor is not None:
+            self._hold_floor(handle, min(self._at))
         if self._address_of is not None:
             self._addresses[index] = self._address_of(handle)
         return handle
@@ -329,6 +336,10 @@ class Coordinator:
             slowest = min(self._at)
             if self._closed:
                 return
+            if self._hold_floor is not None and slowest > self._floor:
+                self._floor = slowest
+                for handle in self._handles:
+                    self._hold_floor(handle, slowest)
             due = [
                 i
                 for i, at in enumerate(self._snap_steps)

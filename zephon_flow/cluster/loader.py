@@ -12,7 +12,7 @@ from typing import Any
 
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
-from zephon_flow.cluster.owner import OwnerOptions
+from zephon_flow.cluster.owner import PROGRESS_EVERY, OwnerOptions
 from zephon_flow.core.batches import Batch, concat, has_sample
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
@@ -242,7 +242,8 @@ class OwnedLoader:
                 return
             batch = parts[0] if len(parts) == 1 else concat(parts)
             self._step = step + 1
-            if self._step % self._snapshot_every == 0:
+            # Reported for the coordinator's snapshot gathers and for the floor owners hold.
+            if self._step % self._snapshot_every == 0 or self._step % PROGRESS_EVERY == 0:
                 self._coordinator.progress.remote(self._slice.rank, self._step)
             yield step, batch
 

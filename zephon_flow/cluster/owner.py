@@ -102,6 +102,14 @@ def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
     return mine, slice(start - lo_row, stop - lo_row)
 
 
+#: How far past ``ahead`` an owner makes steps beyond the run's slowest rank: ranks report their
+#: step every ``PROGRESS_EVERY`` steps and the floor reaches owners a call later, so ranks that
+#: keep in step never wait for it; a rank that runs ahead of the others is held this close.
+FLOOR_REACH = 32
+#: How often (in steps) a rank reports its step to the coordinator.
+PROGRESS_EVERY = 8
+
+
 class LaneOwner:
     """Runs ``lanes`` of ``spec`` from ``state`` (a ``LoaderState`` holding at least those lanes,
     or None: the start) for the ranks ``readers`` (rank -> the first step it may ask for);
@@ -425,6 +433,15 @@ class LaneOwner:
         """The mixture history its lanes run (``[]`` without a Mix)."""
         with self._cond:
             return [] if self._mixture is None else self._mixture.history()
+
+    def hold_floor(self, step: int) -> None:
+        """The run's slowest rank is at ``step`` (the coordinator says so as ranks report):
+        steps from there on stay held, so that a checkpoint or snapshot of it can be taken
+        even if this owner's own readers are far past it, and production runs at most
+        ``FLOOR_REACH`` past ``ahead`` beyond it."""
+        with self._cond:
+            if self._hold.raise_floor(step, self.options.ahead + FLOOR_REACH):
+                self._release()
 
     def status(self) -> dict[str, Any]:
         with self._cond:

@@ -94,7 +94,13 @@ class OwnersServer:
             verify_resume=verify_resume,
             allow_mix_change=allow_mix_change,
         )
-        serving = _serving(spec, endpoint, world_size=world_size, max_client_calls=max_client_calls)
+        serving = _serving(
+            spec,
+            endpoint,
+            world_size=world_size,
+            max_client_calls=max_client_calls,
+            replay=checkpoint_every or 0,
+        )
         self.spec, state = spec, _resumed(spec, resume, allow_mix_change=allow_mix_change)
         self._start_coordinator(
             ray_address,
@@ -183,10 +189,11 @@ def _check_topology(spec: LoaderSpec, owners: int, world_size: int) -> None:
 
 
 def _serving(
-    spec: LoaderSpec, endpoint: EndpointOptions, *, world_size: int, max_client_calls: int
+    spec: LoaderSpec, endpoint: EndpointOptions, *, world_size: int, max_client_calls: int, replay: int
 ) -> Serving:
     """How the coordinator's and the owners' endpoints serve: ``endpoint`` with the TLS files
-    read here (they are shipped to the owners, which may run on other nodes)."""
+    read here (they are shipped to the owners, which may run on other nodes); ranks may come
+    back ``replay`` steps past a resumed checkpoint."""
     cert, key = (None, None) if endpoint.tls is None else auth.read_tls(*endpoint.tls)
     return Serving(
         host=endpoint.host,
@@ -197,6 +204,7 @@ def _serving(
         stream_timeout=endpoint.stream_timeout,
         max_client_calls=max_client_calls,
         fingerprint=spec.fingerprint["total"],
+        replay=replay,
     )
 
 

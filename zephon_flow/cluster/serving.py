@@ -58,6 +58,8 @@ def _abort(context: grpc.ServicerContext, code: str, message: str) -> NoReturn:
 #: Steps past a rank's last asked step that it may ask for: its prefetch (4), the stride of its
 #: progress reports (8, what a replacement owner knows of it) and some slack, beyond ``ahead``.
 ASK_SLACK = 24
+#: How long stopping waits for a scheduled checkpoint being written.
+STOP_WRITE_SECONDS = 10.0
 #: Requests are small; a larger one is refused before it is read.
 MAX_REQUEST_BYTES = 64 << 10
 
@@ -115,7 +117,10 @@ class Serving:
     pipeline's ``fingerprint`` as the serving process computed it (what clients compare), how long
     a call waits for its step (``stream_timeout``) and how many calls one client connection may
     hold open at once (``max_client_calls``; more are refused with ``RESOURCE_EXHAUSTED``,
-    which clients retry)."""
+    which clients retry). ``replay``: how many steps past where the owners hold a rank may come
+    back at, beyond the usual slack: ``--checkpoint-every``, since a server resumed from its
+    newest checkpoint is that far behind ranks that read on (the owners replay the steps in
+    between, as ``zephon serve`` does)."""
 
     host: str = "127.0.0.1"
     world_size: int = 1
@@ -126,8 +131,10 @@ class Serving:
     max_client_calls: int = 16
     max_calls: int = 256
     fingerprint: str = ""
+    replay: int = 0
 
     def __post_init__(self) -> None:
+        check_int(self.replay, "replay", owner="lane owners", low=0)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise SpecError("zephon serve: --tls-cert and --tls-key go together")
         check_seconds(self.stream_timeout, "stream_timeout", owner="zephon serve")
@@ -287,7 +294,7 @@ class OwnerServer:
                 f"a checkpoint to go back further",
             )
         at = status["positions"].get(rank, status["expected"].get(rank, produced))
-        reach = self._owner.options.ahead + ASK_SLACK
+        reach = self._owner.options.ahead + ASK_SLACK + self._serving.replay
         if step > int(at) + reach:
             _abort(
                 context,
@@ -354,7 +361,7 @@ class OwnerServer:
         step = int(request.step)
         status = self._owner.status()
         known = [*status["positions"].values(), *status["expected"].values(), int(status["produced"])]
-        reach = self._owner.options.ahead + ASK_SLACK
+        reach = self._owner.options.ahead + ASK_SLACK + self._serving.replay
         if step > max(known) + reach:
             _abort(
                 context,
@@ -426,6 +433,8 @@ class CoordinatorServer:
         self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
         self._last_checkpoint = int(self._ray.get(coordinator.describe.remote())["first_step"])
         self._checkpointing = threading.Lock()
+        self._writer: threading.Thread | None = None  # the last scheduled checkpoint's thread
+        self._stopping = False
         #: Why the run cannot go on (None while it can).
         self.failed: str | None = None
         self._told: set[int] = set()  # the ranks answered with ``failed``
@@ -523,10 +532,13 @@ class CoordinatorServer:
             _abort(context, "INVALID_ARGUMENT", f"rank must be in [0, {world_size}), got {rank}")
         self._refuse_if_failed(context, rank)
         reported = self._coordinator.progress.remote(rank, int(request.step))
-        if self._checkpoint_every is not None:
-            with contextlib.suppress(Exception):  # best effort, as the report itself
-                self._ray.get(reported, timeout=60)  # counted before the slowest step is read
-            self._maybe_checkpoint()
+        if self._checkpoint_every is not None and not self._checkpointing.locked() and not self._stopping:
+            # Written beside the call, never in it: a checkpoint waits for the owners to reach
+            # its step, and the rank that reported may be the one they wait for.
+            self._writer = threading.Thread(
+                target=self._maybe_checkpoint, args=(reported,), name="zephon-checkpoint", daemon=True
+            )
+            self._writer.start()
         return pb.AckReply()
 
     def _change_mixture(
@@ -552,15 +564,18 @@ class CoordinatorServer:
             _abort(context, "UNAVAILABLE", f"the lane owners' coordinator died: {exc}")
         return pb.ChangeMixtureReply(at_step=wanted.at_step, history_json=json.dumps(history))
 
-    def _maybe_checkpoint(self) -> None:
+    def _maybe_checkpoint(self, reported: Any) -> None:
         """With ``checkpoint_every`` N: writes the state at the slowest rank's step once it has
-        moved N steps past the last one written, then keeps the newest ``keep_checkpoints``."""
+        moved N steps past the last one written, then keeps the newest ``keep_checkpoints``
+        (``reported``: the progress report that asked, counted first)."""
         if self._checkpoint_every is None or self._checkpoint_dir is None or self.failed is not None:
             return
         if not self._checkpointing.acquire(blocking=False):
             return  # one is being written
         step = -1
         try:
+            with contextlib.suppress(Exception):  # best effort, as the report itself
+                self._ray.get(reported, timeout=60)
             positions = self._ray.get(self._coordinator.positions.remote(), timeout=60)
             step = min(positions.values())
             if step < self._last_checkpoint + self._checkpoint_every:
@@ -570,8 +585,9 @@ class CoordinatorServer:
             self._write(step)
             prune_checkpoints(self._checkpoint_dir, self._keep_checkpoints)
             self._last_checkpoint = step
-        except Exception as exc:  # best effort: the next report brings another chance
-            _log.warning("zephon serve --ray: no checkpoint written (step %d): %s", step, exc)
+        except BaseException as exc:  # best effort: the next report brings another chance
+            if not self._stopping:  # (stopping: Ray may be gone under the write)
+                _log.warning("zephon serve --ray: no checkpoint written (step %d): %s", step, exc)
             return
         finally:
             self._checkpointing.release()
@@ -602,5 +618,10 @@ class CoordinatorServer:
         return pb.CheckpointReply(step=step, path=path)
 
     def stop(self) -> None:
+        """Stops serving; a scheduled checkpoint being written gets ``STOP_WRITE_SECONDS`` to
+        finish (else its parts are left without a manifest, pruned by a later checkpoint)."""
+        self._stopping = True
         self._health.enter_graceful_shutdown()
         self._server.stop(1.0).wait()
+        if self._writer is not None:
+            self._writer.join(STOP_WRITE_SECONDS)

@@ -9,6 +9,11 @@ step's contents for each step ``release`` lets go.
 A reader's *position* is the first step it may still ask for. Readers that have not asked yet
 can be *expected* from a step: they keep that step held, and, while no reader has asked,
 production counts ``ahead`` from the slowest of them.
+
+A *floor* (a lane owner's: the slowest rank of the whole run, which may read other owners) is
+kept held too, so that a checkpoint or a snapshot at that step can still be taken; production
+runs at most ``floor_reach`` past it, so that a rank reading only fast owners cannot make them
+hold an unbounded run of steps.
 """
 
 from __future__ import annotations
@@ -24,6 +29,19 @@ class StepHold:
         self.low = self.produced = first_step
         self.positions: dict[int, int] = {}
         self.expected: dict[int, int] = {}
+        self.floor: int | None = None
+        self.floor_reach = 0
+
+    def raise_floor(self, step: int, reach: int) -> bool:
+        """Keeps steps from ``step`` on held, and production within ``reach`` steps past it
+        (a floor only moves forward); whether it moved."""
+        if reach < self.ahead:
+            raise ValueError(f"a floor's reach must be at least ahead={self.ahead}, got {reach}")
+        self.floor_reach = reach
+        if self.floor is None or step > self.floor:
+            self.floor = step
+            return True
+        return False
 
     def slowest(self) -> int:
         """Where production counts ``ahead`` from: the slowest reader's position (of those that
@@ -35,10 +53,13 @@ class StepHold:
     def retained(self) -> int:
         """The first step any reader, asked or expected, may still ask for (``low`` when there
         are none: nothing is let go before a reader comes)."""
-        return min([*self.positions.values(), *self.expected.values()], default=self.low)
+        floor = [] if self.floor is None else [self.floor]
+        return min([*self.positions.values(), *self.expected.values(), *floor], default=self.low)
 
     def has_room(self) -> bool:
         """Whether production may make step ``produced`` now."""
+        if self.floor is not None and self.produced >= self.floor + self.floor_reach:
+            return False
         return self.produced < self.slowest() + self.ahead
 
     def add(self) -> int:
