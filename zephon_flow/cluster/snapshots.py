@@ -36,13 +36,11 @@ _ITEM_TYPES = (dict, list, tuple, np.ndarray)
 _RAW_KINDS = frozenset("biufc")
 
 
-def _raw(value: Any) -> bool:
-    return (
-        type(value) is np.ndarray
-        and value.dtype.kind in _RAW_KINDS
-        and value.dtype.fields is None
-        and value.flags.c_contiguous
-    )
+def _raw(value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
+    """An array's dtype string, shape and bytes, if they are the whole array (else None)."""
+    if type(value) is not np.ndarray or value.dtype.kind not in _RAW_KINDS or not value.flags.c_contiguous:
+        return None
+    return value.dtype.str, value.shape, value.tobytes()
 
 
 def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
@@ -54,40 +52,34 @@ def _arrays(fields: list[tuple[str, str, tuple[int, ...], bytes]]) -> dict[str, 
     return {key: _array(dtype, shape, data) for key, dtype, shape, data in fields}
 
 
-class _RawArray:
-    """Pickles as ``_array(...)``: an array as its dtype string, shape and bytes."""
+class _Rebuilt:
+    """Pickles as ``rebuild(*args)``."""
 
-    __slots__ = ("value",)
+    __slots__ = ("args", "rebuild")
 
-    def __init__(self, value: np.ndarray) -> None:
-        self.value = value
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        v = self.value
-        return _array, (v.dtype.str, v.shape, v.tobytes())
-
-
-class _RawArrays:
-    """Pickles as ``_arrays(...)``: a dict of arrays (an element: ``input_ids``...) as each
-    array's key, dtype string, shape and bytes."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: dict[str, np.ndarray]) -> None:
-        self.value = value
+    def __init__(self, rebuild: Any, args: tuple[Any, ...]) -> None:
+        self.rebuild, self.args = rebuild, args
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _arrays, ([(k, v.dtype.str, v.shape, v.tobytes()) for k, v in self.value.items()],)
+        return self.rebuild, self.args
 
 
 def _dumps(item: Any) -> bytes:
-    """One item's bytes (``pickle.loads`` gives it back): an array, or a dict of arrays with
-    string keys, as raw bytes; anything else pickled."""
+    """One item's bytes (``pickle.loads`` gives it back): an array (``_array``), or a dict of
+    arrays with string keys (``_arrays``: an element, ``input_ids``...), as raw bytes, several
+    times faster than numpy's own pickling; anything else pickled as it is."""
     wrapped: Any = item
-    if _raw(item):
-        wrapped = _RawArray(item)
-    elif type(item) is dict and all(type(k) is str and _raw(v) for k, v in item.items()):
-        wrapped = _RawArrays(item)
+    if type(item) is dict:
+        fields = []
+        for key, value in item.items():
+            raw = _raw(value) if type(key) is str else None
+            if raw is None:
+                break
+            fields.append((key, *raw))
+        else:
+            wrapped = _Rebuilt(_arrays, (fields,))
+    elif (raw := _raw(item)) is not None:
+        wrapped = _Rebuilt(_array, raw)
     return pickle.dumps(wrapped, protocol=pickle.HIGHEST_PROTOCOL)
 
 
