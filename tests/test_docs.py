@@ -234,16 +234,15 @@ def test_readme_and_docs_run_as_written(folder: tuple[Path, dict[str, str]]) -> 
         for block in in_order:
             if failed.is_set():
                 return
-            start = time.monotonic()
             try:
                 with ray if STARTS_RAY.search(block.code) else contextlib.nullcontext():
+                    start = time.monotonic()
                     output, peak = run_block(block, where, numbered[block.where], env)
+                    took[block.where] = time.monotonic() - start
                 check_output(block, output, peak)
             except BaseException:
                 failed.set()
                 raise
-            finally:
-                took[block.where] = time.monotonic() - start
 
     def own_folder(in_order: list[Block]) -> Path:
         """A section's folder: examples/ and the README's data/."""
@@ -274,5 +273,5 @@ def test_readme_and_docs_run_as_written(folder: tuple[Path, dict[str, str]]) -> 
         futures += [pool.submit(run, section, own_folder(section)) for section in sections]
         for future in futures:
             future.result()
-    print("\n".join(f"{seconds:6.1f} s  {where}" for where, seconds in took.items()))
+    print("\n".join(f"{seconds:6.1f} s  {where}" for where, seconds in took.items()))  # without Ray's turns
     assert len(took) == len(numbered)
