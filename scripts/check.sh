@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m ruff check .
 .venv/bin/python -m ruff format --check .
 bash scripts/typecheck.sh
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=100 "$@"
