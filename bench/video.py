@@ -413,24 +413,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     configs = {n: CONFIGS[n] for n in names}
     if args.quick:
         configs, args.repeats = {"240p-h264": Config(320, 240, "libx264", 2, 4)}, 1
-    with tempfile.TemporaryDirectory() as tmp:
-        results: dict[str, Any]
-        if args.first_only:
-            results = {}
-            for name, c in configs.items():
-                pattern = make_videos(name, c, Path(tmp))
-                results[name] = {"first_batch_fresh": first_batches(pattern, args.first_batch, args.procs)}
-        else:
-            results = {
-                name: run_config(name, c, Path(tmp), args.repeats, args.procs, args.passes, args.first_batch)
-                for name, c in configs.items()
-            }
+    results: dict[str, Any] = {}
     result: dict[str, Any] = {
         "setup": {"procs": args.procs, "repeats": args.repeats, "cpus": os.cpu_count(), "av": version("av")},
         "configs": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, c in configs.items():  # written after each config: a long run stopped keeps the rest
+            if args.first_only:
+                pattern = make_videos(name, c, Path(tmp))
+                results[name] = {"first_batch_fresh": first_batches(pattern, args.first_batch, args.procs)}
+            else:
+                results[name] = run_config(
+                    name, c, Path(tmp), args.repeats, args.procs, args.passes, args.first_batch
+                )
+            results[name]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+            out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return result
 
