@@ -36,11 +36,26 @@ _ITEM_TYPES = (dict, list, tuple, np.ndarray)
 _RAW_KINDS = frozenset("biufc")
 
 
+#: dtype -> its string when its kind is raw (else None): asked of every array packed.
+_DTYPE_STRINGS: dict[np.dtype[Any], str | None] = {}
+#: The first byte of an item's bytes: what follows is the pickle of a dict of raw arrays'
+#: fields, of one raw array's fields, or of the item itself.
+_ARRAYS, _ARRAY, _PICKLED = b"d", b"a", b"p"
+
+
 def _raw(value: Any) -> tuple[str, tuple[int, ...], bytes] | None:
     """An array's dtype string, shape and bytes, if they are the whole array (else None)."""
-    if type(value) is not np.ndarray or value.dtype.kind not in _RAW_KINDS or not value.flags.c_contiguous:
+    if type(value) is not np.ndarray:
         return None
-    return value.dtype.str, value.shape, value.tobytes()
+    dtype = value.dtype
+    text = _DTYPE_STRINGS.get(dtype, "")
+    if text == "":
+        if len(_DTYPE_STRINGS) > 1024:
+            _DTYPE_STRINGS.clear()
+        text = _DTYPE_STRINGS[dtype] = dtype.str if dtype.kind in _RAW_KINDS else None
+    if text is None or not value.flags.c_contiguous:
+        return None
+    return text, value.shape, value.tobytes()
 
 
 def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
@@ -48,27 +63,10 @@ def _array(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape).copy()
 
 
-def _arrays(fields: list[tuple[str, str, tuple[int, ...], bytes]]) -> dict[str, np.ndarray]:
-    return {key: _array(dtype, shape, data) for key, dtype, shape, data in fields}
-
-
-class _Rebuilt:
-    """Pickles as ``rebuild(*args)``."""
-
-    __slots__ = ("args", "rebuild")
-
-    def __init__(self, rebuild: Any, args: tuple[Any, ...]) -> None:
-        self.rebuild, self.args = rebuild, args
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return self.rebuild, self.args
-
-
 def _dumps(item: Any) -> bytes:
-    """One item's bytes (``pickle.loads`` gives it back): an array (``_array``), or a dict of
-    arrays with string keys (``_arrays``: an element, ``input_ids``...), as raw bytes, several
-    times faster than numpy's own pickling; anything else pickled as it is."""
-    wrapped: Any = item
+    """One item's bytes (``_loads`` gives it back): an array, or a dict of arrays with string
+    keys (an element: ``input_ids``...), as each array's dtype string, shape and raw bytes,
+    several times faster than numpy's own pickling; anything else pickled as it is."""
     if type(item) is dict:
         fields = []
         for key, value in item.items():
@@ -77,10 +75,24 @@ def _dumps(item: Any) -> bytes:
                 break
             fields.append((key, *raw))
         else:
-            wrapped = _Rebuilt(_arrays, (fields,))
+            return _ARRAYS + pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
     elif (raw := _raw(item)) is not None:
-        wrapped = _Rebuilt(_array, raw)
-    return pickle.dumps(wrapped, protocol=pickle.HIGHEST_PROTOCOL)
+        return _ARRAY + pickle.dumps(raw, protocol=pickle.HIGHEST_PROTOCOL)
+    return _PICKLED + pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _loads(data: bytes) -> Any:
+    """The item ``_dumps`` gave ``data`` for."""
+    kind, body = data[:1], memoryview(data)[1:]
+    if kind == _ARRAYS:
+        return {key: _array(dtype, shape, raw) for key, dtype, shape, raw in pickle.loads(body)}
+    if kind == _ARRAY:
+        return _array(*pickle.loads(body))
+    if kind == _PICKLED:
+        return pickle.loads(body)
+    raise ValueError(
+        f"a packed snapshot's item starts with {bytes(kind)!r}, not one of {_ARRAYS + _ARRAY + _PICKLED!r}"
+    )
 
 
 #: What a coordinator holds of an owner's snapshot: the packer that made it and its items' keys.
@@ -122,7 +134,7 @@ class PackedSnapshot:
     def unpack(self) -> dict[int, LaneState]:
         """The ``{lane: LaneState}`` mapping that was packed (items shared as they were);
         a complete snapshot only (``complete``)."""
-        items = {key: pickle.loads(self.items[key]) for key in self.keys}
+        items = {key: _loads(self.items[key]) for key in self.keys}
         unpickler = pickle.Unpickler(io.BytesIO(self.skeleton))
         unpickler.persistent_load = items.__getitem__  # type: ignore[assignment]
         lanes: dict[int, LaneState] = unpickler.load()
