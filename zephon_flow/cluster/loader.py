@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 from collections import deque
 from collections.abc import Iterator, Mapping
 from types import TracebackType
@@ -13,7 +12,7 @@ from typing import Any
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
 from zephon_flow.cluster.owner import PROGRESS_EVERY, OwnerOptions
-from zephon_flow.core.batches import Batch, concat, has_sample
+from zephon_flow.core.batches import Batch
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
@@ -29,8 +28,8 @@ from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_choice
 from zephon_flow.core.retry import POLL
 from zephon_flow.engine import recipe
-from zephon_flow.engine.endsync import OwnersEndSync
 from zephon_flow.engine.options import STATE_MODES
+from zephon_flow.engine.owned import owned_batches
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 
@@ -141,8 +140,6 @@ class OwnedLoader:
             "join", self._coordinator.join.remote(self._slice.rank, self._slice.world_size, step)
         )
         self._finite = self.spec.compile().finite
-        self._end = OwnersEndSync(self._lives)
-        self._stopped = threading.Event()  # never set: the rank reads in its own thread
 
     @property
     def rank_slice(self) -> RankSlice:
@@ -233,19 +230,17 @@ class OwnedLoader:
         return self._batches()
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
+        """The engine's reader of lane owners (``engine/owned.py``), its shares carried by
+        Ray calls (``_Shares``)."""
         owners = [o for o, _ in self._table.groups_for(self._slice.lane_ids)]
-        runs = {o: _Run(self._step) for o in owners}
-        while True:
-            step = self._step
-            parts = [self._take(o, runs[o], step) for o in owners]
-            if not self._goes_on(step, parts):
-                return
-            batch = parts[0] if len(parts) == 1 else concat(parts)
-            self._step = step + 1
-            # Reported for the coordinator's snapshot gathers and for the floor owners hold.
-            if self._step % self._snapshot_every == 0 or self._step % PROGRESS_EVERY == 0:
-                self._coordinator.progress.remote(self._slice.rank, self._step)
-            yield step, batch
+        yield from owned_batches(_Shares(self, owners), owners, self._step, finite=self._finite)
+
+    def _taken(self, step: int) -> None:
+        """Every step before ``step`` taken: reported every few steps, for the coordinator's
+        snapshot gathers and for the floor the owners hold."""
+        self._step = step
+        if step % self._snapshot_every == 0 or step % PROGRESS_EVERY == 0:
+            self._coordinator.progress.remote(self._slice.rank, step)
 
     def _take(self, owner: int, run: _Run, step: int) -> Batch:
         """``owner``'s share of ``step`` (the next one of ``run``): from the run already
@@ -259,11 +254,6 @@ class OwnedLoader:
             run.asked += len(got)
             run.pending = self._ask(owner, run.asked)
         return run.shares.popleft()
-
-    def _goes_on(self, step: int, parts: list[Batch]) -> bool:
-        """As ``zf.Loader``: an endless pipeline always goes on; a finite one while any lane
-        has a sample (``OwnersEndSync``: this rank's first, else the owners are asked)."""
-        return not self._finite or self._end.any_rank(step, has_sample(parts), self._stopped)
 
     def _lives(self, step: int) -> Iterator[bool]:
         """Each owner's answer to whether its lanes have a real sample at ``step`` (a dead
@@ -427,6 +417,24 @@ class _Run:
         self.shares: deque[Batch] = deque()
         self.asked = step
         self.pending: tuple[Any, int] | None = None
+
+
+class _Shares:
+    """``OwnedLoader``'s carrier of shares (``engine/owned.py``): for each owner of the rank's
+    lanes, runs of steps asked of its actor, with the next call always in flight."""
+
+    def __init__(self, loader: OwnedLoader, owners: list[int]) -> None:
+        self._loader = loader
+        self._runs = {owner: _Run(loader.next_step) for owner in owners}
+
+    def share(self, owner: int, step: int) -> Batch:
+        return self._loader._take(owner, self._runs[owner], step)
+
+    def lives(self, step: int) -> Iterator[bool]:
+        return self._loader._lives(step)
+
+    def taken(self, step: int) -> None:
+        self._loader._taken(step)
 
 
 def _rank_slice(spec: LoaderSpec, rank: int, world_size: int) -> RankSlice:

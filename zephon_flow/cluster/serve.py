@@ -94,13 +94,7 @@ class OwnersServer:
             verify_resume=verify_resume,
             allow_mix_change=allow_mix_change,
         )
-        serving = _serving(
-            spec,
-            endpoint,
-            world_size=world_size,
-            max_client_calls=max_client_calls,
-            replay=checkpoint_every or 0,
-        )
+        serving = _serving(spec, endpoint, checkpoints, world_size=world_size, calls=max_client_calls)
         self.spec, state = spec, _resumed(spec, resume, allow_mix_change=allow_mix_change)
         self._start_coordinator(
             ray_address,
@@ -189,11 +183,17 @@ def _check_topology(spec: LoaderSpec, owners: int, world_size: int) -> None:
 
 
 def _serving(
-    spec: LoaderSpec, endpoint: EndpointOptions, *, world_size: int, max_client_calls: int, replay: int
+    spec: LoaderSpec,
+    endpoint: EndpointOptions,
+    checkpoints: CheckpointOptions,
+    *,
+    world_size: int,
+    calls: int,
 ) -> Serving:
     """How the coordinator's and the owners' endpoints serve: ``endpoint`` with the TLS files
-    read here (they are shipped to the owners, which may run on other nodes); ranks may come
-    back ``replay`` steps past a resumed checkpoint."""
+    read here (they are shipped to the owners, which may run on other nodes), at most ``calls``
+    open calls per client; ranks may come back ``--checkpoint-every`` steps past a resumed
+    checkpoint."""
     cert, key = (None, None) if endpoint.tls is None else auth.read_tls(*endpoint.tls)
     return Serving(
         host=endpoint.host,
@@ -202,9 +202,9 @@ def _serving(
         tls_cert=cert,
         tls_key=key,
         stream_timeout=endpoint.stream_timeout,
-        max_client_calls=max_client_calls,
+        max_client_calls=calls,
         fingerprint=spec.fingerprint["total"],
-        replay=replay,
+        replay=checkpoints.checkpoint_every or 0,
     )
 
 

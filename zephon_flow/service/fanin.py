@@ -25,14 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 
-from zephon_flow.core.batches import has_sample
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.retry import Backoff
-from zephon_flow.engine.endsync import OwnersEndSync
+from zephon_flow.engine.owned import owned_batches
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
 from zephon_flow.service.rpc import unary_call
@@ -273,6 +271,7 @@ class OwnerFanIn:
             self._channel, _METHOD + "Checkpoint", pb.CheckpointRequest, pb.CheckpointReply
         )
         self._streams: dict[int, _OwnerStream] = {}
+        self._current: dict[int, _Owner] = {}  # each owner of the rank's lanes, as last replaced
         self._reply: lo.TableReply | None = None
 
     # -- the table -----------------------------------------------------------------------------
@@ -389,23 +388,27 @@ class OwnerFanIn:
             return
 
     def _batches(self, start_step: int, as_torch: bool) -> Iterator[tuple[int, Any]]:
+        """The engine's reader of lane owners (``engine/owned.py``), this object its carrier:
+        the shares come over one gRPC stream per owner."""
         owners = self._owners(self.table())
+        self._current = {owner.index: owner for owner in owners}
         finite = bool(self.table().finite)
-        end, stopped = OwnersEndSync(self._lives), threading.Event()  # the rank's own thread reads
-        step = start_step
-        while True:
-            shares = [self._share(o, step) for o in owners]
-            owners = [o for o, _ in shares]
-            parts = [part for _, part in shares]
-            if finite and not end.any_rank(step, has_sample(parts), stopped):
-                return
-            batch = (
-                parts[0] if len(parts) == 1 else {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-            )
-            step += 1
-            if step % self._progress_every == 0:
-                self._report(step)
-            yield step - 1, to_torch(batch) if as_torch else batch
+        for step, batch in owned_batches(self, list(self._current), start_step, finite=finite):
+            yield step, to_torch(batch) if as_torch else batch
+
+    # -- the engine's carrier (engine/owned.py) ----------------------------------------------
+    def share(self, owner: int, step: int) -> dict[str, Any]:
+        """This rank's rows of ``step`` from owner ``owner`` (replaced if it is lost)."""
+        got, part = self._share(self._current[owner], step)
+        self._current[owner] = got
+        return part
+
+    def lives(self, step: int) -> Iterator[bool]:
+        return self._lives(step)
+
+    def taken(self, step: int) -> None:
+        if step % self._progress_every == 0:
+            self._report(step)
 
     def _report(self, step: int) -> None:
         """Best effort: tells the coordinator this rank has taken every step before ``step``."""
