@@ -29,6 +29,7 @@ from zephon_flow.core.errors import OwnerLostError as OwnerLostError  # also imp
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_int
+from zephon_flow.core.retry import POLL
 from zephon_flow.engine.loader import apply_mix_change, checked_mix_change, refused_mix_step, restore_lanes
 from zephon_flow.engine.spec import LoaderSpec
 
@@ -479,10 +480,9 @@ class Coordinator:
             for rank, at in list(self._positions.items()):
                 if at < step:
                     self._set_position(rank, step)
-        deadline = self._clock.now() + timeout
 
         def one(i: int) -> _T:
-            while True:
+            for _ in POLL.until(self._clock, timeout):
                 with self._lock:
                     handle, generation = self._handles[i], self._generations[i]
                 try:
@@ -494,13 +494,11 @@ class Coordinator:
                     got = None
                 if got is not None:
                     return got
-                if self._clock.now() > deadline:
-                    raise OwnerLostError(
-                        f"checkpoint at step {step}: {self._owner_name(i)} (lanes {self._groups[i]}) "
-                        f"does not hold that step within {timeout:g} s: checkpoint a step the ranks "
-                        f"are at (an owner holds a few steps around its readers)"
-                    )
-                self._clock.sleep(0.05)
+            raise OwnerLostError(
+                f"checkpoint at step {step}: {self._owner_name(i)} (lanes {self._groups[i]}) "
+                f"does not hold that step within {timeout:g} s: checkpoint a step the ranks "
+                f"are at (an owner holds a few steps around its readers)"
+            )
 
         return self._parallel(one, owners)
 
