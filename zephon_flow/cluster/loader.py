@@ -257,17 +257,24 @@ class OwnedLoader:
 
     def _lives(self, step: int) -> Iterator[bool]:
         """Each owner's answer to whether its lanes have a real sample at ``step`` (a dead
-        owner is replaced and asked again)."""
+        owner is replaced and asked again; one that has not made the step within ``timeout``
+        seconds is an ``OwnerError``, as a fetch's)."""
         for owner in range(len(self._table.lanes)):
-            while True:
+            waited, live = 0.0, None
+            while live is None:
+                if waited >= self._timeout:
+                    raise OwnerError(
+                        f"rank {self._slice.rank} waited {waited:g} s for lane owner {owner} (lanes "
+                        f"{list(self._table.lanes[owner])}) to say whether step {step} has a sample: "
+                        f"its other readers (ranks) may have stopped reading, or the owner is stuck"
+                    )
                 generation = self._table.generations[owner]
                 try:
                     live = self._call(self._table.handles[owner].live.remote(step, actors.CALL_WAIT))
                 except self._ray.exceptions.RayActorError:
                     self._replace(owner, generation)
                     continue
-                if live is not None:
-                    break
+                waited += actors.CALL_WAIT
             yield bool(live)
 
     # -- state ---------------------------------------------------------------------------------
