@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -44,22 +46,28 @@ def write_main_video(
     container.mux(stream.encode())
 
 
+def add_cover(container: Any) -> Callable[[], None]:
+    """Adds a cover-art stream (one 32x32 MJPEG picture flagged attached_pic) to ``container``;
+    returns what muxes its picture (called after the main video's first frame)."""
+    cover = container.add_stream("mjpeg", rate=1)
+    cover.width, cover.height, cover.pix_fmt = 32, 32, "yuvj420p"
+    cover.disposition = av.stream.Disposition.attached_pic
+
+    def mux_cover() -> None:
+        image = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 200, np.uint8), format="rgb24")
+        for packet in [*cover.encode(image), *cover.encode()]:
+            container.mux(packet)
+
+    return mux_cover
+
+
 def mp4_with_cover_first(path: Path, frames: int = 32) -> Path:
     """An MP4 with cover art (``covr``, read by FFmpeg as a stream flagged attached_pic) whose
     ``udta`` box comes before the track in ``moov``, as some taggers write it: FFmpeg then lists
     the cover as the file's first video stream. PyAV's MP4 muxer writes ``udta`` after the
     tracks, so its boxes are reordered here (same bytes, so every offset stays right)."""
     with av.open(str(path), "w") as container:
-        cover = container.add_stream("mjpeg", rate=1)
-        cover.width, cover.height, cover.pix_fmt = 32, 32, "yuvj420p"
-        cover.disposition = av.stream.Disposition.attached_pic
-
-        def mux_cover() -> None:
-            image = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 200, np.uint8), format="rgb24")
-            for packet in [*cover.encode(image), *cover.encode()]:
-                container.mux(packet)
-
-        write_main_video(container, frames, after_first=mux_cover)
+        write_main_video(container, frames, after_first=add_cover(container))
     data = bytearray(path.read_bytes())
 
     def boxes(start: int, end: int) -> list[tuple[int, int, bytes]]:
@@ -129,16 +137,7 @@ def test_a_cover_stored_as_an_ordinary_track_is_refused_naming_the_stream(tmp_pa
     # documented rule) and refused by name, not quietly taken for a one-frame video.
     path = tmp_path / "cover_track.mkv"
     with av.open(str(path), "w") as container:
-        cover = container.add_stream("mjpeg", rate=1)
-        cover.width, cover.height, cover.pix_fmt = 32, 32, "yuvj420p"
-        cover.disposition = av.stream.Disposition.attached_pic
-
-        def mux_cover() -> None:
-            image = av.VideoFrame.from_ndarray(np.full((32, 32, 3), 200, np.uint8), format="rgb24")
-            for packet in [*cover.encode(image), *cover.encode()]:
-                container.mux(packet)
-
-        write_main_video(container, 32, after_first=mux_cover)
+        write_main_video(container, 32, after_first=add_cover(container))
     assert streams(path) == [("mjpeg", False), ("h264", False)]
     with pytest.raises(DataError) as info:
         ops.ReadVideo(str(path), clip_frames=8).splits(1)
