@@ -11,7 +11,7 @@ from typing import Any
 
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
-from zephon_flow.cluster.owner import PROGRESS_EVERY, OwnerOptions
+from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
@@ -29,7 +29,7 @@ from zephon_flow.core.options import check_choice
 from zephon_flow.core.retry import POLL
 from zephon_flow.engine import recipe
 from zephon_flow.engine.options import STATE_MODES
-from zephon_flow.engine.owned import owned_batches
+from zephon_flow.engine.owned import PROGRESS_EVERY, owned_batches
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 

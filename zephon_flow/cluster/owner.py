@@ -103,11 +103,9 @@ def share_of(rs: RankSlice, lanes: list[int]) -> tuple[list[int], slice]:
 
 
 #: How far past ``ahead`` an owner makes steps beyond the run's slowest rank: ranks report their
-#: step every ``PROGRESS_EVERY`` steps and the floor reaches owners a call later, so ranks that
-#: keep in step never wait for it; a rank that runs ahead of the others is held this close.
+#: step every ``PROGRESS_EVERY`` steps (``engine/owned.py``) and the floor reaches owners a call
+#: later, so ranks that keep in step never wait for it; one that runs ahead is held this close.
 FLOOR_REACH = 32
-#: How often (in steps) a rank reports its step to the coordinator.
-PROGRESS_EVERY = 8
 
 
 class LaneOwner:

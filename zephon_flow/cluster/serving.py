@@ -432,12 +432,12 @@ class CoordinatorServer:
         self.world_size, self.owners, self._serving = serving.world_size, owners, serving
         self._checkpoint_every, self._keep_checkpoints = checkpoint_every, keep_checkpoints
         self._last_checkpoint = int(self._ray.get(coordinator.describe.remote())["first_step"])
-        self._checkpointing = threading.Lock()
-        self._writer: threading.Thread | None = None  # the last scheduled checkpoint's thread
-        self._stopping = False
         #: Why the run cannot go on (None while it can).
         self.failed: str | None = None
         self._told: set[int] = set()  # the ranks answered with ``failed``
+        self._stopping = False
+        self._reported: Any = None  # the last progress report, counted before positions are read
+        self._writer = self._checkpoint_writer()
         self._server, self.port, self._health = _server(
             serving.host,
             port,
@@ -532,13 +532,9 @@ class CoordinatorServer:
             _abort(context, "INVALID_ARGUMENT", f"rank must be in [0, {world_size}), got {rank}")
         self._refuse_if_failed(context, rank)
         reported = self._coordinator.progress.remote(rank, int(request.step))
-        if self._checkpoint_every is not None and not self._checkpointing.locked() and not self._stopping:
-            # Written beside the call, never in it: a checkpoint waits for the owners to reach
-            # its step, and the rank that reported may be the one they wait for.
-            self._writer = threading.Thread(
-                target=self._maybe_checkpoint, args=(reported,), name="zephon-checkpoint", daemon=True
-            )
-            self._writer.start()
+        if self._writer is not None:  # its thread looks whether one is due, beside this call
+            self._reported = reported
+            self._wanted.set()
         return pb.AckReply()
 
     def _change_mixture(
@@ -564,14 +560,29 @@ class CoordinatorServer:
             _abort(context, "UNAVAILABLE", f"the lane owners' coordinator died: {exc}")
         return pb.ChangeMixtureReply(at_step=wanted.at_step, history_json=json.dumps(history))
 
+    def _checkpoint_writer(self) -> threading.Thread | None:
+        """With ``checkpoint_every``, the thread that writes the scheduled checkpoints: beside
+        the ranks' progress reports, never in them (a checkpoint waits for the owners to reach
+        its step, and the rank that reported may be the one they wait for); one at a time."""
+        if self._checkpoint_every is None or self._checkpoint_dir is None:
+            return None
+        self._wanted = threading.Event()
+
+        def write_when_asked() -> None:
+            while self._wanted.wait() and not self._stopping:
+                self._wanted.clear()
+                self._maybe_checkpoint(self._reported)
+
+        writer = threading.Thread(target=write_when_asked, name="zephon-checkpoint", daemon=True)
+        writer.start()
+        return writer
+
     def _maybe_checkpoint(self, reported: Any) -> None:
         """With ``checkpoint_every`` N: writes the state at the slowest rank's step once it has
         moved N steps past the last one written, then keeps the newest ``keep_checkpoints``
         (``reported``: the progress report that asked, counted first)."""
         if self._checkpoint_every is None or self._checkpoint_dir is None or self.failed is not None:
             return
-        if not self._checkpointing.acquire(blocking=False):
-            return  # one is being written
         step = -1
         try:
             with contextlib.suppress(Exception):  # best effort, as the report itself
@@ -588,9 +599,6 @@ class CoordinatorServer:
         except BaseException as exc:  # best effort: the next report brings another chance
             if not self._stopping:  # (stopping: Ray may be gone under the write)
                 _log.warning("zephon serve --ray: no checkpoint written (step %d): %s", step, exc)
-            return
-        finally:
-            self._checkpointing.release()
 
     def _write(self, step: int) -> str:
         assert self._checkpoint_dir is not None
@@ -624,4 +632,5 @@ class CoordinatorServer:
         self._health.enter_graceful_shutdown()
         self._server.stop(1.0).wait()
         if self._writer is not None:
+            self._wanted.set()  # an idle writer ends at once
             self._writer.join(STOP_WRITE_SECONDS)

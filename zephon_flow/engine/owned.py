@@ -25,6 +25,10 @@ import numpy as np
 from zephon_flow.core.batches import Batch, has_sample
 from zephon_flow.engine.endsync import OwnersEndSync
 
+#: How often (in steps) a reader of lane owners reports its step: the coordinator gathers the
+#: owners' snapshots from the reports, and tells the owners the run's slowest step from them.
+PROGRESS_EVERY = 8
+
 
 class Carrier(Protocol):
     """How a rank's shares come from its lane owners."""

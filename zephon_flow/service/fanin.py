@@ -30,7 +30,7 @@ from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.retry import Backoff
-from zephon_flow.engine.owned import owned_batches
+from zephon_flow.engine.owned import PROGRESS_EVERY, owned_batches
 from zephon_flow.service._proto import batch_service_pb2 as pb
 from zephon_flow.service._proto import lane_owners_pb2 as lo
 from zephon_flow.service.rpc import unary_call
@@ -252,7 +252,7 @@ class OwnerFanIn:
         retry: Backoff,
         root_certificates: bytes | None = None,
         clock: Clock = SYSTEM_CLOCK,
-        progress_every: int = 8,
+        progress_every: int = PROGRESS_EVERY,
         prefetch: int = 4,
     ) -> None:
         self.address, self.rank, self.world_size = address, rank, world_size

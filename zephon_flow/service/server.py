@@ -79,9 +79,8 @@ def prune_checkpoints(directory: str, keep: int) -> list[str]:
     # Lane owners' parts of a checkpoint whose manifest was never written (the server stopped
     # while it was written), older than the newest manifest: nothing can read them.
     for name in os.listdir(directory):
-        m = _CHECKPOINT_NAME.match(name.removesuffix(".parts"))
-        orphan = name.endswith(".parts") and not os.path.exists(os.path.join(directory, name[:-6]))
-        if orphan and m is not None and steps and int(m.group(1)) < steps[-1]:
+        m = _CHECKPOINT_NAME.match(name.removesuffix(".parts")) if name.endswith(".parts") else None
+        if m is not None and int(m.group(1)) not in steps and int(m.group(1)) < max(steps, default=-1):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
             doomed.append(os.path.join(directory, name))
     return doomed
