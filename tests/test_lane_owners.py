@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -838,3 +839,39 @@ def test_a_rank_far_ahead_leaves_the_slowest_ranks_step_held_for_a_checkpoint(
         assert status["produced"] <= 8 + 8 + FLOOR_REACH
     resumed = global_digests(spec, steps=4, world_size=1, state=state)
     assert resumed == reference[8:12]
+
+
+def test_an_owner_sigkilled_during_save_checkpoint_leaves_a_checkpoint_and_the_ranks_reading(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any
+) -> None:
+    """Owner 1 is SIGKILLed 50 ms into ``save_checkpoint``: the checkpoint is written (the
+    owner replaced from its snapshot), resumes on 3 ranks with the reference bytes, the ranks
+    read on with them, and ``owner_pids()`` names the replacement (it raised Ray's
+    ``ActorDiedError`` with the dead owner still in the rank's table)."""
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=2, rank=r, world_size=2, name=name))
+            for r in range(2)
+        ]
+        iters = [iter(ld) for ld in loaders]
+
+        def steps(n: int) -> list[tuple[int, str]]:
+            out = []
+            for _ in range(n):
+                parts = [next(it) for it in iters]
+                out.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
+            return out
+
+        got = steps(STEPS)
+        victim = loaders[0].owner_pids()[1]
+        killer = threading.Timer(0.05, os.kill, (victim, signal.SIGKILL))
+        killer.start()
+        path = loaders[0].save_checkpoint(str(tmp_path / "ck.zfstate"))
+        killer.join()
+        got += steps(2)
+        pids = loaders[0].owner_pids()
+        assert victim not in pids and len(pids) == 2
+    assert got == reference[: STEPS + 2]
+    resumed = global_digests(spec, steps=2, world_size=3, state=zf.load_state(path))
+    assert resumed == reference[STEPS : STEPS + 2]

@@ -365,8 +365,18 @@ class OwnedLoader:
         )
 
     def owner_pids(self) -> list[int]:
-        """The process id of each owner (for fault tests and monitoring)."""
-        return [int(self._call(h.pid.remote())) for h in self._table.handles]
+        """The process id of each owner (for fault tests and monitoring); an owner found dead
+        is replaced first (as a fetch would), so the answer names live processes."""
+        pids = []
+        for owner in range(len(self._table.handles)):
+            while True:
+                generation = self._table.generations[owner]
+                try:
+                    pids.append(int(self._call(self._table.handles[owner].pid.remote())))
+                    break
+                except self._ray.exceptions.RayActorError:
+                    self._replace(owner, generation)
+        return pids
 
     def coordinator_pid(self) -> int:
         """The process id of the coordinator (for fault tests and monitoring)."""
