@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch
@@ -163,6 +163,7 @@ class Loader:
         self._requested = 0  # batches the consumer has asked for (see _wait_for_request)
         self._requested_cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._fed = False  # ``feed`` makes the batches; the loader is not iterated
         self._closed = False
 
     def _compile(self, spec: LoaderSpec, topology: TopologyOptions, states: StateOptions) -> Plan:
@@ -343,14 +344,32 @@ class Loader:
             self._mix_history = apply_mix_change(self._mixture, step, mix)
             return list(self._mix_history)
 
-    def _produce(self) -> None:
-        """The producer thread: the engine's loop (``engine/steps.py``) from this rank's lanes
-        into the queue of ``prefetch`` batches."""
-        sink = _Queued(self)
+    def _produce(self, sink: StepSink | None = None) -> None:
+        """The producer: the engine's loop (``engine/steps.py``) from this rank's lanes into
+        the queue of ``prefetch`` batches, or into ``sink`` (``feed``)."""
+        lanes = _Queued(self, sink)
         try:
-            produce(self._steps, room=sink.room, put=sink.put, fail=sink.fail)
+            produce(self._steps, room=lanes.room, put=lanes.put, fail=lanes.fail)
         finally:
-            sink.stopped()
+            lanes.stopped()
+
+    def feed(self, sink: StepSink) -> None:
+        """Makes this rank's batches in the calling thread, straight into ``sink``, instead of
+        being iterated: no queue and no thread of the loader's own between its lanes and what
+        holds the batches (``zephon serve`` holds them this way). Returns once the sequence
+        ended (``sink.end(None)``), the loader closed or ``sink.room`` said stop; a failure is
+        handed to ``sink.end(exc)``, not raised. A loader is fed or iterated, once; ``state()``,
+        ``snapshot()`` and ``skipped()`` follow the batches handed to the sink."""
+        if self._closed:
+            raise ZephonError("this Loader is closed")
+        if self._thread is not None:
+            raise ZephonError("Loader.feed: this Loader is already producing (iterated or fed)")
+        if getattr(self._end_sync, "lockstep", False):
+            raise ZephonError(
+                "Loader.feed: a lockstep end_sync waits for a trainer's requests; iterate instead"
+            )
+        self._thread, self._fed = threading.current_thread(), True
+        self._produce(sink)
 
     def _goes_on(self, step: int, exists: bool) -> bool:
         """Whether global batch ``step`` exists, given whether it does from this rank's lanes
@@ -406,6 +425,8 @@ class Loader:
         # (``simulate.py``) start together and agree on the end of a finite pass step by step.
         if self._closed:
             raise ZephonError("this Loader is closed")
+        if self._fed:
+            raise ZephonError("this Loader is fed (Loader.feed): its batches go to its sink")
         if self._thread is None:
             self._thread = threading.Thread(target=self._produce, name="zephon-lanes", daemon=True)
             self._thread.start()
@@ -481,7 +502,7 @@ class Loader:
         for lane in self._lanes:
             lane.close()
         self._backend.close()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)  # a lane stuck in an inline call must not hold close()
         self._plan.teardown()  # the DoFns this process ran (inline, threads, the lanes' back)
 
@@ -501,18 +522,35 @@ class Loader:
             self.close()
 
 
+class StepSink(Protocol):
+    """What ``Loader.feed`` hands its batches to, instead of its own queue."""
+
+    def room(self, step: int) -> bool:
+        """Waits until global batch ``step`` may be made; False: stop producing."""
+        ...
+
+    def add(self, step: int, batch: Batch, after: LoaderState) -> None:
+        """Takes batch ``step`` and the state from which ``step + 1`` is next."""
+        ...
+
+    def end(self, error: BaseException | None) -> None:
+        """The sequence ended (None) or failed (``error``); nothing more comes."""
+        ...
+
+
 class _Queued:
     """The embedded Loader's sink for the engine's producer loop: each step it makes, if the
-    step exists (``Loader._goes_on``), assembled into this rank's rows and queued with the
-    state after it; the state before it completed with the checks of the windows made."""
+    step exists (``Loader._goes_on``), assembled into this rank's rows and handed on with the
+    state after it (to the loader's queue, or to a fed ``StepSink``); the state before it
+    completed with the checks of the windows made."""
 
-    def __init__(self, loader: Loader) -> None:
-        self._loader = loader
+    def __init__(self, loader: Loader, sink: StepSink | None = None) -> None:
+        self._loader, self._sink = loader, sink
         self._before = loader._last.checks  # the state the next windows complete
 
     def room(self, step: int) -> bool:
         loader = self._loader
-        if loader._stop.is_set():
+        if loader._stop.is_set() or (self._sink is not None and not self._sink.room(step)):
             return False
         with loader._mix_lock:  # from here on a mixture change at ``step`` is refused
             loader._begun = step + 1
@@ -523,12 +561,12 @@ class _Queued:
         if self._before is not None:
             self._before.fill(made.made)
         if not loader._goes_on(made.step, made.exists):
-            loader._put(_END)
+            self._hand(_END)
             return False
         batch = loader._assemble(made)
         after = loader._state(made.step + 1, made.snapshots)
         self._before = after.checks
-        loader._put((made.step, batch, after))
+        self._hand((made.step, batch, after))
         return True
 
     def fail(self, exc: BaseException) -> None:
@@ -537,7 +575,22 @@ class _Queued:
         self.stopped()
         if loader._end_sync is not None:  # peers waiting on this rank raise at once, naming it
             loader._end_sync.leave(exc)
-        loader._put(exc)
+        self._hand(exc)
+
+    def _hand(self, item: Any) -> None:
+        """A batch with its states, the end (``_END``) or a failure, to whoever reads them."""
+        sink, loader = self._sink, self._loader
+        if sink is None:
+            loader._put(item)
+        elif item is _END:
+            sink.end(None)
+        elif isinstance(item, BaseException):
+            sink.end(item)
+        else:
+            step, batch, after = item
+            loader._last = after  # this thread is the loader's consumer (``feed``)
+            loader._kept.append(after)
+            sink.add(step, batch, after)
 
     def stopped(self) -> None:
         """A state() waiting for windows that will not be made returns."""

@@ -13,8 +13,9 @@ to the sink). What a sink does with a step is its own:
   its rank's rows and queues ``prefetch`` batches with their states;
 - a lane owner (``cluster/owner.py``) holds each step's windows and snapshots for its readers
   under ``StepHold`` (``engine/hold.py``), waiting while it is ``ahead`` of the slowest;
-- ``zephon serve`` (``service/server.py``) moves its embedded Loader's batches and states into
-  ``HeldSteps`` (``service/held.py``), waiting for room there.
+- ``zephon serve`` (``service/server.py``) feeds its embedded Loader (``Loader.feed``): the
+  Loader's sink hands each batch and state straight to ``HeldSteps`` (``service/held.py``),
+  waiting for room there.
 """
 
 from __future__ import annotations

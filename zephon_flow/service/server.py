@@ -307,16 +307,22 @@ class BatchServer:
         self._server.wait_for_termination()
 
     def _produce(self) -> None:
-        """The producer thread: the engine's loop (``engine/steps.py``) from the loader's
-        batches, each with the state after it, into the held steps (the embedded Loader makes
-        its steps with the same loop)."""
+        """The producer thread: the embedded Loader makes its batches here, straight into the
+        held steps (``Loader.feed``: the engine's loop, ``engine/steps.py``, with no queue in
+        between); any other ``ServedLoader`` is drained into them by the same loop."""
+        if isinstance(self._loader, Loader):
+            self._loader.feed(_HeldSink(self))
+            return
         produce(
             _Drained(self._loader, self._state_now, self._first_step),
-            room=lambda step: self._held.wait_for_room(self._stop.is_set),
+            room=self._room,
             put=self._hold_step,
             fail=self._fail,
             end=self._held.finish,
         )
+
+    def _room(self, step: int) -> bool:
+        return self._held.wait_for_room(self._stop.is_set)
 
     def _hold_step(self, made: tuple[Batch, LoaderState]) -> bool:
         self._held.add(*made)
@@ -568,6 +574,27 @@ class BatchServer:
             bytes_per_second=served / elapsed,
             bytes_served=served,
         )
+
+
+class _HeldSink:
+    """The server's held steps as the embedded Loader's ``StepSink``: room while the held
+    steps have it (and the server runs), each batch held with the state after it, the end or
+    the failure told to them."""
+
+    def __init__(self, server: BatchServer) -> None:
+        self._server = server
+
+    def room(self, step: int) -> bool:
+        return self._server._room(step)
+
+    def add(self, step: int, batch: Batch, after: LoaderState) -> None:
+        self._server._held.add(batch, after)
+
+    def end(self, error: BaseException | None) -> None:
+        if error is None:
+            self._server._held.finish()
+        else:
+            self._server._fail(error)
 
 
 class _Drained:
