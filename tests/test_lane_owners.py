@@ -388,6 +388,35 @@ def test_another_world_size_is_refused_by_running_owners(ray_session: None, spec
         OwnedLoader(spec, lane_owners=1, rank=0, world_size=3, name=name)
 
 
+def test_a_rank_waiting_for_a_step_gives_up_after_its_timeout_on_its_clock(
+    ray_session: None, spec: zf.LoaderSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 of 2 never reads, so the owner makes only steps 0 and 1 (ahead=2). Rank 0 takes
+    them, then asks for step 2 again and again; it gives up after ``timeout`` on its clock (a
+    ``ManualClock``, moved by the pauses between its asks; each ask waits ``CALL_WAIT`` at the
+    owner, made short here) with an ``OwnerError`` naming the owner, its lanes and the step."""
+    from zephon_flow.cluster import actors
+    from zephon_flow.core.clock import ManualClock
+
+    monkeypatch.setattr(actors, "CALL_WAIT", 0.05)
+    clock, name = ManualClock(), f"test-{uuid.uuid4().hex[:8]}"
+    options: dict[str, Any] = {"ahead": 2, "keep": 2, "prefetch": 2, "timeout": 20.0, "clock": clock}
+    with ExitStack() as stack:
+        loaders = [
+            stack.enter_context(OwnedLoader(spec, lane_owners=1, rank=r, world_size=2, name=name, **options))
+            for r in range(2)
+        ]
+        it = iter(loaders[0])
+        assert [next(it)[0] for _ in range(2)] == [0, 1]
+        with pytest.raises(
+            OwnerError,
+            match=r"^rank 0 waited 20 s for lane owner 0 \(lanes \[0, 1, 2, 3, 4, 5\]\) to make step 2: "
+            r"its other readers \(ranks\) may have stopped reading",
+        ):
+            next(it)
+        assert clock.now() >= 20
+
+
 # -- served: zephon serve --ray --lane-owners N, read by zf.Client(lane_owners=True) -----------
 @pytest.mark.parametrize("killed", ["owner", "coordinator then owner"])
 def test_served_owners_give_clients_the_loaders_bytes_through_a_sigkill(

@@ -8,8 +8,7 @@ import re
 import shutil
 import sys
 import threading
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from zephon_flow.core.checkpoint import manifest
 from zephon_flow.core.checkpoint.manifest import Part
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.store import save_state
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.engine.spec import LoaderSpec
@@ -77,20 +77,21 @@ class OwnerActor:
         seconds: not restarting (Ray restarts one that died), but ended with the process that
         made it, or killed for good. Owners outlive their coordinator so that one started
         again takes them over; they do not outlive the run."""
-        ray, missing_since = _ray(), None
-        while True:
-            time.sleep(WATCH_EVERY)
+        ray = _ray()
+
+        def present() -> bool | None:
             try:
                 ray.get_actor(run, namespace=NAMESPACE)
-                missing_since = None
             except ValueError:
-                missing_since = missing_since or time.monotonic()
-                if time.monotonic() - missing_since >= orphan_timeout:
-                    with contextlib.suppress(Exception):
-                        self.close()
-                    os._exit(0)
+                return False
             except Exception:  # Ray itself unreachable for now: its end ends this process
-                continue
+                return None
+            return True
+
+        await_orphaned(present, orphan_timeout)
+        with contextlib.suppress(Exception):
+            self.close()
+        os._exit(0)
 
     def adoption(self) -> dict[str, Any]:
         """What a coordinator started again needs to take this owner over."""
@@ -205,6 +206,27 @@ class OwnerActor:
         if self._server is not None:
             self._server.stop()
         self._owner.close()
+
+
+def await_orphaned(
+    present: Callable[[], bool | None],
+    orphan_timeout: float,
+    clock: Clock = SYSTEM_CLOCK,
+    every: float = WATCH_EVERY,
+) -> None:
+    """Returns once ``present()`` (asked every ``every`` seconds on ``clock``) has said False
+    (the coordinator is not found) at every look for ``orphan_timeout`` seconds; None (it
+    cannot tell: Ray unreachable for now) neither counts nor restarts the wait."""
+    missing_since: float | None = None
+    while True:
+        clock.sleep(every)
+        found = present()
+        if found:
+            missing_since = None
+        elif found is not None:
+            missing_since = clock.now() if missing_since is None else missing_since
+            if clock.now() - missing_since >= orphan_timeout:
+                return
 
 
 def _ray() -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -201,28 +201,42 @@ class OwnedLoader:
             f"the replacement of owner {owner}", self._coordinator.replace.remote(owner, generation)
         )
 
-    def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> list[Batch]:
-        """This rank's shares of a run of steps from ``step`` from ``owner``: asks again while
-        the owner has not produced the step yet, and replaces the owner if it died."""
-        waited = 0.0
-        ref, generation = asked
+    def _poll(
+        self, owner: int, ask: Callable[[Any], Any], what: str, asked: tuple[Any, int] | None = None
+    ) -> Any:
+        """``owner``'s answer to ``ask(handle)`` (a pending Ray call; ``asked``: one already
+        in flight, with the generation of the owner asked), asked again while it is None
+        (the owner has not made the step yet: each call waits for it there, ``CALL_WAIT``),
+        pausing between tries as ``POLL`` says, for up to ``timeout`` seconds on the clock;
+        a dead owner is replaced and its replacement asked, with a new ``timeout``. Past
+        ``timeout``: an ``OwnerError`` naming the owner, its lanes and ``what`` this rank
+        waited for."""
         while True:
-            try:
-                got: list[Batch] | None = self._call(ref)
-            except self._ray.exceptions.RayActorError:
-                self._replace(owner, generation)
-                ref, generation = self._ask(owner, step)
-                continue
-            if got:
-                return got
-            waited += actors.CALL_WAIT
-            if waited >= self._timeout:
+            for _ in POLL.until(self._clock, self._timeout):
+                if asked is None:
+                    asked = ask(self._table.handles[owner]), self._table.generations[owner]
+                (ref, generation), asked = asked, None
+                try:
+                    got = self._call(ref)
+                except self._ray.exceptions.RayActorError:
+                    self._replace(owner, generation)
+                    break  # its replacement recomputes its lanes: a wait of its own
+                if got is not None:
+                    return got
+            else:
                 raise OwnerError(
-                    f"rank {self._slice.rank} waited {waited:g} s for step {step} from lane owner "
-                    f"{owner} (lanes {list(self._table.lanes[owner])}): its other readers (ranks) may "
-                    f"have stopped reading, or the owner is stuck; see its status"
+                    f"rank {self._slice.rank} waited {self._timeout:g} s for lane owner {owner} "
+                    f"(lanes {list(self._table.lanes[owner])}) {what}"
                 )
-            ref, generation = self._ask(owner, step)
+
+    def _fetch(self, step: int, owner: int, asked: tuple[Any, int]) -> list[Batch]:
+        """This rank's shares of a run of steps from ``step`` from ``owner`` (``asked``: the
+        call in flight): asked again while the owner has not produced the step yet, the owner
+        replaced if it died (``_poll``)."""
+        got: list[Batch] = self._poll(
+            owner, lambda _: self._ask(owner, step)[0], f"to make step {step}: {_STUCK}", asked
+        )
+        return got
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         if self._closed:
@@ -258,24 +272,13 @@ class OwnedLoader:
     def _lives(self, step: int) -> Iterator[bool]:
         """Each owner's answer to whether its lanes have a real sample at ``step`` (a dead
         owner is replaced and asked again; one that has not made the step within ``timeout``
-        seconds is an ``OwnerError``, as a fetch's)."""
+        seconds is an ``OwnerError``, as a fetch's: ``_poll``)."""
         for owner in range(len(self._table.lanes)):
-            waited, live = 0.0, None
-            while live is None:
-                if waited >= self._timeout:
-                    raise OwnerError(
-                        f"rank {self._slice.rank} waited {waited:g} s for lane owner {owner} (lanes "
-                        f"{list(self._table.lanes[owner])}) to say whether step {step} has a sample: "
-                        f"its other readers (ranks) may have stopped reading, or the owner is stuck"
-                    )
-                generation = self._table.generations[owner]
-                try:
-                    live = self._call(self._table.handles[owner].live.remote(step, actors.CALL_WAIT))
-                except self._ray.exceptions.RayActorError:
-                    self._replace(owner, generation)
-                    continue
-                waited += actors.CALL_WAIT
-            yield bool(live)
+
+            def ask(handle: Any) -> Any:
+                return handle.live.remote(step, actors.CALL_WAIT)
+
+            yield bool(self._poll(owner, ask, f"to say whether step {step} has a sample: {_STUCK}"))
 
     # -- state ---------------------------------------------------------------------------------
     @property
@@ -346,23 +349,15 @@ class OwnedLoader:
         return self._saved_form(LoaderState(at, spec.lanes, dict(spec.fingerprint), lanes, history))
 
     def _lanes_snapshot(self, owner: int, lanes: list[int], step: int) -> tuple[dict[int, Any], list[Any]]:
-        """``owner``'s snapshots of ``lanes`` at ``step``, asked again (``POLL``, on the clock)
-        while it has not made that step, for up to ``timeout`` s (a dead owner is replaced)."""
-        for _ in POLL.until(self._clock, self._timeout):
-            generation = self._table.generations[owner]
-            try:
-                got = self._call(self._table.handles[owner].lanes_snapshot.remote(step, lanes))
-            except self._ray.exceptions.RayActorError:
-                self._replace(owner, generation)
-                continue
-            if got is not None:
-                snaps, history = got
-                return snaps, history
-        raise OwnerError(
-            f"rank {self._slice.rank}: lane owner {owner} (lanes {list(self._table.lanes[owner])}) "
-            f"does not hold step {step} within {self._timeout:g} s: a rank's state is of a step "
-            f"it is at (an owner holds a few steps around its readers)"
-        )
+        """``owner``'s snapshots of ``lanes`` at ``step``, asked again while it has not made
+        that step, for up to ``timeout`` s (a dead owner is replaced: ``_poll``)."""
+
+        def ask(handle: Any) -> Any:
+            return handle.lanes_snapshot.remote(step, lanes)
+
+        what = f"to hold step {step}: a rank's state is of a step it is at (an owner holds a few steps around its readers)"
+        snaps, history = self._poll(owner, ask, what)
+        return snaps, history
 
     def owner_pids(self) -> list[int]:
         """The process id of each owner (for fault tests and monitoring); an owner found dead
@@ -417,6 +412,10 @@ class OwnedLoader:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+#: Why an owner does not make the step a rank waits for.
+_STUCK = "its other readers (ranks) may have stopped reading, or the owner is stuck; see its status"
 
 
 def _run_length(prefetch: int, ahead: int) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +22,7 @@ from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.window_check import MadeWindow, WindowCheck
-from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock, wait_until
 from zephon_flow.core.errors import OwnerError as OwnerError  # also imported from here
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
@@ -111,8 +112,8 @@ FLOOR_REACH = 32
 class LaneOwner:
     """Runs ``lanes`` of ``spec`` from ``state`` (a ``LoaderState`` holding at least those lanes,
     or None: the start) for the ranks ``readers`` (rank -> the first step it may ask for);
-    ``name`` is how errors refer to it. ``clock`` is what its production's wait for room and
-    its backend's chunk deadlines read (an owner on Ray: the system's)."""
+    ``name`` is how errors refer to it. ``clock`` is what every wait of its production and of
+    its readers, and its backend's chunk deadlines, read (an owner on Ray: the system's)."""
 
     def __init__(
         self,
@@ -149,7 +150,7 @@ class LaneOwner:
             chunk_timeout=options.chunk_timeout,
             clock=clock,
         )
-        self._clock = clock
+        self.clock = clock
         self._runners = build_lane_runners(
             spec,
             plan,
@@ -209,7 +210,7 @@ class LaneOwner:
             while not self._hold.has_room() or self._fenced():
                 if self._stop.is_set():
                     return False
-                self._clock.wait(self._cond, 0.2)
+                self.clock.wait(self._cond, 0.2)
             self._begun = self._hold.produced + 1
         return not self._stop.is_set()
 
@@ -256,21 +257,33 @@ class LaneOwner:
             self._made.pop(s, None)
         self._cond.notify_all()
 
-    def _await(self, step: int, timeout: float) -> bool:
-        """Waits (lock held) until ``step`` is produced; False on timeout."""
+    def _wait(self, ready: Callable[[], bool], timeout: float, active: Callable[[], bool] | None) -> bool:
+        """Waits (lock held) on its clock until ``ready()``, for at most ``timeout`` seconds and
+        while ``active()`` (a reader's call still open); whether ``ready()`` held."""
+        going = _always if active is None else active
+        return wait_until(self.clock, self._cond, lambda: ready() or not going(), timeout) and ready()
+
+    def _await(self, step: int, timeout: float, active: Callable[[], bool] | None = None) -> bool:
+        """Waits (lock held) until ``step`` is produced; False on timeout (or ``active()`` false)."""
         if step < self._hold.low:
             raise OwnerError(
                 f"step {step} is no longer held: {self._held()}; resume from a checkpoint to go back further"
             )
-        return self._cond.wait_for(lambda: self._hold.produced > step or self._error is not None, timeout)
+        return self._wait(lambda: self._hold.produced > step or self._error is not None, timeout, active)
 
     # -- what readers and the coordinator ask ------------------------------------------------
     def rows(
-        self, reader: int, step: int, lanes: list[int] | None = None, timeout: float = 5.0
+        self,
+        reader: int,
+        step: int,
+        lanes: list[int] | None = None,
+        timeout: float = 5.0,
+        active: Callable[[], bool] | None = None,
     ) -> OwnerRows | None:
         """Step ``step``'s windows of ``lanes`` (default: all of the owner's), for rank
         ``reader``, which has thereby taken every step before ``step``; None if ``step`` was not
-        produced within ``timeout`` seconds (ask again)."""
+        produced within ``timeout`` seconds on its clock, or once ``active()`` turns false (the
+        reader's call ended)."""
         wanted = self.lanes if lanes is None else lanes
         index = [self.lanes.index(lane) for lane in wanted if lane in self.lanes]
         if len(index) != len(wanted):
@@ -280,7 +293,7 @@ class LaneOwner:
         with self._cond:
             self._hold.advance(reader, step)
             self._release()
-            if not self._await(step, timeout):
+            if not self._await(step, timeout, active):
                 return None
             self._raise_error()
             windows, layouts = self._windows[step], self._layouts[step]
@@ -291,18 +304,20 @@ class LaneOwner:
             tuple(layouts[i] for i in index),
         )
 
-    def share(self, rs: RankSlice, step: int, timeout: float = 5.0) -> Batch | None:
+    def share(
+        self, rs: RankSlice, step: int, timeout: float = 5.0, active: Callable[[], bool] | None = None
+    ) -> Batch | None:
         """Rank ``rs``'s rows of step ``step`` that lie on this owner's lanes, assembled as the
         Loader assembles them (``assemble_rows``: padding and ``valid`` for a finite pass); the
         owners' shares, concatenated in lane order, are the rank's batch. None: not produced
-        within ``timeout`` seconds (ask again)."""
+        within ``timeout`` seconds, or ``active()`` turned false (as ``rows``)."""
         lanes, rows = share_of(rs, self.lanes)
         if not lanes:
             raise OwnerError(
                 f"rank {rs.rank} of {rs.world_size} has no rows on {self.name}'s lanes {self.lanes} "
                 f"(its rows are on lanes {list(rs.lane_ids)})"
             )
-        got = self.rows(rs.rank, step, lanes, timeout)
+        got = self.rows(rs.rank, step, lanes, timeout, active)
         if got is None:
             return None
         return assemble_rows(
@@ -328,7 +343,9 @@ class LaneOwner:
         lanes, rows = share_of(rs, self.lanes)
         index = [self.lanes.index(lane) for lane in lanes]
         with self._cond:
-            self._cond.wait_for(
+            wait_until(
+                self.clock,
+                self._cond,
                 lambda: (
                     self._hold.produced >= step + count
                     or self._error is not None
@@ -357,17 +374,19 @@ class LaneOwner:
             )
         return run
 
-    def live(self, step: int, timeout: float = 5.0) -> bool | None:
+    def live(self, step: int, timeout: float = 5.0, active: Callable[[], bool] | None = None) -> bool | None:
         """Whether any of its lanes has a real sample at ``step`` (a finite pass goes on while
-        some lane has one); None if not known within ``timeout`` seconds."""
+        some lane has one); None if not known within ``timeout`` seconds on its clock, or once
+        ``active()`` turns false."""
         with self._cond:
-            if not self._cond.wait_for(
+            if not self._wait(
                 lambda: (
                     self._hold.produced > step
                     or self._error is not None
                     or (self._dead_from is not None and step >= self._dead_from)
                 ),
                 timeout,
+                active,
             ):
                 return None
             self._raise_error()
@@ -388,8 +407,11 @@ class LaneOwner:
                 )
             if snaps is None:
                 return None
-            self._cond.wait_for(
-                lambda: step in self._made or self._error is not None or self._stop.is_set(), timeout
+            wait_until(
+                self.clock,
+                self._cond,
+                lambda: step in self._made or self._error is not None or self._stop.is_set(),
+                timeout,
             )
             made = dict(self._made.get(step, {}))
         return {
@@ -466,6 +488,10 @@ class LaneOwner:
 
 def _check(made: MadeWindow | WindowCheck) -> WindowCheck:
     return made.check() if isinstance(made, MadeWindow) else made
+
+
+def _always() -> bool:
+    return True
 
 
 def _ignore_skip(source: int, message: str) -> None:

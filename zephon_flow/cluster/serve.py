@@ -35,6 +35,7 @@ from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.cluster.serving import CoordinatorServer, Serving
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import load_state, to_loader_state
+from zephon_flow.core.clock import SYSTEM_CLOCK
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError
 from zephon_flow.engine.loader import restore_lanes
 from zephon_flow.engine.options import CheckpointOptions, EndpointOptions
@@ -291,10 +292,14 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         file=sys.stderr,
         flush=True,
     )
-    ticks, failed = 0, None
+    # Waits for a signal (real time: it comes from outside), and asks the coordinator every
+    # POLL_SECONDS on the clock; what the server's own calls find (``failed``) is seen at once.
+    failed, asked = None, SYSTEM_CLOCK.now()
     while failed is None and not done.wait(0.2):
-        ticks += 1
-        failed = server.poll() if ticks % int(POLL_SECONDS / 0.2) == 0 else server.failed
+        if SYSTEM_CLOCK.now() - asked >= POLL_SECONDS:
+            failed, asked = server.poll(), SYSTEM_CLOCK.now()
+        else:
+            failed = server.failed
     # Asked once more before stopping, whatever ended the wait: a signal that came after a
     # failure this loop had not seen yet still exits as a failure (as zephon serve does).
     return exit_status(

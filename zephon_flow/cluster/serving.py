@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.cluster.coordinator import OwnerTable
 from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
+from zephon_flow.core.clock import Clock, wait_until
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.options import check_int, check_seconds
@@ -44,8 +45,6 @@ from zephon_flow.service.rpc import unary_handler
 from zephon_flow.service.wire import MAX_MESSAGE_BYTES, encode_step
 
 SERVICE = "zephon.v1.LaneOwners"
-#: How long one wait for a step lasts before the stream checks that its client is still there.
-POLL = 1.0
 
 _log = logging.getLogger("zephon_flow.serve")
 
@@ -67,10 +66,11 @@ MAX_REQUEST_BYTES = 64 << 10
 class _Acks:
     """A ``StreamRows`` call's acknowledgements, read from its request stream by a thread of
     their own: the owner sends step ``s`` only once the client needs a step past
-    ``s - window`` (so a rank holds at most ``window`` steps it has not taken)."""
+    ``s - window`` (so a rank holds at most ``window`` steps it has not taken). Its waits read
+    ``clock`` (the owner's)."""
 
-    def __init__(self, requests: Iterator[lo.RowsRequest], window: int, first: int) -> None:
-        self._requests, self._window, self._taken = requests, window, first
+    def __init__(self, requests: Iterator[lo.RowsRequest], window: int, first: int, clock: Clock) -> None:
+        self._requests, self._window, self._taken, self._clock = requests, window, first, clock
         self._cond = threading.Condition()
         self._ended = False
         self._thread = threading.Thread(target=self._read, name="zephon-owner-acks", daemon=True)
@@ -91,17 +91,15 @@ class _Acks:
 
     def wait_for(self, step: int, context: grpc.ServicerContext, timeout: float) -> bool:
         """Waits until ``step`` may be sent; False if no acknowledgement allowed it within
-        ``timeout`` seconds while the call was active."""
-        waited = 0.0
+        ``timeout`` seconds on the clock while the call was active (an inactive call returns
+        True: the caller's loop ends)."""
         with self._cond:
-            while step >= self._taken + self._window:
-                if not context.is_active():
-                    return True  # the caller's loop ends
-                if waited >= timeout:
-                    return False
-                if not self._cond.wait(POLL):
-                    waited += POLL
-        return True
+            return wait_until(
+                self._clock,
+                self._cond,
+                lambda: step < self._taken + self._window or not context.is_active(),
+                timeout,
+            )
 
     def close(self) -> None:
         with self._cond:
@@ -312,7 +310,7 @@ class OwnerServer:
         step, stop = int(request.start_step), int(request.stop_step) or None
         self._check_step(rs.rank, step, context)
         with self._limit.enter(context, f"rank {rs.rank}'s rows of step {step}"):
-            paced = _Acks(requests, int(request.window), step) if request.window else None
+            paced = _Acks(requests, int(request.window), step, self._owner.clock) if request.window else None
             if paced is not None:
                 context.send_initial_metadata(((ACKS_METADATA, "1"),))
             try:
@@ -334,28 +332,25 @@ class OwnerServer:
 
     def _part(self, rs: RankSlice, step: int, context: grpc.ServicerContext) -> Any:
         """``rs``'s rows of ``step`` on this owner (which thereby counts ``step`` as asked for),
-        waiting up to ``--stream-timeout`` for it to be made."""
-        owner, waited = self._owner, 0.0
-        while context.is_active():
-            try:
-                part = owner.share(rs, step, timeout=POLL)
-            except OwnerError as exc:
-                if "no longer held" in str(exc):
-                    _abort(context, "OUT_OF_RANGE", str(exc))
-                self._fail(context, exc)
-            if part is not None:
-                return part
-            waited += POLL
-            if waited >= self._serving.stream_timeout:
-                _abort(
-                    context,
-                    "DEADLINE_EXCEEDED",
-                    f"{owner.name} (lanes {owner.lanes}) did not make step {step} within "
-                    f"{self._serving.stream_timeout:g} s (--stream-timeout): another rank reading "
-                    f"these lanes has stopped taking steps (the owner runs at most "
-                    f"{owner.options.ahead} steps past its slowest reader)",
-                )
-        return None
+        waiting up to ``--stream-timeout`` on the owner's clock for it to be made (None: the
+        call ended meanwhile)."""
+        owner = self._owner
+        try:
+            part = owner.share(rs, step, timeout=self._serving.stream_timeout, active=context.is_active)
+        except OwnerError as exc:
+            if "no longer held" in str(exc):
+                _abort(context, "OUT_OF_RANGE", str(exc))
+            self._fail(context, exc)
+        if part is None and context.is_active():
+            _abort(
+                context,
+                "DEADLINE_EXCEEDED",
+                f"{owner.name} (lanes {owner.lanes}) did not make step {step} within "
+                f"{self._serving.stream_timeout:g} s (--stream-timeout): another rank reading "
+                f"these lanes has stopped taking steps (the owner runs at most "
+                f"{owner.options.ahead} steps past its slowest reader)",
+            )
+        return part
 
     def _live(self, request: lo.LiveRequest, context: grpc.ServicerContext) -> lo.LiveReply:
         step = int(request.step)
@@ -370,15 +365,12 @@ class OwnerServer:
                 f"at step {max(known)}, and a rank may ask at most {reach} steps past it",
             )
         with self._limit.enter(context, f"Live(step={step})"):
-            waited = 0.0
-            while context.is_active() and waited < self._serving.stream_timeout:
-                try:
-                    live = self._owner.live(step, timeout=POLL)
-                except OwnerError as exc:
-                    self._fail(context, exc)
-                if live is not None:
-                    return lo.LiveReply(live=live)
-                waited += POLL
+            try:
+                live = self._owner.live(step, timeout=self._serving.stream_timeout, active=context.is_active)
+            except OwnerError as exc:
+                self._fail(context, exc)
+            if live is not None:
+                return lo.LiveReply(live=live)
         _abort(
             context,
             "DEADLINE_EXCEEDED" if context.is_active() else "CANCELLED",

@@ -49,6 +49,63 @@ class SystemClock:
 
 SYSTEM_CLOCK = SystemClock()
 
+#: How often ``wait_until`` looks again at a predicate that nothing notifies it of (seconds).
+WAIT_POLL = 0.2
+
+
+def wait_until(
+    clock: Clock,
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    timeout: float | None,
+    poll: float = WAIT_POLL,
+) -> bool:
+    """Waits on ``cond`` (held by the caller) until ``ready()`` or ``timeout`` seconds pass on
+    ``clock`` (None: no bound); whether ``ready()`` held. ``ready`` is asked under ``cond``
+    at each notification and at least every ``poll`` seconds, so it may also read what
+    nothing notifies (a client that went away); it may raise, ending the wait. On a
+    ``ManualClock`` the wait takes no real time: each pause moves the clock."""
+    deadline = None if timeout is None else clock.now() + timeout
+    while not ready():
+        pause = poll
+        if deadline is not None:
+            left = deadline - clock.now()
+            if left <= 0:
+                return False
+            pause = min(poll, left)
+        clock.wait(cond, pause)
+    return True
+
+
+def wait_for_arrival(
+    clock: Clock,
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    timeout: float,
+    poll: float = WAIT_POLL,
+) -> bool:
+    """As ``wait_until``, for what another thread or process brings (a message off the wire):
+    the pauses are real, so a ``ManualClock`` does not move by them (it would run past the
+    deadline while the message is on its way), and the deadline is read on ``clock`` between
+    them, at once when a manual clock jumps (``on_move``): a test moves the clock past the
+    deadline instead of sleeping through it."""
+
+    def wake() -> None:
+        with cond:
+            cond.notify_all()
+
+    deadline = clock.now() + timeout
+    stop = clock.on_move(wake)
+    try:
+        while not ready():
+            left = deadline - clock.now()
+            if left <= 0:
+                return False
+            cond.wait(min(poll, left))
+        return True
+    finally:
+        stop()
+
 
 class ManualClock:
     """A clock that moves only when told (``advance``) or when something waits on it: a wait

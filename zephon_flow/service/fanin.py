@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock, wait_for_arrival
 from zephon_flow.core.errors import ServiceError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.core.retry import Backoff
@@ -85,7 +85,8 @@ class _OwnerStream:
     call's request stream as it goes (so the owner knows which steps the rank has taken and
     runs a bounded distance past them). A thread reads the call; each step is waited for at
     most the client's timeout. An owner that does not take acknowledgements (its initial
-    metadata lacks ``ACKS_METADATA``) is read one call per step from its second step on."""
+    metadata lacks ``ACKS_METADATA``) is read one call per step from its second step on. The
+    wait for a step's message has its deadline on the fan-in's clock (``wait_for_arrival``)."""
 
     def __init__(self, fan: OwnerFanIn, owner: _Owner, step: int, prefetch: int) -> None:
         self.owner, self._fan, self._prefetch = owner, fan, prefetch
@@ -101,7 +102,9 @@ class _OwnerStream:
             window=prefetch,
         )
         self._acks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._got: queue.SimpleQueue[tuple[int, dict[str, Any]] | BaseException | None] = queue.SimpleQueue()
+        # What the reading thread got, in order: steps, then the call's end (None) or error.
+        self._got: deque[tuple[int, dict[str, Any]] | BaseException | None] = deque()
+        self._arrived = threading.Condition()
         self._call = method(self._requests(first), metadata=fan.metadata)
         self._next, self._first = step, step
         self._steps_by_call: _StepCalls | None = None
@@ -113,16 +116,29 @@ class _OwnerStream:
         while (taken := self._acks.get()) is not None:
             yield lo.RowsRequest(taken=taken)
 
+    def _put(self, got: tuple[int, dict[str, Any]] | BaseException | None) -> None:
+        with self._arrived:
+            self._got.append(got)
+            self._arrived.notify_all()
+
     def _read(self) -> None:
         assembler = StepAssembler()
         try:
             for raw in self._call:
                 got = assembler.feed(raw)
                 if got is not None:
-                    self._got.put(got)
-            self._got.put(None)
+                    self._put(got)
+            self._put(None)
         except BaseException as exc:  # handed to the reader of the steps, in order
-            self._got.put(exc)
+            self._put(exc)
+
+    def _take(self) -> tuple[int, dict[str, Any]] | BaseException | None:
+        """What the call brought next, waited for up to the client's timeout on its clock."""
+        fan = self._fan
+        with self._arrived:
+            if not wait_for_arrival(fan.clock, self._arrived, lambda: bool(self._got), fan.timeout):
+                raise _DeadlineExceeded
+            return self._got.popleft()
 
     def next(self, step: int) -> dict[str, Any]:
         if self._steps_by_call is not None:
@@ -133,10 +149,7 @@ class _OwnerStream:
             )
         if step != self._first:
             self._acks.put(step)
-        try:
-            got = self._got.get(timeout=self._fan.timeout)
-        except queue.Empty:
-            raise _DeadlineExceeded from None
+        got = self._take()
         if isinstance(got, BaseException):
             raise got
         if got is None:
@@ -159,7 +172,7 @@ class _OwnerStream:
 
     def close(self) -> None:
         self._end_call()
-        self._got.put(_Closed())
+        self._put(_Closed())
         if self._steps_by_call is not None:
             self._steps_by_call.close()
         self._channel.close()
