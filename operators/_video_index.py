@@ -128,22 +128,27 @@ def open_container(path: str, operator: str, member: Member | None = None) -> It
 ATTACHED_PIC = 0x0400
 
 
-def video_stream(container: Any, path: str, operator: str, max_pixels: int) -> Any:
-    """The file's video: its first video stream that is not an attached picture (a cover image,
-    disposition ``attached_pic``), refused by name if there is none, if FFmpeg has no decoder
-    for its codec, or if its frames have more than ``max_pixels`` pixels. Listing and decoding
-    both choose it by this rule, from the file's header alone."""
-    videos = list(container.streams.video)
-    if not videos:
-        kinds = sorted({s.type for s in container.streams}) or ["no streams"]
-        raise DataError(f"{operator}: {path} has no video stream (it has {', '.join(kinds)})")
-    moving = [s for s in videos if not int(s.disposition) & ATTACHED_PIC]
-    if not moving:
-        raise DataError(
-            f"{operator}: {path} has no video stream but its cover image (an attached picture: "
-            f"{len(videos)} stream{'s' if len(videos) > 1 else ''} flagged attached_pic)"
-        )
-    stream = moving[0]
+def video_stream(container: Any, path: str, operator: str, max_pixels: int, number: int | None = None) -> Any:
+    """The file's video: stream ``number`` (FFmpeg's stream index, as ``ffprobe`` lists it) if
+    given, else its first video stream that is not an attached picture (a cover image,
+    disposition ``attached_pic``); refused by name if there is none (or stream ``number`` is not
+    a video stream), if FFmpeg has no decoder for its codec, or if its frames have more than
+    ``max_pixels`` pixels. Listing and decoding both choose it by this rule, from the file's
+    header alone."""
+    if number is not None:
+        stream = _numbered(container, path, operator, number)
+    else:
+        videos = list(container.streams.video)
+        if not videos:
+            kinds = sorted({s.type for s in container.streams}) or ["no streams"]
+            raise DataError(f"{operator}: {path} has no video stream (it has {', '.join(kinds)})")
+        moving = [s for s in videos if not int(s.disposition) & ATTACHED_PIC]
+        if not moving:
+            raise DataError(
+                f"{operator}: {path} has no video stream but its cover image (an attached picture: "
+                f"{len(videos)} stream{'s' if len(videos) > 1 else ''} flagged attached_pic)"
+            )
+        stream = moving[0]
     ctx = stream.codec_context
     name = getattr(ctx, "name", None) if ctx is not None else None
     if not name:
@@ -157,9 +162,36 @@ def video_stream(container: Any, path: str, operator: str, max_pixels: int) -> A
     return stream
 
 
-def read_index(path: str, *, operator: str, max_pixels: int, member: Member | None = None) -> VideoIndex:
-    """The index of the first video stream of ``path`` (or of its tar ``member``), from the disk
-    cache or by demuxing it."""
+def _numbered(container: Any, path: str, operator: str, number: int) -> Any:
+    """Stream ``number`` of the file (``ReadVideo(stream=number)``), refused by name if the file
+    has no such stream or it is not a video stream."""
+    streams = list(container.streams)
+    if number < len(streams) and streams[number].type == "video":
+        return streams[number]
+    what = "has no" if number >= len(streams) else f"has {streams[number].type} as"
+    raise DataError(
+        f"{operator}: {path} {what} stream #{number} (stream={number} was asked for; its streams: "
+        f"{describe_streams(container)})"
+    )
+
+
+def describe_streams(container: Any) -> str:
+    """The file's streams as ``ffprobe`` numbers them: ``#0 video h264, #1 audio aac, ...``
+    (a cover image says so)."""
+    out = []
+    for s in container.streams:
+        ctx = s.codec_context
+        codec = getattr(ctx, "name", None) if ctx is not None else None
+        cover = " (attached picture)" if int(s.disposition) & ATTACHED_PIC else ""
+        out.append(f"#{s.index} {s.type} {codec or 'unknown codec'}{cover}")
+    return ", ".join(out) or "none"
+
+
+def read_index(
+    path: str, *, operator: str, max_pixels: int, member: Member | None = None, stream: int | None = None
+) -> VideoIndex:
+    """The index of the video stream of ``path`` (or of its tar ``member``) that ``video_stream``
+    chooses (``stream``: that stream), from the disk cache or by demuxing it."""
     info = files.stat(path, operator=operator)
     where = path if member is None else f"{path} member {member.name!r}"
     if info.size == 0 or (member is not None and member.size == 0):
@@ -169,10 +201,10 @@ def read_index(path: str, *, operator: str, max_pixels: int, member: Member | No
         key = hashlib.sha256(f"{key}\0{member.name}\0{member.offset}\0{member.size}".encode()).hexdigest()[
             :40
         ]
-    name = f"video-index-{key}.json"
+    name = f"video-index-{key}.json" if stream is None else f"video-index-{key}-stream{stream}.json"
     index = VideoIndex.from_json(_file_cache.load_json(name))
     if index is None:
-        index = _demux(path, operator, max_pixels, member)
+        index = _demux(path, operator, max_pixels, member, stream)
         _file_cache.store_json(name, index.to_json())
     elif index.width * index.height > max_pixels:
         raise DataError(
@@ -198,12 +230,14 @@ def _file_key(path: str, info: files.FileInfo, operator: str) -> str:
     return key
 
 
-def _demux(path: str, operator: str, max_pixels: int, member: Member | None = None) -> VideoIndex:
+def _demux(
+    path: str, operator: str, max_pixels: int, member: Member | None = None, number: int | None = None
+) -> VideoIndex:
     av = pyav()
     with open_container(path, operator, member) as container:
         if member is not None:
             path = f"{path} member {member.name!r}"
-        stream = video_stream(container, path, operator, max_pixels)
+        stream = video_stream(container, path, operator, max_pixels, number)
         stamps: set[int] = set()
         keys: set[int] = set()
         try:
@@ -234,30 +268,49 @@ def _demux(path: str, operator: str, max_pixels: int, member: Member | None = No
             str(ctx.name),
         )
         others = len(container.streams.video) - 1
-        _check_length(index, container.duration, path, operator, (stream.index, others))
+        why = _other_streams(container, stream.index, number) if others else None
+        _check_length(index, container.duration, path, operator, why)
         return index
 
 
+def _other_streams(container: Any, read: int, asked: int | None) -> tuple[str, str]:
+    """What a length refusal says of a file with other video streams than stream ``read``:
+    perhaps not cut, but the wrong stream (a one-frame cover image Matroska stores as an
+    ordinary track), and how to read another."""
+    how = (
+        f"stream={asked} was asked for"
+        if asked is not None
+        else "the first video stream not flagged an attached picture is read, and a cover image "
+        "stored as an ordinary track is not flagged; give ReadVideo(stream=N) to read stream #N"
+    )
+    return (
+        f"its video stream #{read} is not its main video",
+        f"its streams: {describe_streams(container)}; {how}",
+    )
+
+
 def _check_length(
-    index: VideoIndex, duration_us: int | None, path: str, operator: str, stream: tuple[int, int] = (0, 0)
+    index: VideoIndex,
+    duration_us: int | None,
+    path: str,
+    operator: str,
+    others: tuple[str, str] | None = None,
 ) -> None:
     """Refuses a file whose frames end well before the length its header declares: a cut
     download or copy, whose missing tail would otherwise just quietly be fewer clips.
-    ``stream``: the index of the stream read and how many other video streams the file has."""
+    ``others``: for a file with other video streams, what to say of the stream read (see
+    ``_other_streams``)."""
     if not duration_us:
         return
     declared = duration_us / 1_000_000
     step = index.seconds(index.pts[-1]) / max(1, len(index.pts) - 1)
     seen = index.seconds(index.pts[-1]) + step
     if declared - seen > max(2 * step, 0.02 * declared):
-        number, others = stream
-        if others:  # perhaps not cut: a one-frame cover image Matroska stores as an ordinary track
+        if others is not None:
+            stream, how = others
             raise DataError(
-                f"{operator}: {path} is truncated, or its video stream #{number} is not its main "
-                f"video: its header says {declared:.3f} s but that stream's frames end at "
-                f"{seen:.3f} s (the file has {others} other video stream{'s' if others > 1 else ''}; "
-                "the first video stream not flagged an attached picture is read, and a cover image "
-                "stored as an ordinary track is not flagged)"
+                f"{operator}: {path} is truncated, or {stream}: its header says {declared:.3f} s "
+                f"but that stream's frames end at {seen:.3f} s ({how})"
             )
         raise DataError(
             f"{operator}: {path} is truncated: its header says {declared:.3f} s but its video "

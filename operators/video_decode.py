@@ -22,6 +22,8 @@ from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
 
 #: Containers a worker thread keeps open (see ``DecodeVideo._opened``).
 KEPT_CONTAINERS = 4
+#: What a kept container is kept under: the file, its tar member, the stream asked for.
+_Held = tuple[str, Member | None, int | None]
 
 
 class DecodeVideo(beam.DoFn):  # type: ignore[misc]
@@ -35,7 +37,8 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     (``resample="hamming"``, which swscale lacks, converts then resizes with Pillow). The
     output is a C-contiguous ``uint8 [T, H, W, 3]`` array; the plan field is dropped. A frame
     whose stream carries a display rotation (phone videos) is turned upright (multiples of 90
-    degrees).
+    degrees). The stream decoded is the one listed: the plan's (``ReadVideo(stream=)``), else
+    the same rule as listing's.
 
     **Bytes**: the frames are a pure function of the file, the plan and the options for one
     FFmpeg build. A clip is always decoded from the same key frame (the plan's), whichever
@@ -110,7 +113,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         operator = f"DecodeVideo [{where}]"
         wanted = set(plan.pts)
         got: dict[int, np.ndarray] = {}
-        container, stream = self._opened(path, operator, plan.member)
+        container, stream = self._opened(path, operator, plan.member, plan.stream)
         try:
             # From the plan's key frame; if the demuxer lands after the clip's first frame (an
             # index coarser than the packets'), from the start: either way a function of the file.
@@ -119,7 +122,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                     break
                 got.clear()
         except BaseException:
-            self._close_held((path, plan.member))  # the next clip opens the file afresh
+            self._close_held((path, plan.member, plan.stream))  # the next clip opens the file afresh
             raise
         missing = sorted(wanted - set(got))
         if missing:
@@ -137,21 +140,21 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
             )
         return np.stack(frames)  # C-contiguous: the clip's one copy of its frames
 
-    def _opened(self, path: str, operator: str, member: Member | None = None) -> tuple[Any, Any]:
-        """``path``'s container and video stream, opened once per thread and kept for its next
-        clips (the last ``KEPT_CONTAINERS`` files a thread decoded): opening parses the
-        container's index, which for a long ``.mp4`` costs more than a clip, and a worker takes
-        clips from several lanes' videos in turn. Every clip seeks, which flushes the decoder,
+    def _opened(
+        self, path: str, operator: str, member: Member | None = None, number: int | None = None
+    ) -> tuple[Any, Any]:
+        """``path``'s container and video stream (stream ``number`` if the plan names one),
+        opened once per thread and kept for its next clips (the last ``KEPT_CONTAINERS`` files a
+        thread decoded): opening parses the container's index, which for a long ``.mp4`` costs
+        more than a clip, and a worker takes clips from several lanes' videos in turn. Every clip seeks, which flushes the decoder,
         so a kept container gives the bytes a fresh one does."""
         local = self.__dict__.get("_held")
         if local is None:
             local = self._held = threading.local()
-        held: OrderedDict[tuple[str, Member | None], tuple[Any, Any, Any]] | None = getattr(
-            local, "videos", None
-        )
+        held: OrderedDict[_Held, tuple[Any, Any, Any]] | None = getattr(local, "videos", None)
         if held is None:
             held = local.videos = OrderedDict()
-        key = (path, member)
+        key = (path, member, number)
         if key in held:
             held.move_to_end(key)
             return held[key][1], held[key][2]
@@ -161,7 +164,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         try:
             container = stack.enter_context(open_container(path, operator, member))
             where = path if member is None else f"{path} member {member.name!r}"
-            stream = video_stream(container, where, operator, self.max_pixels)
+            stream = video_stream(container, where, operator, self.max_pixels, number)
             ctx = stream.codec_context
             ctx.thread_type = "NONE"
             ctx.thread_count = 1
@@ -172,7 +175,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         held[key] = (stack, container, stream)
         return container, stream
 
-    def _close_held(self, key: tuple[str, Member | None] | None = None) -> None:
+    def _close_held(self, key: _Held | None = None) -> None:
         """Closes this thread's kept container of ``key`` (None: all of them)."""
         held = getattr(self.__dict__.get("_held"), "videos", None)
         if not held:

@@ -51,6 +51,8 @@ class ClipPlan:
     #: record by when it cuts chunks for the workers (about 128 KB a chunk), so a chunk of
     #: clips is one clip (or a few small ones), not a hundred clips of 1 KiB each.
     nbytes: int = 0
+    #: The file's stream to decode (``ReadVideo(stream=)``); None: the rule of ``video_stream``.
+    stream: int | None = None
 
 
 def _positive(name: str, value: Any, kind: type = int) -> Any:
@@ -87,6 +89,10 @@ class ReadVideo(Source):
       ``"member"`` field names the member and the caption is its key's ``caption_ext``
       member; a split counts the clips of all the shard's video members, in shard order);
       ``DecodeVideo`` turns the plan into frames.
+    - **Stream**: a file's video is its first video stream not flagged an attached picture (a
+      cover image); ``stream=N`` reads stream ``#N`` instead (FFmpeg's index, as ``ffprobe``
+      lists it) in every file, refusing by name a file where it is not a video stream. The
+      clip plans carry it, so ``DecodeVideo`` decodes the stream listed.
     - **Errors** (``DataError`` naming the file and this operator): at listing, a zero-byte
       file, one FFmpeg cannot open or demux, no video stream, an unknown codec, frames over
       ``max_pixels``, or no whole clip. With ``on_error="skip"`` such a file is left out with a
@@ -108,6 +114,7 @@ class ReadVideo(Source):
         window: str = "all",
         seed: int = 0,
         max_pixels: int = 16_000_000,
+        stream: int | None = None,
         clips_per_split: int | None = None,
         epochs: int | None = None,
         on_error: str = "raise",
@@ -126,6 +133,12 @@ class ReadVideo(Source):
         self.frames = _positive("frames", frames)
         self.fps = _positive("fps", fps, float)
         self.max_pixels = _positive("max_pixels", max_pixels)
+        if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream < 0):
+            raise SpecError(
+                f"ReadVideo: stream must be a stream's index (a non-negative integer, as ffprobe "
+                f"numbers them) or None, got {stream!r}"
+            )
+        self.stream = stream
         self.clips_per_split = _positive("clips_per_split", clips_per_split)
         if window not in WINDOWS:
             raise SpecError(f"ReadVideo: window must be one of {WINDOWS}, got {window!r}")
@@ -155,6 +168,8 @@ class ReadVideo(Source):
             "max_pixels": self.max_pixels,
             "clips_per_split": self.clips_per_split,
             "split_plan": _plan.PLAN_VERSION,
+            # Only when given: pipelines without it keep their fingerprint.
+            **({} if self.stream is None else {"stream": self.stream}),
         }
 
     # -- planning ------------------------------------------------------------------------
@@ -172,7 +187,9 @@ class ReadVideo(Source):
         return plans
 
     def _video_clips(self, path: str, pass_index: int, member: Member | None) -> list[ClipPlan]:
-        index = read_index(path, operator=self.operator_name, max_pixels=self.max_pixels, member=member)
+        index = read_index(
+            path, operator=self.operator_name, max_pixels=self.max_pixels, member=member, stream=self.stream
+        )
         name = files.relative_name(path, self.pattern) + ("" if member is None else f"/{member.name}")
         plans = self.plan(index, name, pass_index)
         if not plans:
@@ -225,7 +242,16 @@ class ReadVideo(Source):
             keep = self._sample(index, a, b, t0, t1)
             size = len(keep) * index.width * index.height * 3
             out.append(
-                ClipPlan(clip, index.key_before(min(keep)), keep, index.time_base, t0, t1, nbytes=size)
+                ClipPlan(
+                    clip,
+                    index.key_before(min(keep)),
+                    keep,
+                    index.time_base,
+                    t0,
+                    t1,
+                    nbytes=size,
+                    stream=self.stream,
+                )
             )
         return out
 

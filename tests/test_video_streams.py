@@ -8,14 +8,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import apache_beam as beam
 import av
 import numpy as np
 import pytest
 from PIL import Image
 from video_helpers import make_video, picture
 
+import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.core.errors import DataError
+from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators._video_index import ATTACHED_PIC, read_index
 from zephon_flow.operators._video_scale import rgb
 
@@ -203,3 +205,104 @@ def test_a_mirrored_display_matrix_is_refused_not_turned(tmp_path: Path) -> None
     with pytest.raises(DataError, match=r"not a quarter turn \(a rotation of -?180\.00 degrees, mirrored"):
         ops.DecodeVideo().decode(str(path), plan)
     assert ops.DecodeVideo(rotate=False).decode(str(path), plan).shape == (8, 48, 64, 3)
+
+
+# -- choosing the stream: ReadVideo(stream=N) ------------------------------------------------------
+def two_videos(path: Path) -> Path:
+    """A Matroska file with two ordinary H.264 tracks of 16 frames: #0 of seed 0, #1 of seed 5."""
+    with av.open(str(path), "w") as container:
+        tracks = []
+        for _ in range(2):
+            stream = container.add_stream("libx264", rate=8)
+            stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+            stream.codec_context.gop_size = 8
+            stream.codec_context.thread_count = 1
+            tracks.append(stream)
+        for i in range(16):
+            for seed, stream in zip((0, 5), tracks, strict=True):
+                image = av.VideoFrame.from_ndarray(picture(i, 64, 48, seed=seed), format="rgb24")
+                container.mux(stream.encode(image))
+        for stream in tracks:
+            container.mux(stream.encode())
+    return path
+
+
+def track_frames(path: Path, number: int) -> dict[int, np.ndarray]:
+    with av.open(str(path)) as container:
+        stream = container.streams[number]
+        stream.codec_context.thread_type = "NONE"
+        return {f.pts: rgb(f).copy() for f in container.decode(stream)}
+
+
+def test_stream_reads_the_main_video_where_the_default_refuses_a_cover_track(tmp_path: Path) -> None:
+    path = tmp_path / "cover_track.mkv"
+    with av.open(str(path), "w") as container:
+        write_main_video(container, 32, after_first=add_cover(container))
+    assert streams(path) == [("mjpeg", False), ("h264", False)]
+    with pytest.raises(DataError) as info:  # the default: stream #0, refused by name
+        ops.ReadVideo(str(path), clip_frames=8).splits(1)
+    assert "give ReadVideo(stream=N) to read stream #N" in str(info.value)
+    assert "its streams: #0 video mjpeg, #1 video h264" in str(info.value)
+    source = ops.ReadVideo(str(path), clip_frames=8, frames=4, stream=1)
+    plans = source.clips(str(path))
+    assert len(plans) == 4 and {p.stream for p in plans} == {1}
+    whole = main_track_frames(path)
+    for plan in reversed(plans):
+        frames = ops.DecodeVideo().decode(str(path), plan)
+        assert np.array_equal(frames, np.stack([whole[p] for p in plan.pts]))
+
+
+def test_stream_picks_the_second_of_two_videos_through_the_loader(tmp_path: Path) -> None:
+    path = two_videos(tmp_path / "two.mkv")
+    first, second = track_frames(path, 0), track_frames(path, 1)
+    assert not np.array_equal(first[min(first)], second[min(second)])
+
+    def spec(stream: int | None) -> zf.LoaderSpec:
+        def build(p: beam.Pipeline) -> beam.PCollection:
+            clips = p | "videos" >> ops.ReadVideo(str(path), clip_frames=8, stream=stream, epochs=1)
+            return clips | "decode" >> beam.ParDo(ops.DecodeVideo())
+
+        return zf.LoaderSpec(build, lanes=2, seed=0, global_batch_size=2)
+
+    def frames(stream: int | None) -> np.ndarray:
+        """The clips the loader delivers (threads, 2 workers), in clip order."""
+        loader = zf.Loader(spec(stream), rank=0, world_size=1, backend="threads", workers=2)
+        try:
+            clips = {
+                int(c): f for _, batch in loader for c, f in zip(batch["clip"], batch["frames"], strict=True)
+            }
+        finally:
+            loader.close()
+        return np.stack([clips[c] for c in sorted(clips)])
+
+    def pts_order(whole: dict[int, np.ndarray]) -> np.ndarray:
+        return np.stack([whole[p] for p in sorted(whole)]).reshape(2, 8, 48, 64, 3)
+
+    assert np.array_equal(frames(None), pts_order(first))
+    assert np.array_equal(frames(1), pts_order(second))
+    assert "stream" not in ops.ReadVideo(str(path), clip_frames=8).params()  # fingerprints unchanged
+    assert spec(1).fingerprint != spec(None).fingerprint
+
+
+@pytest.mark.parametrize("number, what", [(2, "has no stream #2"), (0, "has audio as stream #0")])
+def test_a_stream_that_is_not_a_video_is_refused_by_name(tmp_path: Path, number: int, what: str) -> None:
+    path = tmp_path / "sound.mkv"
+    with av.open(str(path), "w") as container:
+        sound = container.add_stream("aac", rate=8000)
+        write_main_video(container, 16)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate = 8000
+        container.mux(sound.encode(frame))
+        container.mux(sound.encode())
+    with av.open(str(path)) as container:
+        assert [s.type for s in container.streams] == ["audio", "video"]
+    with pytest.raises(DataError) as info:
+        ops.ReadVideo(str(path), clip_frames=8, stream=number).splits(1)
+    assert str(info.value).startswith(f"ReadVideo('ReadVideo'): {path} {what} (stream={number} was asked for")
+    assert "its streams: #0 audio aac, #1 video h264" in str(info.value)
+
+
+def test_stream_must_be_an_index() -> None:
+    for bad in (-1, True, 1.0, "1"):
+        with pytest.raises(SpecError, match=r"ReadVideo: stream must be a stream's index"):
+            ops.ReadVideo("*.mp4", clip_frames=8, stream=bad)  # type: ignore[arg-type]
