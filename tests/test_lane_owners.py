@@ -118,14 +118,42 @@ def test_plan_owners_is_contiguous_and_balanced() -> None:
 
 
 def test_bad_owner_options_are_refused_before_ray_starts(spec: zf.LoaderSpec) -> None:
-    with pytest.raises(SpecError, match=r"lane owners: unknown backend 'gpu' for the owners' stateless work"):
+    # The shared option groups' checks (zephon_flow.options), naming the entry point.
+    with pytest.raises(
+        SpecError, match=r"^OwnedLoader: unknown backend 'gpu'; choose one of inline, threads"
+    ):
         OwnedLoader(spec, lane_owners=2, backend="gpu")
-    with pytest.raises(SpecError, match=r"lane owners: ahead must be a positive integer, got 0"):
+    with pytest.raises(SpecError, match=r"^OwnedLoader: ahead must be a positive integer, got 0$"):
         OwnedLoader(spec, lane_owners=2, ahead=0)
+    with pytest.raises(SpecError, match=r"^OwnedLoader: chunk_records must be a positive integer, got 0$"):
+        OwnedLoader(spec, lane_owners=2, chunk_records=0)
+    with pytest.raises(
+        SpecError, match=r"^OwnedLoader: timeout must be a positive number of seconds, got -1"
+    ):
+        OwnedLoader(spec, lane_owners=2, timeout=-1)
     with pytest.raises(SpecError, match=r"world_size=5 is not divisible|not divisible by world_size=5"):
         OwnedLoader(spec, lane_owners=2, world_size=5)
     with pytest.raises(SpecError, match=r"lane_owners must be an integer in \[1, lanes=6\].*got 0"):
         OwnedLoader(spec, lane_owners=0)
+
+
+def test_an_owner_builds_its_lanes_with_its_chunk_options(
+    spec: zf.LoaderSpec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zephon_flow.cluster import owner as owner_module
+    from zephon_flow.engine.loader import build_lane_runners as real
+
+    built: list[tuple[int, int]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        built.append((kwargs["chunk_records"], kwargs["depth"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner_module, "build_lane_runners", spy)
+    options = OwnerOptions(chunk_records=3, prefetch_chunks=2)
+    owner = LaneOwner(spec, [0, 1, 2], state=None, readers={0: 0}, options=options)
+    owner.close()
+    assert built == [(3, 2)]
 
 
 def test_readers_are_the_ranks_on_the_owners_lanes(spec: zf.LoaderSpec) -> None:
@@ -220,6 +248,26 @@ def test_owned_batches_equal_the_loader(
     got, final = owned_digests(spec, owners=owners, world_size=world_size, steps=STEPS)
     assert got == reference[:STEPS]
     assert final.step == STEPS
+
+
+def test_owners_read_in_the_chunks_their_loader_is_given_with_the_same_bytes(
+    ray_session: None, spec: zf.LoaderSpec, reference: list[tuple[int, str]]
+) -> None:
+    """``OwnedLoader(chunk_records=, prefetch_chunks=)``, as ``zf.Loader``'s work options, reach
+    every owner (its status says what its lanes were built with); the bytes do not change."""
+    import ray
+
+    seen: list[dict[str, Any]] = []
+
+    def look(step: int, loader: OwnedLoader) -> None:
+        if step == 0:
+            seen.extend(ray.get([h.status.remote() for h in loader.table.handles]))
+
+    got, _ = owned_digests(
+        spec, owners=2, world_size=2, steps=STEPS, on_step=look, chunk_records=3, prefetch_chunks=2
+    )
+    assert got == reference[:STEPS]
+    assert [(s["chunk_records"], s["prefetch_chunks"]) for s in seen] == [(3, 2), (3, 2)]
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from zephon_flow.options import (
     CheckpointOptions,
     EndpointOptions,
     HoldOptions,
+    OwnerOptions,
     ResumeOptions,
     StateOptions,
     TopologyOptions,
@@ -28,6 +29,7 @@ GROUPS = [
     HoldOptions,
     CheckpointOptions,
     EndpointOptions,
+    OwnerOptions,
 ]
 
 
@@ -64,6 +66,19 @@ def test_a_group_is_frozen_and_keyword_only(group: Any) -> None:
         (lambda: CheckpointOptions(checkpoint_every=2), r"^checkpoint_every needs checkpoint_dir"),
         (lambda: EndpointOptions(port=65536), r"^port must be in \[0, 65535\], got 65536$"),
         (lambda: EndpointOptions(stream_timeout=0), r"^stream_timeout must be a positive number of seconds"),
+        # A lane owner's options are checked by the groups they are made of, and its own.
+        (lambda: OwnerOptions(ahead=0), r"^lane owners: ahead must be a positive integer, got 0$"),
+        (lambda: OwnerOptions(backend="gpu"), r"^lane owners: unknown backend 'gpu'; choose one of"),
+        (lambda: OwnerOptions(prefetch_chunks=0), r"^lane owners: prefetch_chunks must be a positive"),
+        (lambda: OwnerOptions(allow_code_change=1), r"^lane owners: allow_code_change must be True or"),  # type: ignore[arg-type]
+        (lambda: OwnerOptions(orphan_timeout=0), r"^lane owners: orphan_timeout must be a positive number"),
+        (lambda: OwnerOptions(snapshot_dir=""), r"^lane owners: snapshot_dir must be a folder every node"),
+        (
+            lambda: OwnerOptions.of(
+                work=WorkOptions(), hold=HoldOptions(held_bytes=1 << 20), resume=ResumeOptions()
+            ),
+            r"^lane owners: held_bytes does not go with lane owners: each owner holds ahead steps",
+        ),
         # A command's options are named by its flags; an entry point's by its name.
         (lambda: HoldOptions(ahead=0, owner="zephon serve"), r"^zephon serve: --ahead must be a positive"),
         (
@@ -122,3 +137,43 @@ def test_one_group_handed_to_a_loader_gives_its_batches(corpus: Corpus) -> None:
     assert len(grouped) == len(plain) == 3
     for a, b in zip(grouped, plain, strict=True):
         assert zf.batch_digest(a) == zf.batch_digest(b)
+
+
+def test_a_lane_owners_options_are_made_of_the_shared_groups() -> None:
+    work = WorkOptions(backend="threads", workers=3, chunk_records=16, prefetch_chunks=2)
+    hold, resume = HoldOptions(ahead=6, keep=2), ResumeOptions(allow_mix_change=True)
+    options = OwnerOptions.of(work=work, hold=hold, resume=resume, orphan_timeout=5.0)
+    assert options == OwnerOptions(
+        backend="threads",
+        workers=3,
+        chunk_records=16,
+        prefetch_chunks=2,
+        ahead=6,
+        keep=2,
+        allow_mix_change=True,
+        orphan_timeout=5.0,
+    )
+    # ...and gives them back (a reader's prefetch is not the owner's: left at its default).
+    assert (options.work, options.hold, options.resume) == (
+        dataclasses.replace(work, prefetch=WorkOptions().prefetch),
+        hold,
+        resume,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ahead": 0}, r"^zephon serve: --ahead must be a positive integer, got 0$"),
+        ({"workers": 0}, r"^zephon serve: --workers must be a positive integer, got 0$"),
+        ({"keep": -1}, r"^zephon serve: --keep must be an integer >= 0, got -1$"),
+    ],
+)
+def test_the_owners_server_refuses_through_the_same_groups_before_ray_starts(
+    corpus: Corpus, kwargs: dict[str, Any], message: str
+) -> None:
+    pytest.importorskip("ray")
+    from zephon_flow.cluster.serve import OwnersServer
+
+    with pytest.raises(zf.SpecError, match=message):
+        OwnersServer(example_spec(corpus), owners=2, world_size=2, **kwargs)

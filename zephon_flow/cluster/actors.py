@@ -239,7 +239,7 @@ def _owner_call(handle: Any, method: str, args: tuple[Any, ...]) -> Any:
 
 
 def owner_launcher(
-    spec: LoaderSpec, options: OwnerOptions, owner_cpus: float, serving: Serving | None = None, *, run: str
+    spec: LoaderSpec, options: OwnerOptions, serving: Serving | None = None, *, run: str
 ) -> Any:
     """A ``Launch`` that starts an owner as a Ray actor (spread over the cluster's nodes) and
     waits until it has built its lanes, so a failure to start is raised here. With ``serving``
@@ -261,7 +261,7 @@ def owner_launcher(
             name=owner_actor_name(run, index, generation),
             namespace=NAMESPACE,
             lifetime="detached",
-            num_cpus=owner_cpus,
+            num_cpus=options.owner_cpus,
             max_concurrency=OWNER_CONCURRENCY,
             scheduling_strategy="SPREAD",
         ).remote(spec, lanes, state, readers, options, name, serving, run)
@@ -272,7 +272,7 @@ def owner_launcher(
             raise OwnerError(
                 f"{name} (lanes {lanes}) did not start within {options.start_timeout:g} s "
                 f"(start_timeout): no node of the cluster has room for it (it asks for "
-                f"num_cpus={owner_cpus:g}), or building its lanes took longer; add nodes, lower "
+                f"num_cpus={options.owner_cpus:g}), or building its lanes took longer; add nodes, lower "
                 f"owner_cpus, or raise start_timeout"
             ) from None
         return handle
@@ -370,9 +370,6 @@ class CoordinatorActor:
         world_size: int,
         state: LoaderState | None,
         options: OwnerOptions,
-        owner_cpus: float,
-        snapshot_every: int,
-        max_replacements: int,
         serving: Serving | None = None,
         fingerprint: str | None = None,
         run: str = "zephon-owners",
@@ -391,13 +388,13 @@ class CoordinatorActor:
             owners=owners,
             world_size=world_size,
             state=state,
-            launch=owner_launcher(spec, options, owner_cpus, serving, run=run),
+            launch=owner_launcher(spec, options, serving, run=run),
             gather=gather_snapshot,
             address_of=owner_address if serving is not None else None,
             alive=owner_alive,
             stop=stop_owner,
-            snapshot_every=snapshot_every,
-            max_replacements=max_replacements,
+            snapshot_every=options.snapshot_every,
+            max_replacements=options.max_replacements,
             allow_mix_change=options.allow_mix_change,
             allow_code_change=options.allow_code_change,
             adopt=_adoptions(found) if restarted else None,
@@ -556,9 +553,6 @@ def coordinator_handle(
     world_size: int,
     state: LoaderState | None,
     options: OwnerOptions,
-    owner_cpus: float,
-    snapshot_every: int,
-    max_replacements: int,
     serving: Serving | None = None,
 ) -> Any:
     """The coordinator actor named ``name``: the running one, or a new one with these options
@@ -591,9 +585,6 @@ def coordinator_handle(
         world_size,
         state,
         options,
-        owner_cpus,
-        snapshot_every,
-        max_replacements,
         serving,
         spec.fingerprint["total"],
         name,

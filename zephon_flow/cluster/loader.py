@@ -11,7 +11,6 @@ from typing import Any
 
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
-from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import to_loader_state
@@ -25,13 +24,17 @@ from zephon_flow.core.errors import (
     ZephonError,
 )
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.core.options import check_choice
+from zephon_flow.core.options import check_int, check_seconds
 from zephon_flow.core.retry import POLL
 from zephon_flow.engine import recipe
-from zephon_flow.engine.options import STATE_MODES
+from zephon_flow.engine.options import OwnerOptions, StateOptions
 from zephon_flow.engine.owned import PROGRESS_EVERY, owned_batches
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
+from zephon_flow.runners.streams import CHUNK_RECORDS
+
+#: How the options' messages name this entry point.
+_NAME = "OwnedLoader"
 
 
 def default_name(spec: LoaderSpec) -> str:
@@ -50,8 +53,9 @@ class OwnedLoader:
     call with the next call in flight, and merges them in lane order: batches never pass
     through one process. ``ray_address=None`` joins the Ray this
     process is connected to or starts a local one; an address joins that cluster. Owners run
-    their stateless work on ``backend`` with ``workers`` each; ``owner_cpus`` is what each
-    owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
+    their stateless work on ``backend`` with ``workers`` each, each lane's source in chunks of
+    up to ``chunk_records`` records, ``prefetch_chunks`` in flight (``zf.Loader``'s work
+    options, ``WorkOptions``); ``owner_cpus`` is what each owner reserves. A dead owner is replaced (at most ``max_replacements`` times) from its
     lanes' last snapshot, gathered every ``snapshot_every`` steps (held by the coordinator, or
     with ``snapshot_dir`` written by each owner to a file there); ``checkpoint()`` gathers
     every lane's state at a step, ``state_dict()`` this rank's lanes (``zf.merge_states``);
@@ -77,6 +81,8 @@ class OwnedLoader:
         backend: str = "inline",
         workers: int = 1,
         prefetch: int = 4,
+        chunk_records: int = CHUNK_RECORDS,
+        prefetch_chunks: int = 8,
         ahead: int = 4,
         keep: int = 4,
         snapshot_every: int = 8,
@@ -94,44 +100,41 @@ class OwnedLoader:
     ) -> None:
         # Phases: check the options, connect to Ray, join (or start) the coordinator.
         self.spec, self._slice = spec, _rank_slice(spec, rank, world_size)
-        _check_run(spec, lane_owners, prefetch, keep)  # refused here, before Ray starts
-        self._recipes = _recipe_writer(spec, state_mode)
-        options = OwnerOptions(
+        # The owners' options, checked by the shared groups they are made of, before Ray starts.
+        self._options = OwnerOptions(
             backend=backend,
             workers=workers,
+            chunk_records=chunk_records,
+            prefetch_chunks=prefetch_chunks,
             ahead=ahead,
             keep=keep,
+            verify_resume=verify_resume,
             allow_mix_change=allow_mix_change,
             allow_code_change=allow_code_change,
-            verify_resume=verify_resume,
             start_timeout=start_timeout,
             orphan_timeout=orphan_timeout,
             snapshot_dir=snapshot_dir,
-        )
-        start = None if state is None else to_loader_state(state)
-        self._timeout, self._clock = timeout, clock
-        self._run = _run_length(prefetch, ahead)
-        self._snapshot_every, self.name = snapshot_every, name or default_name(spec)
-        self._start_coordinator(
-            ray_address,
-            owners=lane_owners,
-            world_size=world_size,
-            state=start,
-            options=options,
             owner_cpus=owner_cpus,
             snapshot_every=snapshot_every,
             max_replacements=max_replacements,
+            owner=_NAME,
         )
+        _check_run(spec, lane_owners, prefetch, keep, timeout)
+        self._recipes = _recipe_writer(spec, StateOptions(state_mode=state_mode, owner=_NAME))
+        start = None if state is None else to_loader_state(state)
+        self._timeout, self._clock, self._run = timeout, clock, _run_length(prefetch, ahead)
+        self.name = name or default_name(spec)
+        self._start_coordinator(ray_address, owners=lane_owners, world_size=world_size, state=start)
         self._join(0 if start is None else start.step)
 
-    def _start_coordinator(self, ray_address: str | None, **options: Any) -> None:
+    def _start_coordinator(self, ray_address: str | None, **run: Any) -> None:
         """Connects to Ray (``ray_address``) and starts the coordinator actor named
-        ``self.name``, or finds it started by another rank (``options``:
-        ``actors.coordinator_handle``'s)."""
+        ``self.name`` with the owners' options, or finds it started by another rank (``run``:
+        ``actors.coordinator_handle``'s owner count, world size and state)."""
         self._ray = require_ray(actors.FEATURE)
         self._started_ray = connect(actors.FEATURE, ray_address)
         self._closed = False
-        self._coordinator = actors.coordinator_handle(self.name, self.spec, **options)
+        self._coordinator = actors.coordinator_handle(self.name, self.spec, options=self._options, **run)
 
     def _join(self, step: int) -> None:
         """Joins the run as this rank, from ``step``: the owner table it reads from."""
@@ -253,7 +256,7 @@ class OwnedLoader:
         """Every step before ``step`` taken: reported every few steps, for the coordinator's
         snapshot gathers and for the floor the owners hold."""
         self._step = step
-        if step % self._snapshot_every == 0 or step % PROGRESS_EVERY == 0:
+        if step % self._options.snapshot_every == 0 or step % PROGRESS_EVERY == 0:
             self._coordinator.progress.remote(self._slice.rank, step)
 
     def _take(self, owner: int, run: _Run, step: int) -> Batch:
@@ -462,23 +465,25 @@ def _rank_slice(spec: LoaderSpec, rank: int, world_size: int) -> RankSlice:
     )
 
 
-def _check_run(spec: LoaderSpec, lane_owners: int, prefetch: int, keep: int) -> None:
-    """Refuses a number of owners ``spec``'s lanes cannot be dealt to, or a ``prefetch`` the
-    owners cannot hold: they keep ``keep`` steps behind a rank's request."""
+def _check_run(spec: LoaderSpec, lane_owners: int, prefetch: int, keep: int, timeout: float) -> None:
+    """Refuses a number of owners ``spec``'s lanes cannot be dealt to, a ``prefetch`` the
+    owners cannot hold (they keep ``keep`` steps behind a rank's request), or a ``timeout``
+    that is not a number of seconds (this rank's options: the checks of ``core/options.py``)."""
     plan_owners(spec.lanes, lane_owners)
-    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or not 1 <= prefetch <= keep + 1:
+    check_int(prefetch, "prefetch", owner=_NAME)
+    if prefetch > keep + 1:
         raise SpecError(
-            f"OwnedLoader: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
+            f"{_NAME}: prefetch must be an integer in [1, keep + 1 = {keep + 1}] (owners keep "
             f"`keep` steps behind a rank's request), got {prefetch!r}"
         )
+    check_seconds(timeout, "timeout", owner=_NAME)
 
 
-def _recipe_writer(spec: LoaderSpec, state_mode: str) -> recipe.RecipeWriter | None:
+def _recipe_writer(spec: LoaderSpec, states: StateOptions) -> recipe.RecipeWriter | None:
     """What writes recipe states (``state_mode="recipe"``), here, from the owners' full
     snapshots: refused at once, by name, for a pipeline whose buffers cannot be stored as
     recipes; None for compact states."""
-    check_choice(state_mode, "state_mode", STATE_MODES, owner="OwnedLoader")
-    return recipe.RecipeWriter(spec.compile()) if state_mode == "recipe" else None
+    return recipe.RecipeWriter(spec.compile()) if states.state_mode == "recipe" else None
 
 
 def _first_line(exc: BaseException) -> str:

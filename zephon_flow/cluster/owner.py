@@ -28,56 +28,9 @@ from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
 from zephon_flow.engine.hold import StepHold
 from zephon_flow.engine.loader import LaneStart, apply_mix_change, build_lane_runners, restore_lanes
+from zephon_flow.engine.options import OwnerOptions as OwnerOptions  # also imported from here
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.engine.steps import LaneSteps, MadeStep, produce
-from zephon_flow.runners.backends import BACKENDS, DEFAULT_CHUNK_TIMEOUT, make_backend
-from zephon_flow.runners.streams import CHUNK_RECORDS
-
-
-@dataclass(frozen=True, kw_only=True)
-class OwnerOptions:
-    """How an owner runs its lanes: the stateless backend and its read-ahead, and the steps it
-    holds (``ahead`` past its slowest reader, ``keep`` behind it)."""
-
-    backend: str = "inline"
-    workers: int = 1
-    chunk_records: int = CHUNK_RECORDS
-    prefetch_chunks: int = 8
-    chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
-    ahead: int = 4
-    keep: int = 4
-    allow_mix_change: bool = False
-    allow_code_change: bool = False
-    #: Verify a restored lane's first window against the check its state recorded.
-    verify_resume: bool = True
-    #: How long an owner (or its replacement) may take to be placed on a node and build its
-    #: lanes before it counts as not startable (seconds): a cluster without the resources for
-    #: it is reported, not waited on for ever.
-    start_timeout: float = 120.0
-    #: How long an owner on Ray goes on once its run's coordinator is gone for good (ended
-    #: with the process that started it, or killed) before it ends itself (seconds). A
-    #: coordinator that Ray restarts is not gone: it takes its owners over.
-    orphan_timeout: float = 60.0
-    #: Where owners on Ray write the snapshots their replacements start from (a folder every
-    #: node sees), instead of handing every lane's state to the coordinator to hold (None).
-    snapshot_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise SpecError(
-                f"lane owners: unknown backend {self.backend!r} for the owners' stateless work; "
-                f"choose one of {', '.join(BACKENDS)}"
-            )
-        for name in ("workers", "chunk_records", "prefetch_chunks", "ahead"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise SpecError(f"lane owners: {name} must be a positive integer, got {value!r}")
-        if not isinstance(self.keep, int) or isinstance(self.keep, bool) or self.keep < 0:
-            raise SpecError(f"lane owners: keep must be an integer >= 0, got {self.keep!r}")
-        for name in ("start_timeout", "orphan_timeout"):
-            timeout = getattr(self, name)
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-                raise SpecError(f"lane owners: {name} must be a number of seconds > 0, got {timeout!r}")
 
 
 @dataclass(frozen=True)
@@ -143,13 +96,7 @@ class LaneOwner:
             allow_code_change=options.allow_code_change,
             verify=options.verify_resume,
         )
-        self._backend = make_backend(
-            options.backend,
-            workers=options.workers,
-            segment=plan.front_segment(),
-            chunk_timeout=options.chunk_timeout,
-            clock=clock,
-        )
+        self._backend = options.work.make_backend(plan.front_segment(), clock)
         self.clock = clock
         self._runners = build_lane_runners(
             spec,
@@ -473,6 +420,9 @@ class LaneOwner:
                 "positions": dict(self._hold.positions),
                 "expected": dict(self._hold.expected),
                 "pid": os.getpid(),
+                # What its lanes' sources were built with (records per chunk, chunks in flight).
+                "chunk_records": self.options.chunk_records,
+                "prefetch_chunks": self.options.prefetch_chunks,
             }
 
     def close(self) -> None:

@@ -31,14 +31,20 @@ from typing import Any
 
 from zephon_flow.cluster import actors
 from zephon_flow.cluster.coordinator import OwnerTable, plan_owners
-from zephon_flow.cluster.owner import OwnerOptions
 from zephon_flow.cluster.serving import CoordinatorServer, Serving
 from zephon_flow.core.checkpoint.state import LoaderState
 from zephon_flow.core.checkpoint.store import load_state, to_loader_state
 from zephon_flow.core.clock import SYSTEM_CLOCK
 from zephon_flow.core.errors import FingerprintMismatchError, SpecError
 from zephon_flow.engine.loader import restore_lanes
-from zephon_flow.engine.options import CheckpointOptions, EndpointOptions
+from zephon_flow.engine.options import (
+    CheckpointOptions,
+    EndpointOptions,
+    HoldOptions,
+    OwnerOptions,
+    ResumeOptions,
+    WorkOptions,
+)
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
 from zephon_flow.service import auth
@@ -87,13 +93,14 @@ class OwnersServer:
             keep_checkpoints=keep_checkpoints,
             owner=SERVE,
         )
-        options = OwnerOptions(
-            backend=backend,
-            workers=workers,
-            ahead=ahead,
-            keep=keep,
-            verify_resume=verify_resume,
-            allow_mix_change=allow_mix_change,
+        options = OwnerOptions.of(
+            work=WorkOptions(backend=backend, workers=workers, owner=SERVE),
+            hold=HoldOptions(ahead=ahead, keep=keep, owner=SERVE),
+            resume=ResumeOptions(verify_resume=verify_resume, allow_mix_change=allow_mix_change, owner=SERVE),
+            owner_cpus=owner_cpus,
+            snapshot_every=snapshot_every,
+            max_replacements=max_replacements,
+            owner=SERVE,
         )
         serving = _serving(spec, endpoint, checkpoints, world_size=world_size, calls=max_client_calls)
         self.spec, state = spec, _resumed(spec, resume, allow_mix_change=allow_mix_change)
@@ -103,9 +110,6 @@ class OwnersServer:
             world_size=world_size,
             state=state,
             options=options,
-            owner_cpus=owner_cpus,
-            snapshot_every=snapshot_every,
-            max_replacements=max_replacements,
             serving=serving,
         )
         self._listen(owners, serving, endpoint.port, checkpoints)

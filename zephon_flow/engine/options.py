@@ -1,8 +1,9 @@
 """The entry points' options in groups: frozen, keyword-only, each checked once when built.
 
-``zf.Loader``, ``BatchServer`` (``zephon serve``), ``zf.Client`` and the lane owners' server
-take their options as keyword arguments of the same names as these fields, and build the
-groups from them: a value out of range is refused by the group, whichever entry point it was
+``zf.Loader``, ``BatchServer`` (``zephon serve``), ``zf.Client``, ``OwnedLoader`` and the lane
+owners' server take their options as keyword arguments of the same names as these fields, and
+build the groups from them (a lane owner's, ``OwnerOptions``, is made of the work, hold and
+resume groups and checked by them): a value out of range is refused by the group, whichever entry point it was
 given to. ``kwargs()`` turns a group back into those keyword arguments, so one group can be
 handed to several entry points (``zf.Loader(spec, **work.kwargs())``). ``owner`` names the
 entry point in the messages (``zephon_flow.core.options``); it is not part of the value.
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointOptions",
     "EndpointOptions",
     "HoldOptions",
+    "OwnerOptions",
     "ResumeOptions",
     "StateOptions",
     "TopologyOptions",
@@ -203,3 +205,139 @@ class EndpointOptions(_Group):
             raise SpecError(
                 f"{option_name(self.owner, 'tls')} must be (cert_path, key_path), got {self.tls!r}"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerOptions(_Group):
+    """How each lane owner runs its lanes, made of the shared groups and checked by them: its
+    stateless work (``work``: ``WorkOptions``' ``backend``, ``workers``, ``chunk_records``,
+    ``prefetch_chunks``, ``chunk_timeout``), the steps it holds for its readers (``hold``:
+    ``ahead`` past the slowest, ``keep`` behind), what a state it resumes from may differ in
+    (``resume``: ``verify_resume``, ``allow_mix_change``, ``allow_code_change``); and the
+    owners' own: how long one may take to be placed and build its lanes (``start_timeout``
+    seconds), how long one goes on once its run's coordinator is gone for good
+    (``orphan_timeout``), where they write the snapshots a replacement starts from
+    (``snapshot_dir``, a folder every node sees; None: handed to the coordinator), the CPUs
+    each reserves (``owner_cpus``), every how many steps of the slowest rank their snapshots
+    are gathered (``snapshot_every``) and how many dead owners are replaced over a run
+    (``max_replacements``). ``of`` builds one from the groups."""
+
+    backend: str = "inline"
+    workers: int = 1
+    chunk_records: int = CHUNK_RECORDS
+    prefetch_chunks: int = 8
+    chunk_timeout: float = DEFAULT_CHUNK_TIMEOUT
+    ahead: int = 4
+    keep: int = 4
+    verify_resume: bool = True
+    allow_mix_change: bool = False
+    allow_code_change: bool = False
+    start_timeout: float = 120.0
+    orphan_timeout: float = 60.0
+    snapshot_dir: str | None = None
+    owner_cpus: float = 0.0
+    snapshot_every: int = 8
+    max_replacements: int = 3
+    owner: str = field(default="lane owners", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _ = (self.work, self.hold, self.resume)  # each group checks its fields as it is built
+        check_seconds(self.start_timeout, "start_timeout", owner=self.owner)
+        check_seconds(self.orphan_timeout, "orphan_timeout", owner=self.owner)
+        check_int(self.snapshot_every, "snapshot_every", owner=self.owner)
+        check_int(self.max_replacements, "max_replacements", low=0, owner=self.owner)
+        cpus = self.owner_cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, int | float) or not cpus >= 0:
+            raise SpecError(
+                f"{option_name(self.owner, 'owner_cpus')} must be a number of CPUs >= 0, got {cpus!r}"
+            )
+        if self.snapshot_dir is not None and (
+            not isinstance(self.snapshot_dir, str) or not self.snapshot_dir
+        ):
+            raise SpecError(
+                f"{option_name(self.owner, 'snapshot_dir')} must be a folder every node sees (or None), "
+                f"got {self.snapshot_dir!r}"
+            )
+
+    @property
+    def work(self) -> WorkOptions:
+        """The owner's stateless work (``prefetch`` and ``ray_address`` are its readers' and
+        its cluster's, not its own: left at their defaults)."""
+        return WorkOptions(
+            backend=self.backend,
+            workers=self.workers,
+            chunk_records=self.chunk_records,
+            prefetch_chunks=self.prefetch_chunks,
+            chunk_timeout=self.chunk_timeout,
+            owner=self.owner,
+        )
+
+    @property
+    def hold(self) -> HoldOptions:
+        """The steps the owner holds (no byte bound: ``ahead`` and ``keep`` bound it)."""
+        return HoldOptions(ahead=self.ahead, keep=self.keep, owner=self.owner)
+
+    @property
+    def resume(self) -> ResumeOptions:
+        """What a state the owner resumes from may differ in (never the batch size: the
+        owners' lanes are cut for one)."""
+        return ResumeOptions(
+            verify_resume=self.verify_resume,
+            allow_mix_change=self.allow_mix_change,
+            allow_code_change=self.allow_code_change,
+            owner=self.owner,
+        )
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        work: WorkOptions,
+        hold: HoldOptions,
+        resume: ResumeOptions,
+        start_timeout: float = 120.0,
+        orphan_timeout: float = 60.0,
+        snapshot_dir: str | None = None,
+        owner_cpus: float = 0.0,
+        snapshot_every: int = 8,
+        max_replacements: int = 3,
+        owner: str = "lane owners",
+    ) -> OwnerOptions:
+        """An owner's options from an entry point's groups (its ``work``, ``hold`` and
+        ``resume``); what an owner cannot do is refused by name: a byte bound on its held steps
+        (``held_bytes``), another batch size on resume (``allow_batch_change``), a Ray address
+        for its workers (they run on the owner's cluster)."""
+        refused = {
+            "held_bytes": (
+                hold.held_bytes,
+                f"each owner holds {flag_or_name(owner, 'ahead')} steps past its slowest reader and "
+                f"{flag_or_name(owner, 'keep')} behind it: bound its memory with those",
+            ),
+            "allow_batch_change": (
+                resume.allow_batch_change or None,
+                "owners resume at the checkpoint's global_batch_size (resume on zf.Loader to change it)",
+            ),
+            "ray_address": (work.ray_address, "an owner's workers run on the Ray cluster the owner runs on"),
+        }
+        for name, (given, why) in refused.items():
+            if given is not None:
+                raise SpecError(f"{option_name(owner, name)} does not go with lane owners: {why}")
+        return cls(
+            backend=work.backend,
+            workers=work.workers,
+            chunk_records=work.chunk_records,
+            prefetch_chunks=work.prefetch_chunks,
+            chunk_timeout=work.chunk_timeout,
+            ahead=hold.ahead,
+            keep=hold.keep,
+            verify_resume=resume.verify_resume,
+            allow_mix_change=resume.allow_mix_change,
+            allow_code_change=resume.allow_code_change,
+            start_timeout=start_timeout,
+            orphan_timeout=orphan_timeout,
+            snapshot_dir=snapshot_dir,
+            owner_cpus=owner_cpus,
+            snapshot_every=snapshot_every,
+            max_replacements=max_replacements,
+            owner=owner,
+        )
