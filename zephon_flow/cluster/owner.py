@@ -1,10 +1,11 @@
 """A lane owner: a deterministic runner over a fixed set of lanes, serving their windows by step.
 
-``LaneOwner`` is plain Python (tested without Ray); ``owner_actor_class`` wraps it as the Ray
-actor that ``Coordinator`` starts, one per group of lanes. An owner holds, for the steps
-``[low, produced)``, each lane's window and, for each step in ``[low, produced]``, each lane's
-snapshot from which that step is the next window. Its readers are the trainer ranks whose rows
-fall on its lanes; as for ``zephon serve``'s held steps (one rule, ``engine/hold.py``),
+``LaneOwner`` is plain Python (tested without Ray); ``actors.OwnerActor`` wraps it as the Ray
+actor that ``Coordinator`` starts, one per group of lanes. An owner holds (in ``engine/hold.py``'s
+``StepStore``), for the steps ``[low, produced)``, each lane's window and, for each step in
+``[low, produced]``, each lane's snapshot from which that step is the next window. Its readers
+are the trainer ranks whose rows fall on its lanes; as for ``zephon serve``'s held steps (one
+rule, ``engine/hold.py``'s ``StepHold``),
 production runs at most ``ahead`` steps past the slowest reader's position (the step it asks
 for next) and steps more than ``keep`` behind it are dropped, so a rank that re-asks for the
 step it is at gets the same bytes.
@@ -22,11 +23,11 @@ from zephon_flow.core.assemble import assemble_rows
 from zephon_flow.core.batches import Batch, SampleLayout
 from zephon_flow.core.checkpoint.state import LaneState, LoaderState
 from zephon_flow.core.checkpoint.window_check import MadeWindow, WindowCheck
-from zephon_flow.core.clock import SYSTEM_CLOCK, Clock, wait_until
+from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
 from zephon_flow.core.errors import OwnerError as OwnerError  # also imported from here
 from zephon_flow.core.errors import SpecError
 from zephon_flow.core.lanes import RankSlice
-from zephon_flow.engine.hold import StepHold
+from zephon_flow.engine.hold import StepStore
 from zephon_flow.engine.loader import LaneStart, apply_mix_change, build_lane_runners, restore_lanes
 from zephon_flow.engine.options import OwnerOptions as OwnerOptions  # also imported from here
 from zephon_flow.engine.spec import LoaderSpec
@@ -111,30 +112,31 @@ class LaneOwner:
             self._runners, first_step=start.step, per_lane_at=spec.per_lane_at, finite=self._finite
         )
         self._hold_from(start, readers)
-        self._error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._produce, name=f"zephon-{name}", daemon=True)
 
     def _hold_from(self, start: LaneStart, readers: dict[int, int]) -> None:
-        """What it holds, empty but for the snapshots (and checks) of ``start``'s step, for
-        ``readers`` expected to ask from the steps given."""
+        """What it holds (``engine/hold.py``'s ``StepStore``: per step the ``MadeStep``, per
+        step its lanes' snapshots), empty but for the snapshots (and checks) of ``start``'s
+        step, for ``readers`` expected to ask from the steps given."""
         self.first_step = start.step
         self._mixture = start.mixture  # changed in place from a step on: hold/change_mixture
         self._begun = start.step  # the first step the lanes have not begun to make
         self._fence: int | None = None  # production waits before this step (a change pending)
-        self._cond = threading.Condition()
-        self._hold = StepHold(first_step=start.step, ahead=self.options.ahead, keep=self.options.keep)
-        self._windows: dict[int, tuple[list[Any], ...]] = {}
-        self._layouts: dict[int, tuple[SampleLayout | None, ...]] = {}
-        self._snapshots: dict[int, dict[int, LaneState]] = {
-            start.step: {r.lane: r.snapshot() for r in self._runners}
-        }
-        # Per step, the lanes' windows as made, which complete that step's snapshots with the
-        # checks of their next windows (computed only when a snapshot is asked for).
-        self._made: dict[int, dict[int, MadeWindow | WindowCheck]] = {}
+        self._store: StepStore[MadeStep, dict[int, LaneState]] = StepStore(
+            first_step=start.step,
+            first_state={r.lane: r.snapshot() for r in self._runners},
+            ahead=self.options.ahead,
+            keep=self.options.keep,
+            clock=self.clock,
+        )
+        self._cond, self._hold = self._store.cond, self._store.rule
+        # The checks of the start's windows, as its state recorded them (a step's own windows
+        # as made complete the checks of the snapshots at it: computed only when asked for).
         restored = {lane: ls.next_window for lane, ls in start.lanes.items() if ls is not None}
+        self._restored: dict[int, MadeWindow | WindowCheck] | None = None
         if restored and all(restored.values()):
-            self._made[start.step] = {lane: c for lane, c in restored.items() if c is not None}
+            self._restored = {lane: c for lane, c in restored.items() if c is not None}
         self._dead_from: int | None = None  # first step at which none of its lanes had a sample
         # Readers expected to ask, from the step given (steps from there on are held for them);
         # once they have asked, production waits for the slowest of them.
@@ -154,31 +156,23 @@ class LaneOwner:
         """Waits until its readers leave room for one more step (``StepHold``) and no mixture
         change holds production back; False once it is closed."""
         with self._cond:
-            while not self._hold.has_room() or self._fenced():
-                if self._stop.is_set():
-                    return False
-                self.clock.wait(self._cond, 0.2)
+            if not self._store.wait_for_room(self._stop.is_set, blocked=self._fenced):
+                return False
             self._begun = self._hold.produced + 1
         return not self._stop.is_set()
 
     def _keep(self, made: MadeStep) -> bool:
-        """Holds step ``made``: its windows and layouts for the readers, the snapshots after it
-        and its windows as made (for the checks of the snapshots before it)."""
+        """Holds step ``made`` (its windows and layouts for the readers, its windows as made
+        for the checks of the snapshots at it) and the snapshots after it."""
         with self._cond:
-            step = self._hold.add()
-            self._windows[step], self._layouts[step] = made.windows, made.layouts
-            self._made.setdefault(step, made.made)
-            self._snapshots[step + 1] = made.snapshots
+            step = self._store.add(made, made.snapshots)
             if self._dead_from is None and not made.exists:
                 self._dead_from = step
-            self._cond.notify_all()
         return True
 
     def _fail(self, exc: BaseException) -> None:
         """Its pipeline failed: handed to every reader, naming the owner's lanes."""
-        with self._cond:
-            self._error = exc
-            self._cond.notify_all()
+        self._store.finish(exc)
 
     def check(self) -> None:
         """Raises its pipeline's failure (an ``OwnerError``), if it failed."""
@@ -186,37 +180,24 @@ class LaneOwner:
             self._raise_error()
 
     def _raise_error(self) -> None:
-        if self._error is not None:
+        error = self._store.error
+        if error is not None:
             raise OwnerError(
                 f"{self.name} (lanes {self.lanes}) failed at step {self._hold.produced}: "
-                f"{type(self._error).__name__}: {self._error}"
-            ) from self._error
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     def _held(self) -> str:
         return f"{self.name} (lanes {self.lanes}) holds steps [{self._hold.low}, {self._hold.produced})"
 
-    def _release(self) -> None:
-        """Drops what no reader can ask for again (more than ``keep`` behind the slowest)."""
-        for s in self._hold.release():
-            self._windows.pop(s, None)
-            self._layouts.pop(s, None)
-            self._snapshots.pop(s, None)
-            self._made.pop(s, None)
-        self._cond.notify_all()
-
-    def _wait(self, ready: Callable[[], bool], timeout: float, active: Callable[[], bool] | None) -> bool:
-        """Waits (lock held) on its clock until ``ready()``, for at most ``timeout`` seconds and
-        while ``active()`` (a reader's call still open); whether ``ready()`` held."""
-        going = _always if active is None else active
-        return wait_until(self.clock, self._cond, lambda: ready() or not going(), timeout) and ready()
-
-    def _await(self, step: int, timeout: float, active: Callable[[], bool] | None = None) -> bool:
-        """Waits (lock held) until ``step`` is produced; False on timeout (or ``active()`` false)."""
+    def _made_at(self, step: int) -> dict[int, MadeWindow | WindowCheck] | None:
+        """Step ``step``'s windows as made (its start's: the checks its state recorded); None
+        while it is not made, or once it is let go."""
         if step < self._hold.low:
-            raise OwnerError(
-                f"step {step} is no longer held: {self._held()}; resume from a checkpoint to go back further"
-            )
-        return self._wait(lambda: self._hold.produced > step or self._error is not None, timeout, active)
+            return None
+        if step == self.first_step and self._restored is not None:
+            return self._restored
+        return self._store.get(step).made if step < self._hold.produced else None
 
     # -- what readers and the coordinator ask ------------------------------------------------
     def rows(
@@ -239,11 +220,16 @@ class LaneOwner:
             )
         with self._cond:
             self._hold.advance(reader, step)
-            self._release()
-            if not self._await(step, timeout, active):
-                return None
+            self._store.release()
+            if step < self._hold.low:
+                raise OwnerError(
+                    f"step {step} is no longer held: {self._held()}; resume from a checkpoint to go back further"
+                )
+            made = self._store.wait_for_step(step, timeout, active)
             self._raise_error()
-            windows, layouts = self._windows[step], self._layouts[step]
+            if not made:
+                return None
+            windows, layouts = self._store.get(step).windows, self._store.get(step).layouts
         return OwnerRows(
             step,
             tuple(wanted),
@@ -290,12 +276,10 @@ class LaneOwner:
         lanes, rows = share_of(rs, self.lanes)
         index = [self.lanes.index(lane) for lane in lanes]
         with self._cond:
-            wait_until(
-                self.clock,
-                self._cond,
+            self._store.wait_for(
                 lambda: (
                     self._hold.produced >= step + count
-                    or self._error is not None
+                    or self._store.ended
                     or self._stop.is_set()
                     or not self._hold.has_room()
                     or self._fenced()
@@ -303,7 +287,7 @@ class LaneOwner:
                 timeout,
             )
             made = [
-                (later, self._windows[later], self._layouts[later])
+                (later, self._store.get(later).windows, self._store.get(later).layouts)
                 for later in range(step + 1, min(step + count, self._hold.produced))
             ]
         run = [first]
@@ -326,10 +310,10 @@ class LaneOwner:
         some lane has one); None if not known within ``timeout`` seconds on its clock, or once
         ``active()`` turns false."""
         with self._cond:
-            if not self._wait(
+            if not self._store.wait_for(
                 lambda: (
                     self._hold.produced > step
-                    or self._error is not None
+                    or self._store.ended
                     or (self._dead_from is not None and step >= self._dead_from)
                 ),
                 timeout,
@@ -346,7 +330,7 @@ class LaneOwner:
         past it) is an ``OwnerError`` naming the steps it holds: it will not come back."""
         with self._cond:
             self._raise_error()
-            snaps = self._snapshots.get(step)
+            snaps = self._store.state(step)
             if snaps is None and step < self._hold.low:
                 raise OwnerError(
                     f"no snapshot of step {step}: {self._held()}, its readers are past it; "
@@ -354,13 +338,10 @@ class LaneOwner:
                 )
             if snaps is None:
                 return None
-            wait_until(
-                self.clock,
-                self._cond,
-                lambda: step in self._made or self._error is not None or self._stop.is_set(),
-                timeout,
+            self._store.wait_for(
+                lambda: self._made_at(step) is not None or self._store.ended or self._stop.is_set(), timeout
             )
-            made = dict(self._made.get(step, {}))
+            made = dict(self._made_at(step) or {})
         return {
             lane: ls if lane not in made else replace(ls, next_window=_check(made[lane]))
             for lane, ls in snaps.items()
@@ -408,7 +389,7 @@ class LaneOwner:
         ``FLOOR_REACH`` past ``ahead`` beyond it."""
         with self._cond:
             if self._hold.raise_floor(step, self.options.ahead + FLOOR_REACH):
-                self._release()
+                self._store.release()
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -438,10 +419,6 @@ class LaneOwner:
 
 def _check(made: MadeWindow | WindowCheck) -> WindowCheck:
     return made.check() if isinstance(made, MadeWindow) else made
-
-
-def _always() -> bool:
-    return True
 
 
 def _ignore_skip(source: int, message: str) -> None:
