@@ -20,14 +20,13 @@ steps* and *ahead*.)
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from zephon_flow.core.batches import Batch
 from zephon_flow.core.clock import SYSTEM_CLOCK, Clock
-from zephon_flow.engine.hold import StepHold
+from zephon_flow.engine.hold import StepStore
 
 S = TypeVar("S")
 
@@ -79,21 +78,25 @@ class HeldSteps(Generic[S]):
         max_bytes: int | None = None,
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self._hold = StepHold(first_step=first_step, ahead=ahead, keep=keep)
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1 (or None), got {max_bytes}")
+        # The held batches and states, their byte bound and the waits for room are the
+        # engine's ``StepStore`` (``engine/hold.py``, as a lane owner holds its steps); the
+        # ranks' streams, acknowledgements and world size are the server's own, under its lock.
+        self._store: StepStore[Batch, S] = StepStore(
+            first_step=first_step,
+            first_state=first_state,
+            ahead=ahead,
+            keep=keep,
+            max_bytes=max_bytes,
+            size=_batch_bytes,
+            clock=clock,
+            poll=POLL_SECONDS,
+        )
+        self._hold, self._cond = self._store.rule, self._store.cond
         self.ahead, self.keep, self.max_bytes = ahead, keep, max_bytes
         self._clock = clock
         #: How far past the produced step a stream may start (production catches up to it):
         #: ``ahead`` by default; more for a server resumed from a checkpoint its ranks outran.
         self.reach = ahead if reach is None else max(ahead, reach)
-        self._cond = threading.Condition()
-        self._batches: dict[int, Batch] = {}
-        self._sizes: dict[int, int] = {}
-        self._held_bytes = 0
-        self._states: dict[int, S] = {first_step: first_state}
-        self._ended = False
-        self._error: BaseException | None = None
         self._world_size = 0
         self._sent: dict[int, int] = {}
         self._connected: dict[int, int] = {}
@@ -106,53 +109,27 @@ class HeldSteps(Generic[S]):
     def _slowest(self) -> int:
         return self._hold.slowest()
 
-    def _has_room(self) -> bool:
-        if not self._hold.has_room():
-            return False
-        if self.max_bytes is None or self._hold.produced <= self._slowest() or not self._sizes:
-            return True
-        last = self._sizes[max(self._sizes)]
-        return self._held_bytes + last <= self.max_bytes
-
     def advised_ahead(self) -> int:
         """How many steps past its acknowledged step a rank can count on being made: ``ahead``,
         or fewer when ``max_bytes`` holds fewer batches (at least 1). Clients acknowledge every
         half of it, so their acknowledgements come before production needs them."""
-        with self._cond:
-            if self.max_bytes is None or not self._sizes:
-                return self.ahead
-            return max(1, min(self.ahead, self.max_bytes // max(self._sizes.values())))
+        return self._store.advised_ahead()
 
     def wait_for_room(self, stopped: Callable[[], bool]) -> bool:
         """Returns True once production may go on (fewer than ``ahead`` steps past the slowest
         rank, and room in ``max_bytes``); False if ``stopped()`` while it has to wait."""
-        with self._cond:
-            self._make_room()
-            while not self._has_room():
-                if stopped():
-                    return False
-                self._clock.wait(self._cond, POLL_SECONDS)
-                self._make_room()
-            return True
+        return self._store.wait_for_room(stopped)
 
     def add(self, batch: Batch, state_after: S) -> None:
         """Holds global batch ``produced`` and the state from which the next step follows."""
-        size = sum(int(a.nbytes) for a in batch.values())
         with self._cond:
-            step = self._hold.add()
-            self._batches[step] = batch
-            self._sizes[step] = size
-            self._held_bytes += size
-            self._states[step + 1] = state_after
+            self._store.add(batch, state_after)
             self._times = [*self._times[-31:], self._clock.now()]
-            self._release()
+            self._store.release()
 
     def finish(self, error: BaseException | None = None) -> None:
         """The data ended (``error`` None) or the pipeline failed."""
-        with self._cond:
-            self._ended = True
-            self._error = error
-            self._cond.notify_all()
+        self._store.finish(error)
 
     # -- ranks ---------------------------------------------------------------------------------
     def _held(self) -> str:
@@ -189,7 +166,7 @@ class HeldSteps(Generic[S]):
             self._connected[rank] += 1
             self._joins += 1
             self._streams[rank] = self._joins
-            self._release()
+            self._store.release()
             return self._joins
 
     def _check_current(self, rank: int, stream: int | None) -> None:
@@ -205,7 +182,7 @@ class HeldSteps(Generic[S]):
                 "OUT_OF_RANGE",
                 f"step {step} is no longer held: {self._held()} (resume from a checkpoint to go back further)",
             )
-        if self._ended and self._error is None and step > self._hold.produced:
+        if self._store.ended and self._store.error is None and step > self._hold.produced:
             raise HeldStepsError(
                 "OUT_OF_RANGE",
                 f"step {step} is past the end of the data: the last step is {self._hold.produced - 1}",
@@ -215,15 +192,18 @@ class HeldSteps(Generic[S]):
         """Global batch ``step``, waiting (lock held) for it to be produced; None at the end of
         the data or when ``active()`` turns false."""
         while step >= self._hold.produced:
-            if self._error is not None:
-                raise HeldStepsError(
-                    "INTERNAL", f"the pipeline failed at step {self._hold.produced}: {self._error}"
-                )
-            if self._ended or not active():
+            self._check_failed()
+            if self._store.ended or not active():
                 return None
             self._clock.wait(self._cond, POLL_SECONDS)
         self._check_step(step)
-        return self._batches[step]
+        return self._store.get(step)
+
+    def _check_failed(self) -> None:
+        if self._store.error is not None:
+            raise HeldStepsError(
+                "INTERNAL", f"the pipeline failed at step {self._hold.produced}: {self._store.error}"
+            )
 
     def take(
         self,
@@ -282,29 +262,7 @@ class HeldSteps(Generic[S]):
                     f"rank {rank} acknowledged step {next_step - 1}, which was never served: {self._held()}",
                 )
             if self._hold.advance(rank, next_step):
-                self._release()
-
-    def _release(self) -> None:
-        """Drops the steps more than ``keep`` behind the slowest rank (holding the lock); wakes
-        every waiter."""
-        for s in self._hold.release():
-            self._drop(s)
-        self._cond.notify_all()
-
-    def _make_room(self) -> None:
-        """For production, when one more batch would not fit in ``max_bytes``: drops the
-        oldest steps behind the slowest rank, kept for reconnects (holding the lock)."""
-        slowest = self._slowest()
-        if self.max_bytes is None or not self._sizes or not self._hold.has_room():
-            return
-        last = self._sizes[max(self._sizes)]
-        while self._hold.low < min(slowest, self._hold.produced) and self._held_bytes + last > self.max_bytes:
-            self._drop(self._hold.let_go_oldest())
-
-    def _drop(self, step: int) -> None:
-        self._batches.pop(step, None)
-        self._held_bytes -= self._sizes.pop(step, 0)
-        self._states.pop(step, None)
+                self._store.release()  # the steps nobody needs any more; wakes every waiter
 
     def leave(self, rank: int, world_size: int, stream: int | None = None) -> None:
         with self._cond:
@@ -320,10 +278,7 @@ class HeldSteps(Generic[S]):
         deadline = self._clock.now() + timeout
         with self._cond:
             while step > self._hold.produced:
-                if self._error is not None:
-                    raise HeldStepsError(
-                        "INTERNAL", f"the pipeline failed at step {self._hold.produced}: {self._error}"
-                    )
+                self._check_failed()
                 self._check_step(step)
                 if step > self._slowest() + self.ahead:
                     raise HeldStepsError(
@@ -338,7 +293,13 @@ class HeldSteps(Generic[S]):
                     )
                 self._clock.wait(self._cond, min(left, POLL_SECONDS))
             self._check_step(step)
-            return self._states[step]
+            return self._held_state(step)
+
+    def _held_state(self, step: int) -> S:
+        state = self._store.state(step)
+        if state is None:  # checked held by the caller, under the lock
+            raise HeldStepsError("OUT_OF_RANGE", f"the state at step {step} is not held: {self._held()}")
+        return state
 
     def status(self) -> HeldStatus[S]:
         with self._cond:
@@ -350,11 +311,15 @@ class HeldSteps(Generic[S]):
                 world_size=self._world_size,
                 low=self._hold.low,
                 produced=self._hold.produced,
-                ended=self._ended,
+                ended=self._store.ended,
                 positions=dict(self._hold.positions),
                 sent=dict(self._sent),
                 connected={r: n > 0 for r, n in self._connected.items()},
                 batches_per_second=rate,
-                held_bytes=self._held_bytes,
-                latest_state=self._states[self._hold.produced],
+                held_bytes=self._store.held_bytes,
+                latest_state=self._held_state(self._hold.produced),
             )
+
+
+def _batch_bytes(batch: Batch) -> int:
+    return sum(int(a.nbytes) for a in batch.values())
