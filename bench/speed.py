@@ -53,6 +53,10 @@ TEXT: dict[str, tuple[str, tuple[str, ...], bool]] = {
     # the HF engine: torch's own tokenizer, for the first batch against torch's
     "zephon_hf": ("bench.contenders.zephon_embedded", ("engine=hf",), False),
     "torch_dataloader": ("bench.contenders.torch_loader", ("loader=plain",), False),
+    # ``zephon serve`` in a subprocess read by ``zf.Client`` (issue 28: the server against a
+    # baseline, the server's package included)
+    "zephon_served": ("bench.contenders.zephon_service", ("engine=auto",), False),
+    "zephon_served_baseline": ("bench.contenders.zephon_service", ("engine=auto",), True),
 }
 VLM: dict[str, tuple[str, dict[str, Any], bool]] = {
     "limit": ("bench.contenders.vlm_limit", {}, False),

@@ -48,6 +48,16 @@ def _stop(proc: subprocess.Popen[str]) -> None:
             proc.wait(timeout=30)
 
 
+def _package_root() -> Path:
+    """Where the server's ``zephon_flow`` comes from: the folder this contender's own package
+    was imported from (a baseline's unpacked package under ``bench.speed --baseline``, whose
+    ``bench`` is a link to this one), else the repository."""
+    import zephon_flow
+
+    package = Path(zephon_flow.__file__).resolve().parent.parent
+    return package if (package / "bench").exists() else ROOT
+
+
 class _Session:
     def __init__(
         self, w: TextWorkload, *, rank: int, world_size: int, engine: str, backend: str, workers: int
@@ -58,11 +68,12 @@ class _Session:
         workload = Path(self._dir.name) / "workload.json"
         workload.write_text(w.to_json(), encoding="utf-8")
         self._log = open(Path(self._dir.name) / "server.log", "w+", encoding="utf-8")  # noqa: SIM115
-        env = {**os.environ, WORKLOAD_ENV: str(workload), ENGINE_ENV: engine, "PYTHONPATH": str(ROOT)}
+        root = _package_root()
+        env = {**os.environ, WORKLOAD_ENV: str(workload), ENGINE_ENV: engine, "PYTHONPATH": str(root)}
         cmd = [sys.executable, "-m", "zephon_flow.cli", "serve", "bench.served:spec"]
         cmd += ["--host", "127.0.0.1", "--port", "0", "--backend", backend, "--workers", str(workers)]
         self._proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
+            cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True
         )
         self._client: Any = None
         try:
