@@ -263,6 +263,9 @@ def owner_launcher(
             lifetime="detached",
             num_cpus=options.owner_cpus,
             max_concurrency=OWNER_CONCURRENCY,
+            # No record of each call in Ray's GCS (about 4 KB a call, kept up to Ray's cap of
+            # 100,000): a run's steady calls (progress, floors, gathers) grew it ~3 MB a minute.
+            enable_task_events=False,
             scheduling_strategy="SPREAD",
         ).remote(spec, lanes, state, readers, options, name, serving, run)
         try:
@@ -576,6 +579,7 @@ def coordinator_handle(
         get_if_exists=True,
         num_cpus=0,
         max_concurrency=OWNER_CONCURRENCY,
+        enable_task_events=False,  # as the owners' (owner_launcher): no GCS record per call
         max_restarts=-1,
         max_task_retries=-1,
         scheduling_strategy=here,
