@@ -439,10 +439,11 @@ def test_another_world_size_is_refused_by_running_owners(ray_session: None, spec
 def test_a_rank_waiting_for_a_step_gives_up_after_its_timeout_on_its_clock(
     ray_session: None, spec: zf.LoaderSpec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rank 1 of 2 never reads, so the owner makes only steps 0 and 1 (ahead=2). Rank 0 takes
-    them, then asks for step 2 again and again; it gives up after ``timeout`` on its clock (a
-    ``ManualClock``, moved by the pauses between its asks; each ask waits ``CALL_WAIT`` at the
-    owner, made short here) with an ``OwnerError`` naming the owner, its lanes and the step."""
+    """Rank 1 of 2 takes step 0 and stops (its next ask, step 1, is its position), so the owner
+    makes steps 0 to 2 (ahead=2). Rank 0 takes them, then asks for step 3 again and again; it
+    gives up after ``timeout`` on its clock (a ``ManualClock``, moved by the pauses between its
+    asks; each ask waits ``CALL_WAIT`` at the owner, made short here) with an ``OwnerError``
+    naming the owner, its lanes and the step."""
     from zephon_flow.cluster import actors
     from zephon_flow.core.clock import ManualClock
 
@@ -454,11 +455,12 @@ def test_a_rank_waiting_for_a_step_gives_up_after_its_timeout_on_its_clock(
             stack.enter_context(OwnedLoader(spec, lane_owners=1, rank=r, world_size=2, name=name, **options))
             for r in range(2)
         ]
+        assert next(iter(loaders[1]))[0] == 0
         it = iter(loaders[0])
-        assert [next(it)[0] for _ in range(2)] == [0, 1]
+        assert [next(it)[0] for _ in range(3)] == [0, 1, 2]
         with pytest.raises(
             OwnerError,
-            match=r"^rank 0 waited 20 s for lane owner 0 \(lanes \[0, 1, 2, 3, 4, 5\]\) to make step 2: "
+            match=r"^rank 0 waited 20 s for lane owner 0 \(lanes \[0, 1, 2, 3, 4, 5\]\) to make step 3: "
             r"its other readers \(ranks\) may have stopped reading",
         ):
             next(it)
