@@ -10,6 +10,7 @@ import os
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -55,6 +56,20 @@ _TASK, _STAGE, _FIRST, _LAST, _STARTED, _READY = range(6)
 _IDLE = -1.0
 
 _PR_SET_PDEATHSIG = 1
+
+#: The bytes a worker's results may wait in its socket for the dispatcher to read (the kernel
+#: caps it at twice ``net.core.wmem_max``, at least 416 KB by default): a chunk's outputs of a few
+#: hundred KB (a clip of video frames) go in one write, and the worker starts its next chunk
+#: instead of waiting, on a busy machine, for the dispatcher's turn to read the rest. Measured on
+#: 320x240 video at load 6 (2 workers, 2 cores): a result's send 2.1-3.0 ms against 2.1-6.2 ms.
+RESULT_BUFFER = 4 << 20
+
+
+def _roomy(conn: Connection) -> None:
+    """Lets ``conn``'s writer queue up to ``RESULT_BUFFER`` bytes (the socket's send buffer;
+    the default holds about 210 KB); any refusal leaves the default."""
+    with contextlib.suppress(OSError), socket.socket(fileno=os.dup(conn.fileno())) as sock:  # same socket
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, RESULT_BUFFER)
 
 
 def _die_with_parent() -> None:
@@ -405,6 +420,7 @@ class ProcessBackend:
         else from the forkserver; its sender thread started unless ``sender`` is False."""
         ctx = fork or self._ctx
         parent, child = ctx.Pipe(duplex=True)
+        _roomy(child)  # the worker's end: its results
         progress = ctx.RawArray(ctypes.c_double, 6)
         progress[_TASK] = _IDLE
         inherited: tuple[Connection, ...] = ()
