@@ -57,6 +57,7 @@ import zephon_flow as zf
 from zephon_flow import operators as ops
 from zephon_flow.core.batches import VALID_FIELD
 from zephon_flow.operators.video_source import ClipPlan
+from zephon_flow.runners.backends.processes import can_fork
 
 DEFAULT_OUT = str(Path(__file__).resolve().parent / "results" / "video.json")
 CLIP, KEEP, SIZE, BATCH = 16, 8, 112, 8
@@ -157,8 +158,9 @@ def zephon_spec(pattern: str, passes: int | None = None) -> zf.LoaderSpec:
     return zf.LoaderSpec(build, lanes=4, seed=0, global_batch_size=BATCH)
 
 
-def run_zephon(pattern: str, passes: int, procs: int) -> tuple[Rate, float]:
-    """(rates after the first batch, first-batch seconds) delivering ``passes`` passes over the
+def run_zephon(pattern: str, passes: int, procs: int) -> tuple[Rate, float, float]:
+    """(rates after the first batch, first-batch seconds, the share of the tree's CPU that its
+    own process took: lanes, dispatcher, batches) delivering ``passes`` passes over the
     clips. The stream is finite and read to its end, so the clock stops with the last clip
     decoded: stopping an endless stream after as many clips would charge the CPU of the clips
     its read-ahead (up to ``prefetch_chunks`` a lane, and ``prefetch`` batches) had decoded
@@ -166,15 +168,17 @@ def run_zephon(pattern: str, passes: int, procs: int) -> tuple[Rate, float]:
     start, clock = time.perf_counter(), Clock()
     spec = zephon_spec(pattern, passes)
     loader = zf.Loader(spec, rank=0, world_size=1, backend="processes", workers=procs)
-    frames, first = 0, 0.0
+    frames, first, own = 0, 0.0, 0.0
     try:
         for _, batch in loader:
             if not first:
                 first = time.perf_counter() - start
                 clock.start()
+                own = time.process_time()
                 continue
             frames += int(np.count_nonzero(batch[VALID_FIELD])) * KEEP  # the last batch is padded
-        return clock.rate(frames), first
+        own, tree = time.process_time() - own, tree_cpu() - clock.cpu
+        return clock.rate(frames), first, own / max(1e-9, tree)
     finally:
         loader.close()
 
@@ -350,11 +354,15 @@ def run_config(
     jobs = once * passes
     rates: dict[str, list[Rate]] = {k: [] for k in CONTENDERS}
     firsts: dict[str, list[float]] = {"zephon": [], "torch": []}
+    own: list[float] = []
+    forked: list[bool] = []
     for _ in range(repeats):
         rates["alone"].append(run_alone(jobs, procs))
-        rate, first = run_zephon(pattern, passes, procs)
+        forked.append(can_fork())  # else its workers come from the forkserver
+        rate, first, share = run_zephon(pattern, passes, procs)
         rates["zephon"].append(rate)
         firsts["zephon"].append(first)
+        own.append(share)
         rate, first = run_torch(jobs, procs)
         rates["torch"].append(rate)
         firsts["torch"].append(first)
@@ -379,6 +387,8 @@ def run_config(
             f"zephon/{k}": round(per_cpu["zephon"] / per_cpu[k], 3) for k in CONTENDERS if k != "zephon"
         },
         "first_batch_seconds": {k: round(statistics.median(v), 3) for k, v in firsts.items()},
+        "zephon_own_process_cpu_share": round(statistics.median(own), 3),
+        "zephon_workers_forked": forked,
         "first_batch_fresh": first_batches(pattern, first_pairs, procs) if first_pairs else None,
         "runs": {k: [[round(r.wall, 1), round(r.cpu, 1)] for r in v] for k, v in rates.items()},
     }
