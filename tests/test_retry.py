@@ -51,3 +51,12 @@ def test_a_loop_bounded_by_time_tries_at_once_then_backs_off_to_the_deadline() -
     # the last try is made.
     assert times == pytest.approx([0.0, 0.25, 0.75, 1.75, 2.0])
     assert [clock.now() for _ in policy.until(clock, 0)] == [2.0]  # no time: one try, no pause
+
+
+def test_a_call_given_up_says_its_tries_the_time_they_took_and_the_knobs() -> None:
+    backoff = Backoff(retries=8, initial=0.1, maximum=5.0)
+    assert backoff.gave_up(8) == (
+        "after 9 tries over 16.3 s (a server that takes longer to come back needs more: "
+        "Client(retries=, max_backoff=); now retries=8, max_backoff=5)"
+    )
+    assert backoff.gave_up(0).startswith("after 1 tries over 0.0 s")

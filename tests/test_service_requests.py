@@ -136,7 +136,9 @@ def test_retries_back_off_on_the_client_clock() -> None:
     clock = ManualClock()
     client = zf.Client(f"127.0.0.1:{port}", 0, 1, retries=3, backoff=1.0, max_backoff=3.0, clock=clock)
     with pytest.raises(
-        zf.ServiceError, match=r"status from 127\.0\.0\.1:\d+ failed after 4 tries: UNAVAILABLE"
+        zf.ServiceError,
+        match=r"status from 127\.0\.0\.1:\d+ failed after 4 tries over 6\.0 s \(a server that takes longer "
+        r"to come back needs more: Client\(retries=, max_backoff=\); now retries=3, max_backoff=3\): UNAVAILABLE",
     ):
         client.status()
     assert clock.waited == 1.0 + 2.0 + 3.0  # doubling, capped at max_backoff, and no real sleep

@@ -48,6 +48,17 @@ class Backoff:
         """Whether try ``attempt`` was the last one allowed."""
         return attempt >= self.retries
 
+    def gave_up(self, attempt: int) -> str:
+        """For the message of a call given up after try ``attempt``: how many tries, over how
+        many seconds of pauses, and the knobs that allow more (a server restarting under a
+        supervisor, Ray's start included, can take longer than the default allows)."""
+        waited = sum(self.delay(a) for a in range(attempt))
+        return (
+            f"after {attempt + 1} tries over {waited:.1f} s (a server that takes longer to come "
+            f"back needs more: {self.owner}(retries=, max_backoff=); now retries={self.retries}, "
+            f"max_backoff={self.maximum:g})"
+        )
+
     def pause(self, attempt: int, clock: Clock) -> None:
         """Waits ``delay(attempt)`` on ``clock``."""
         clock.sleep(self.delay(attempt))

@@ -254,7 +254,7 @@ class Client:
     ) -> None:
         code = exc.code()
         if code not in retry or self._retry.last(attempt):
-            tries = f" after {attempt + 1} tries" if code in retry else ""
+            tries = f" {self._retry.gave_up(attempt)}" if code in retry else ""
             raise ServiceError(
                 f"{what} from {self.address} failed{tries}: {code.name}: {exc.details()}{self._hint(exc)}",
                 code=code.name,

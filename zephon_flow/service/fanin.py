@@ -295,10 +295,12 @@ class OwnerFanIn:
             except grpc.RpcError as exc:
                 if self._closed:
                     raise _Closed from None
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, _BUSY) or self._retry.last(attempt):
+                retried = exc.code() in (grpc.StatusCode.UNAVAILABLE, _BUSY)
+                if not retried or self._retry.last(attempt):
+                    tries = f" {self._retry.gave_up(attempt)}" if retried else ""
                     raise ServiceError(
-                        f"{what} from {where or f'the lane owners coordinator at {self.address}'} failed: "
-                        f"{exc.code().name}: {exc.details()}",
+                        f"{what} from {where or f'the lane owners coordinator at {self.address}'} failed"
+                        f"{tries}: {exc.code().name}: {exc.details()}",
                         code=exc.code().name,
                     ) from None
                 self._retry.pause(attempt, self.clock)
