@@ -229,7 +229,8 @@ class LaneOwner:
             self._raise_error()
             if not made:
                 return None
-            windows, layouts = self._store.get(step).windows, self._store.get(step).layouts
+            held = self._store.get(step)
+            windows, layouts = held.windows, held.layouts
         return OwnerRows(
             step,
             tuple(wanted),
@@ -287,16 +288,15 @@ class LaneOwner:
                 timeout,
             )
             made = [
-                (later, self._store.get(later).windows, self._store.get(later).layouts)
-                for later in range(step + 1, min(step + count, self._hold.produced))
+                self._store.get(later) for later in range(step + 1, min(step + count, self._hold.produced))
             ]
         run = [first]
-        for later, windows, layouts in made:
+        for later in made:
             run.append(
                 assemble_rows(
-                    later,
-                    [windows[i] for i in index],
-                    [(lane, layouts[i]) for lane, i in zip(lanes, index, strict=True)],
+                    later.step,
+                    [later.windows[i] for i in index],
+                    [(lane, later.layouts[i]) for lane, i in zip(lanes, index, strict=True)],
                     rows=rows,
                     per_lane=self.spec.per_lane,
                     finite=self._finite,
