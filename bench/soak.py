@@ -49,6 +49,10 @@ WORLD = 2
 
 
 # -- the client side: one trainer rank ----------------------------------------------------------
+#: Steps every rank reads after its last (re)start before the soak stops (``--settle``).
+SETTLE_STEPS = 3
+
+
 def client_main(address: str, rank: int, start: int, pace: float, out: str, owners: bool = False) -> int:
     import zephon_flow as zf
 
@@ -284,6 +288,7 @@ def soak(
     checkpoint_steps: int,
     owners: int = 0,
     server_restart: bool = True,
+    settle: float = 120.0,
 ) -> dict[str, Any]:
     from zephon_flow.demo_data import build_demo_data
 
@@ -296,6 +301,7 @@ def soak(
     address = f"127.0.0.1:{port}"
     outs = [work / f"rank{r}.txt" for r in range(WORLD)]
     clients = [_start_client(address, r, 0, pace, outs[r], owners) for r in range(WORLD)]
+    starts = [0] * WORLD  # the step each rank's client was last started from
     events: list[str] = []
     samples: list[dict[str, float]] = []
     trees: set[tuple[int, float]] = set()  # (pid, start time) of every server's tree, to reap
@@ -321,6 +327,7 @@ def soak(
                 ):  # a rank that gave up: started again, as a trainer's supervisor would
                     last = max(_read_digests(outs[r]), default=-1)
                     clients[r] = _start_client(address, r, last + 1, pace, outs[r], owners)
+                    starts[r] = last + 1
                     client_exits.append(
                         f"{now:.0f}s: rank {r} exited ({c.returncode}): {_last_error(outs[r])}"
                     )
@@ -349,6 +356,7 @@ def soak(
                 clients[1].wait()
                 last = max(_read_digests(outs[1]), default=-1)
                 clients[1] = _start_client(address, 1, last + 1, pace, outs[1], owners)
+                starts[1] = last + 1
                 events.append(f"{now:.0f}s: client rank 1 killed and restarted from step {last + 1}")
             if server_restart and not restarted and now >= duration / 2 and list(ckpt.glob("step-*.zfstate")):
                 restarted = True
@@ -363,6 +371,23 @@ def soak(
                     f"{time.monotonic() - t0:.1f} s"
                 )
             time.sleep(sample_every)
+        # Without more faults, until every rank has read a few steps since it was last started
+        # (at most ``settle`` seconds): on a loaded machine a short run can end while a rank
+        # restarted next to a coordinator's restart has read nothing yet.
+        settle_until = time.monotonic() + settle
+        while time.monotonic() < settle_until and server.poll() is None:
+            gone = [r for r, c in enumerate(clients) if c.poll() is not None]
+            for r in gone:  # reported as in the run; not started again
+                now = time.monotonic() - started
+                client_exits.append(
+                    f"{now:.0f}s: rank {r} exited ({clients[r].returncode}): {_last_error(outs[r])}"
+                )
+            if gone or all(
+                max(_read_digests(o), default=-1) >= s + SETTLE_STEPS - 1
+                for o, s in zip(outs, starts, strict=True)
+            ):
+                break
+            time.sleep(min(sample_every, 1.0))
     finally:
         for c in clients:
             c.kill()
@@ -377,7 +402,7 @@ def soak(
         left = _reap(trees)
     got = [_read_digests(o) for o in outs]
     steps = min(max(g, default=-1) for g in got) + 1
-    ranks, cli_matches = reference(steps)
+    ranks, cli_matches = reference(steps) if steps > 0 else ({}, False)  # a rank read nothing
     compared = mismatched = 0
     first_mismatch: list[tuple[int, int]] = []
     for r, g in enumerate(got):
@@ -501,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-server-restart", action="store_true", help="no server SIGKILL + --resume at half time"
     )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=120.0,
+        help=f"after the faults, seconds at most to wait until every rank read {SETTLE_STEPS} steps since its last start",
+    )
     parser.add_argument("--json", help="also write the report here")
     parser.add_argument(
         "--client", nargs=5, metavar=("ADDRESS", "RANK", "START", "PACE", "OUT"), help=argparse.SUPPRESS
@@ -517,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         args.checkpoint_steps,
         owners=args.owners,
         server_restart=not args.no_server_restart,
+        settle=args.settle,
     )
     text = json.dumps(report, indent=2)
     print(text)
