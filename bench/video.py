@@ -11,7 +11,7 @@ The videos are synthesised here with PyAV (24 fps, a key frame every 24 frames; 
 gradient with noise, so it compresses like footage; no downloads). Every clip is 16 frames of
 which 8 are kept (``frames=8``), resized to 112x112 (center crop, bilinear). Contenders, each
 in ``--procs`` processes, run back to back in each repeat (so a noisy neighbour hurts all
-alike), medians reported:
+alike; each repeat starts one contender later than the one before), medians reported:
 
 * **zephon**: ``zf.Loader`` over ``ReadVideo(epochs=passes) -> DecodeVideo -> Map(frames
   only)``, the processes backend with ``--procs`` workers, world size 1; frames delivered in
@@ -267,6 +267,20 @@ def run_torch(jobs: list[tuple[str, ClipPlan]], procs: int, **how: bool) -> tupl
     return rate, first
 
 
+def run_contender(
+    name: str, pattern: str, jobs: list[tuple[str, ClipPlan]], passes: int, procs: int
+) -> tuple[Rate, float, float]:
+    """One run of contender ``name``: (rates, first-batch seconds, the loader's own share of
+    its tree's CPU; 0 where not measured)."""
+    if name == "alone":
+        return run_alone(jobs, procs), 0.0, 0.0
+    if name == "zephon":
+        return run_zephon(pattern, passes, procs)
+    how = {"torch_1thread": {"single_thread": True}, "torch_swscale": {"swscale": True}}
+    rate, first = run_torch(jobs, procs, **how.get(name, {}))
+    return rate, first, 0.0
+
+
 def first_batch_child(which: str, pattern: str, procs: int, launched: float) -> dict[str, float]:
     """In a fresh interpreter (``--first-child``, started at ``launched``, ``time.time()``): the
     seconds from its start to the contender's imports done (the interpreter, this module and
@@ -356,18 +370,18 @@ def run_config(
     firsts: dict[str, list[float]] = {"zephon": [], "torch": []}
     own: list[float] = []
     forked: list[bool] = []
-    for _ in range(repeats):
-        rates["alone"].append(run_alone(jobs, procs))
-        forked.append(can_fork())  # else its workers come from the forkserver
-        rate, first, share = run_zephon(pattern, passes, procs)
-        rates["zephon"].append(rate)
-        firsts["zephon"].append(first)
-        own.append(share)
-        rate, first = run_torch(jobs, procs)
-        rates["torch"].append(rate)
-        firsts["torch"].append(first)
-        rates["torch_1thread"].append(run_torch(jobs, procs, single_thread=True)[0])
-        rates["torch_swscale"].append(run_torch(jobs, procs, swscale=True)[0])
+    for r in range(repeats):
+        # Each repeat starts one contender later, so a neighbour's burst of load does not fall
+        # on the same contender in every repeat.
+        for name in CONTENDERS[r % len(CONTENDERS) :] + CONTENDERS[: r % len(CONTENDERS)]:
+            if name == "zephon":
+                forked.append(can_fork())  # else its workers come from the forkserver
+            rate, first, share = run_contender(name, pattern, jobs, passes, procs)
+            rates[name].append(rate)
+            if name in firsts:
+                firsts[name].append(first)
+            if name == "zephon":
+                own.append(share)
     median = {k: statistics.median(r.wall for r in v) for k, v in rates.items()}
     per_cpu = {k: statistics.median(r.cpu for r in v) for k, v in rates.items()}
     return {
