@@ -33,19 +33,36 @@ def cluster() -> Iterator[Any]:
         ray.shutdown()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
-        made = cluster_utils.Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-        )
+        made = _start_cluster()
         try:
-            for _ in range(3):
-                made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-            made.wait_for_nodes()
             ray.init(address=made.address, log_to_driver=False, configure_logging=False)
             yield made
         finally:
             ray.shutdown()
             made.shutdown()
+
+
+def _start_cluster() -> Any:
+    """The head and three one-CPU nodes. Ray gives a raylet a fixed 30 s to register; on a
+    loaded machine (two test workers, other jobs) a start can miss it, so a start that fails
+    that way is shut down and made once more, as ``runners/ray_env.py`` does for ``ray.init``."""
+    for attempt in (1, 2):
+        made = None
+        try:
+            made = cluster_utils.Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+            )
+            for _ in range(3):
+                made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+            made.wait_for_nodes()
+            return made
+        except Exception as exc:
+            if made is not None:
+                made.shutdown()
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
 
 
 def test_owners_over_nodes_survive_the_loss_of_a_node_then_report_no_room(
