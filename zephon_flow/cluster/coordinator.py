@@ -390,8 +390,13 @@ class Coordinator:
 
     def _keep_snapshot(self, index: int, step: int, snaps: Snapshot | None) -> None:
         """Keeps owner ``index``'s snapshot of ``step`` (``_snapshot``'s answer) to restart it
-        from; a file replaces (and removes) the one before."""
+        from; a file replaces (and removes) the one before. A snapshot older than the one kept
+        (gathers answered out of order) is dropped, its file with it: the kept one's file stays."""
         if snaps is None:
+            return
+        if step < self._snap_steps[index]:
+            if isinstance(snaps, str) and snaps != self._snap_files.get(index):
+                _remove(snaps)
             return
         if isinstance(snaps, str):
             before = self._snap_files.get(index)
