@@ -364,8 +364,10 @@ def test_the_bench_measures_both_backends_on_the_same_batches(
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent))
     from bench import ray_backend as bench
 
-    spec = bench.make_spec(*bench.make_data(tmp_path, 300))
-    results = bench.measure(spec, steps=4, workers=1, chunks=[16], repeats=1)
+    # 12 steps, not 4: the loader makes a few steps ahead, so a 4-step run could have made them
+    # all before its first batch and read 0 CPU seconds in its timed window.
+    spec = bench.make_spec(*bench.make_data(tmp_path, 1000))
+    results = bench.measure(spec, steps=12, workers=1, chunks=[16], repeats=1)
     row = results["16"]
     assert row["digests_equal"] is True
     assert row["processes"]["docs_per_cpu_s"] > 0 and row["ray"]["docs_per_cpu_s"] > 0
