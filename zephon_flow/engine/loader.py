@@ -347,7 +347,7 @@ class Loader:
     def _produce(self, sink: StepSink | None = None) -> None:
         """The producer: the engine's loop (``engine/steps.py``) from this rank's lanes into
         the queue of ``prefetch`` batches, or into ``sink`` (``feed``)."""
-        lanes = _Queued(self, sink)
+        lanes = _Queued(self, _Queue(self) if sink is None else _Fed(self, sink))
         try:
             produce(self._steps, room=lanes.room, put=lanes.put, fail=lanes.fail)
         finally:
@@ -544,13 +544,13 @@ class _Queued:
     state after it (to the loader's queue, or to a fed ``StepSink``); the state before it
     completed with the checks of the windows made."""
 
-    def __init__(self, loader: Loader, sink: StepSink | None = None) -> None:
+    def __init__(self, loader: Loader, sink: StepSink) -> None:
         self._loader, self._sink = loader, sink
         self._before = loader._last.checks  # the state the next windows complete
 
     def room(self, step: int) -> bool:
         loader = self._loader
-        if loader._stop.is_set() or (self._sink is not None and not self._sink.room(step)):
+        if loader._stop.is_set() or not self._sink.room(step):
             return False
         with loader._mix_lock:  # from here on a mixture change at ``step`` is refused
             loader._begun = step + 1
@@ -561,12 +561,12 @@ class _Queued:
         if self._before is not None:
             self._before.fill(made.made)
         if not loader._goes_on(made.step, made.exists):
-            self._hand(_END)
+            self._sink.end(None)
             return False
         batch = loader._assemble(made)
         after = loader._state(made.step + 1, made.snapshots)
         self._before = after.checks
-        self._hand((made.step, batch, after))
+        self._sink.add(made.step, batch, after)
         return True
 
     def fail(self, exc: BaseException) -> None:
@@ -575,27 +575,48 @@ class _Queued:
         self.stopped()
         if loader._end_sync is not None:  # peers waiting on this rank raise at once, naming it
             loader._end_sync.leave(exc)
-        self._hand(exc)
-
-    def _hand(self, item: Any) -> None:
-        """A batch with its states, the end (``_END``) or a failure, to whoever reads them."""
-        sink, loader = self._sink, self._loader
-        if sink is None:
-            loader._put(item)
-        elif item is _END:
-            sink.end(None)
-        elif isinstance(item, BaseException):
-            sink.end(item)
-        else:
-            step, batch, after = item
-            loader._last = after  # this thread is the loader's consumer (``feed``)
-            loader._kept.append(after)
-            sink.add(step, batch, after)
+        self._sink.end(exc)
 
     def stopped(self) -> None:
         """A state() waiting for windows that will not be made returns."""
         if self._before is not None:
             self._before.give_up()
+
+
+class _Queue:
+    """An iterated loader's sink: its queue of ``prefetch`` batches, read by ``_batches``
+    (which keeps the states), the end and a failure queued after them."""
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = loader
+
+    def room(self, step: int) -> bool:
+        return True  # the queue's bound waits in ``_put``
+
+    def add(self, step: int, batch: Batch, after: LoaderState) -> None:
+        self._loader._put((step, batch, after))
+
+    def end(self, error: BaseException | None) -> None:
+        self._loader._put(_END if error is None else error)
+
+
+class _Fed:
+    """A fed loader's sink: the caller's, with the loader's own states kept first (the
+    feeding thread is the loader's consumer)."""
+
+    def __init__(self, loader: Loader, sink: StepSink) -> None:
+        self._loader, self._sink = loader, sink
+
+    def room(self, step: int) -> bool:
+        return self._sink.room(step)
+
+    def add(self, step: int, batch: Batch, after: LoaderState) -> None:
+        self._loader._last = after
+        self._loader._kept.append(after)
+        self._sink.add(step, batch, after)
+
+    def end(self, error: BaseException | None) -> None:
+        self._sink.end(error)
 
 
 @dataclass(frozen=True)
