@@ -20,8 +20,13 @@ from zephon_flow.operators._video_tar import Member
 from zephon_flow.operators.image_resize import ResizeImage
 from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
 
-#: Containers a worker thread keeps open (see ``DecodeVideo._opened``).
+#: Containers a worker thread keeps open (see ``DecodeVideo._opened``): at least
+#: ``KEPT_CONTAINERS``, more while their frames hold at most ``KEPT_PIXELS`` pixels in all (what a
+#: kept decoder holds grows with its frame size: about 1.3 MB at 320x240, 6 to 10 MB at 1080p),
+#: and never more than ``KEPT_CONTAINERS_MAX`` (open files).
 KEPT_CONTAINERS = 4
+KEPT_PIXELS = 4 * 1920 * 1080
+KEPT_CONTAINERS_MAX = 16
 #: What a kept container is kept under: the file, its tar member, the stream asked for.
 _Held = tuple[str, Member | None, int | None]
 
@@ -144,22 +149,22 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         self, path: str, operator: str, member: Member | None = None, number: int | None = None
     ) -> tuple[Any, Any]:
         """``path``'s container and video stream (stream ``number`` if the plan names one),
-        opened once per thread and kept for its next clips (the last ``KEPT_CONTAINERS`` files a
-        thread decoded): opening parses the container's index, which for a long ``.mp4`` costs
-        more than a clip, and a worker takes clips from several lanes' videos in turn. Every clip seeks, which flushes the decoder,
-        so a kept container gives the bytes a fresh one does."""
+        opened once per thread and kept for its next clips (the files a thread decoded last:
+        ``KEPT_CONTAINERS`` of them, or more of smaller frames, see ``KEPT_PIXELS``): opening
+        parses the container's index and probes its streams (1.8 ms for a 20 s 320x240 ``.mp4``,
+        a tenth of a clip; more for a long one), and a worker takes clips from several lanes'
+        videos in turn. Every clip seeks, which flushes the decoder, so a kept container gives
+        the bytes a fresh one does."""
         local = self.__dict__.get("_held")
         if local is None:
             local = self._held = threading.local()
-        held: OrderedDict[_Held, tuple[Any, Any, Any]] | None = getattr(local, "videos", None)
+        held: OrderedDict[_Held, tuple[Any, Any, Any, int]] | None = getattr(local, "videos", None)
         if held is None:
             held = local.videos = OrderedDict()
         key = (path, member, number)
         if key in held:
             held.move_to_end(key)
             return held[key][1], held[key][2]
-        while len(held) >= KEPT_CONTAINERS:
-            held.popitem(last=False)[1][0].close()
         stack = contextlib.ExitStack()
         try:
             container = stack.enter_context(open_container(path, operator, member))
@@ -172,7 +177,15 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         except BaseException:
             stack.close()
             raise
-        held[key] = (stack, container, stream)
+        pixels = int(ctx.width) * int(ctx.height)
+        kept = pixels + sum(entry[3] for entry in held.values())
+        while held and (
+            len(held) >= KEPT_CONTAINERS_MAX or (len(held) >= KEPT_CONTAINERS and kept > KEPT_PIXELS)
+        ):
+            oldest = held.popitem(last=False)[1]
+            oldest[0].close()
+            kept -= oldest[3]
+        held[key] = (stack, container, stream, pixels)
         return container, stream
 
     def _close_held(self, key: _Held | None = None) -> None:

@@ -66,6 +66,34 @@ def test_a_kept_container_gives_the_bytes_of_a_fresh_one_in_any_clip_order(tmp_p
     kept.teardown()
 
 
+def test_a_thread_keeps_more_containers_of_small_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from zephon_flow.operators import video_decode
+
+    paths = [make_video(tmp_path / f"v{i}.mp4", 16, seed=i) for i in range(6)]
+    plans = {p: ops.ReadVideo(str(p), clip_frames=8).clips(str(p)) for p in paths}
+    opened: list[str] = []
+    real = video_decode.open_container
+
+    def counted(path: str, *args: Any) -> Any:
+        opened.append(Path(path).name)
+        return real(path, *args)
+
+    monkeypatch.setattr(video_decode, "open_container", counted)
+    for budget, opens in [(video_decode.KEPT_PIXELS, 6), (64 * 48 * 3, 12)]:  # 64x48 frames
+        monkeypatch.setattr(video_decode, "KEPT_PIXELS", budget)
+        opened.clear()
+        kept = ops.DecodeVideo(size=16)
+        for clip in (0, 1):  # six videos in turn, twice: all six stay open, or the last four
+            for p in paths:
+                fresh = ops.DecodeVideo(size=16).decode(str(p), plans[p][clip])
+                assert np.array_equal(kept.decode(str(p), plans[p][clip]), fresh)
+        assert len(opened) == opens + 12  # and the fresh decoders' 12
+        assert len(kept._held.videos) == (6 if opens == 6 else video_decode.KEPT_CONTAINERS)
+        kept.teardown()
+
+
 @pytest.mark.parametrize("ext", [".mp4", ".webm"])
 def test_ffmpeg_decoder_threads_give_the_single_threaded_bytes(tmp_path: Path, ext: str) -> None:
     # Why DecodeVideo's one decoder thread is a choice, not a necessity, on valid streams: frame
