@@ -392,3 +392,8 @@ def test_a_dofn_error_is_one_line_and_v_adds_its_traceback_labelled_by_where_it_
     assert err.count(label) == 1 and err.count("-- traceback") == 1
     assert 'raise ValueError("sevens are not allowed")' in err
     assert err.splitlines()[-1].startswith("zephon: error: DoFn 'nosevens' raised ValueError")
+
+
+def test_serve_refuses_snapshot_dir_without_ray(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["serve", "nowhere.py:spec", "--port", "0", "--snapshot-dir", str(tmp_path)]) == 2
+    assert "--snapshot-dir goes with --ray" in capsys.readouterr().err

@@ -76,10 +76,10 @@ def owned_digests(
 ) -> tuple[list[tuple[int, str]], LoaderState]:
     """Global batches assembled from ``world_size`` OwnedLoaders read in step (as trainer ranks
     would), and the checkpoint gathered after the last one (``tables`` in ``options``: a list
-    that gets each rank's last owner table; ``coordinator_tables``: one that gets the
-    coordinator's table after that checkpoint, which replaces an owner no rank saw die)."""
+    that gets each rank's last owner table; ``after``: called with rank 0's loader after that
+    checkpoint, which replaces an owner no rank saw die, before the owners end)."""
     tables = options.pop("tables", None)
-    coordinator_tables = options.pop("coordinator_tables", None)
+    after = options.pop("after", None)
     name = f"test-{uuid.uuid4().hex[:8]}"
     out: list[tuple[int, str]] = []
     with ExitStack() as stack:
@@ -107,11 +107,36 @@ def owned_digests(
         final = loaders[0].checkpoint()
         if tables is not None:
             tables.extend(ld.table for ld in loaders)
-        if coordinator_tables is not None:
-            import ray
-
-            coordinator_tables.append(ray.get(loaders[0]._coordinator.table.remote()))
+        if after is not None:
+            after(loaders[0])
     return out, final
+
+
+def wait_for_snapshot_file(loader: OwnedLoader, owner: int) -> str:
+    """The snapshot file the coordinator keeps for ``owner`` (``snapshot_dir``), once it has
+    one: the first gather can take seconds on a loaded machine, and a test that kills the
+    owner before it would see its replacement start from the run's first step."""
+    import ray
+
+    for _ in range(600):
+        kept = ray.get(loader._coordinator.snapshot_files.remote())
+        if owner in kept:
+            return str(kept[owner])
+        time.sleep(0.1)
+    raise AssertionError(f"no snapshot file of owner {owner} was kept within 60 s")
+
+
+def coordinator_view(into: list[Any]) -> Any:
+    """An ``after`` for ``owned_digests``: appends the coordinator's owner table and each
+    owner's status (``LaneOwner.status``) to ``into``."""
+
+    def after(loader: OwnedLoader) -> None:
+        import ray
+
+        table = ray.get(loader._coordinator.table.remote())
+        into.append((table, ray.get([h.status.remote() for h in table.handles])))
+
+    return after
 
 
 # -- without Ray: the plan, the owner and the coordinator in-process ---------------------------
@@ -388,6 +413,46 @@ def _kill_coordinator_then_owner(killed: dict[str, list[int]]) -> Any:
             os.kill(killed["owners before"][1], signal.SIGKILL)  # replaced by the new coordinator
 
     return on_step
+
+
+def test_an_owner_and_the_coordinator_killed_together_restart_from_the_owners_snapshot_file(
+    ray_session: None, spec: zf.LoaderSpec, tmp_path: Any
+) -> None:
+    """Both die at once (a node lost with both on it): the coordinator Ray starts again finds
+    the owner dead and restarts it from the newest snapshot file it wrote, not from the run's
+    first step (a replay as long as the run so far); rank 1, which reads only that owner, and
+    which no live owner can place, reads on with the same bytes."""
+
+    killed: list[int] = []
+
+    def kill_both(step: int, loader: OwnedLoader) -> None:
+        if step == 8:
+            wait_for_snapshot_file(loader, 1)
+            pids = [loader.owner_pids()[1], loader.coordinator_pid()]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            killed.extend(pids)
+
+    steps = 3 * STEPS
+    tables: list[Any] = []
+    got, final = owned_digests(
+        spec,
+        owners=2,
+        world_size=2,
+        steps=steps,
+        on_step=kill_both,
+        snapshot_every=2,
+        snapshot_dir=str(tmp_path),
+        after=coordinator_view(tables),
+    )
+    assert len(killed) == 2
+    assert got == global_digests(spec, steps=steps)
+    ((table, statuses),) = tables
+    assert table.generations == (0, 1)
+    # Owner 1's replacement started at a snapshot step it had written (every 2 steps of the
+    # slowest rank: step 2 at the least, as rank 1 took step 8), not at the run's step 0.
+    assert statuses[1]["first_step"] >= 2 and statuses[1]["first_step"] % 2 == 0
+    assert final.step == steps
 
 
 def test_a_sigkilled_coordinator_is_restarted_and_takes_its_live_owners_over(
@@ -809,6 +874,7 @@ def test_owners_keep_their_snapshots_in_files_and_replacements_start_from_them(
 ) -> None:
     def kill_owner_1(step: int, loader: OwnedLoader) -> None:
         if step == 6:
+            wait_for_snapshot_file(loader, 1)
             os.kill(loader.owner_pids()[1], signal.SIGKILL)
         if step == 2 * STEPS - 1:  # the coordinator holds names, the files hold the states
             import ray
@@ -830,13 +896,15 @@ def test_owners_keep_their_snapshots_in_files_and_replacements_start_from_them(
         on_step=kill_owner_1,
         snapshot_every=2,
         snapshot_dir=str(tmp_path),
-        coordinator_tables=tables,
+        after=coordinator_view(tables),
     )
     assert got == reference[: 2 * STEPS]
     # Replaced: by a rank that met the death, or else by the checkpoint after the last step
     # (both ranks may hold every step up to the end fetched when owner 1 dies at step 6: a
     # fresh-clone CI run saw neither rank's table change).
-    assert [t.generations for t in tables] == [(0, 1, 0)]
+    ((table, statuses),) = tables
+    assert table.generations == (0, 1, 0)
+    assert statuses[1]["first_step"] >= 2  # from a snapshot file, not the run's first step
     assert not list(tmp_path.rglob("*.zfstate"))  # removed when the run ended
 
 
@@ -854,6 +922,50 @@ def test_a_snapshot_of_a_step_an_owner_let_go_is_refused_by_name(spec: zf.Loader
             owner.snapshot(1)
     finally:
         owner.close()
+
+
+def test_served_ranks_read_on_when_an_owner_and_the_coordinator_die_together(
+    ray_session: None, spec: zf.LoaderSpec, tmp_path: Any
+) -> None:
+    """``zephon serve --ray --snapshot-dir``: owner 1 and the coordinator SIGKILLed together.
+    The restarted coordinator restarts owner 1 from its newest snapshot file; rank 1, which
+    reads only owner 1 and which no live owner can place, comes back to the replacement
+    further past that snapshot than a rank usually asks ahead, and is served the same bytes
+    (it was refused OUT_OF_RANGE, "rank 1 is at step 0")."""
+    import ray
+
+    from zephon_flow.cluster.serve import OwnersServer
+
+    server = OwnersServer(spec, owners=2, world_size=2, snapshot_every=2, snapshot_dir=str(tmp_path))
+    clients = [
+        zf.Client(f"127.0.0.1:{server.port}", r, 2, lane_owners=True, retries=30, max_backoff=2.0)
+        for r in range(2)
+    ]
+    steps = 50
+    try:
+        iters = [iter(c) for c in clients]
+        got: list[tuple[int, str]] = []
+        for i in range(steps):
+            if i == 40:  # past the 8 + 24 steps a rank may ask beyond step 0
+                coordinator = server._coordinator
+                for _ in range(600):  # its first snapshot file (seconds on a loaded machine)
+                    if 1 in ray.get(coordinator.snapshot_files.remote()):
+                        break
+                    time.sleep(0.1)
+                pids = [server.owner_pids()[1], ray.get(coordinator.pid.remote())]
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+            parts = [next(it) for it in iters]
+            got.append((parts[0][0], batch_digest(concat([p[1] for p in parts]))))
+        assert got == global_digests(spec, steps=steps)
+        table = server.table()
+        assert table.generations == (0, 1)
+        first = ray.get(table.handles[1].status.remote())["first_step"]
+        assert first >= 2 and first % 2 == 0  # a snapshot step (files are kept every 2 steps), not step 0
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
 
 
 def test_ranks_read_on_through_a_restart_of_the_served_owners_from_their_checkpoint(

@@ -124,7 +124,8 @@ def test_token_tls_and_requests_checked_before_any_work(
                 lo.RowsRequest(rank=0, world_size=2, start_step=10**6, stop_step=10**6 + 1),
                 grpc.StatusCode.OUT_OF_RANGE,
                 "step 1000000 is too far ahead: rank 0 is at step 0 on lane owner 0 (lanes [0, 1, 2]), "
-                "and a rank may ask at most 36 steps past it",  # ahead 8 + 24 + --checkpoint-every 4
+                # ahead 8 + 24 + --checkpoint-every 4, and 32 for a first ask (FLOOR_REACH)
+                "and a rank may ask at most 68 steps past it",
             ),
             (
                 lo.RowsRequest(rank=3, world_size=4, start_step=0, stop_step=1),

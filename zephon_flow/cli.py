@@ -441,7 +441,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check_serve_flags(args: argparse.Namespace) -> None:
-    """Refuses the flags ``zephon serve --ray`` (lane owners) cannot honour."""
+    """Refuses the flags ``zephon serve --ray`` (lane owners) cannot honour, and those only
+    lane owners take."""
+    if not args.ray and args.snapshot_dir is not None:
+        raise UsageError(
+            "zephon serve: --snapshot-dir goes with --ray (it is where lane owners write their "
+            "snapshots); zephon serve without --ray checkpoints with --checkpoint-dir"
+        )
     if args.ray and args.balance is not None:
         raise UsageError(
             "zephon serve: --balance is not supported with --ray (lane owners send each rank the rows "
@@ -733,6 +739,13 @@ def _serve_ray(s: argparse.ArgumentParser) -> None:
         default=3,
         metavar="K",
         help="with --ray: dead owners replaced over the run before it stops with status 3 (default 3)",
+    )
+    s.add_argument(
+        "--snapshot-dir",
+        metavar="DIR",
+        help="with --ray: each owner writes its lanes' periodic snapshots to files here (a folder "
+        "every node sees), not to the coordinator; an owner that dies while the coordinator is "
+        "restarted then restarts from its newest file instead of the run's first step",
     )
 
 

@@ -97,7 +97,12 @@ class OwnerActor:
         """What a coordinator started again needs to take this owner over."""
         status = self._owner.status()
         positions = {**status["expected"], **status["positions"]}
-        return {"positions": positions, "low": status["low"], "mix_history": self._owner.mix_history()}
+        return {
+            "positions": positions,
+            "low": status["low"],
+            "floor": status["floor"],
+            "mix_history": self._owner.mix_history(),
+        }
 
     def address(self) -> str:
         """Where its gRPC ``StreamRows`` listens ("" when it does not serve); an owner listening
@@ -302,6 +307,27 @@ def snapshot_store(run: str, folder: str) -> Store:
     return store
 
 
+_SNAPSHOT_FILE = re.compile(r"owner-(?P<index>\d+)-step-(?P<step>\d+)\.zfstate")
+
+
+def stored_snapshots(run: str, folder: str | None) -> dict[int, list[tuple[int, str]]]:
+    """Per owner index, the ``(step, path)`` of the snapshot files ``snapshot_store`` left for
+    the run named ``run`` under ``folder`` (what a coordinator started again restarts an owner
+    that died meanwhile from)."""
+    found: dict[int, list[tuple[int, str]]] = {}
+    if folder is None:
+        return found
+    where = snapshot_folder(run, folder)
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(where):
+            match = _SNAPSHOT_FILE.fullmatch(name)
+            if match is not None:
+                found.setdefault(int(match["index"]), []).append(
+                    (int(match["step"]), os.path.join(where, name))
+                )
+    return found
+
+
 def owner_address(handle: Any) -> str:
     address: str = _ray().get(handle.address.remote(), timeout=60)
     return address
@@ -401,6 +427,7 @@ class CoordinatorActor:
             allow_mix_change=options.allow_mix_change,
             allow_code_change=options.allow_code_change,
             adopt=_adoptions(found) if restarted else None,
+            stored=stored_snapshots(run, options.snapshot_dir) if restarted else None,
             store=None if options.snapshot_dir is None else snapshot_store(run, options.snapshot_dir),
             pack=pack_snapshot,
             hold_floor=tell_floor,
@@ -527,7 +554,9 @@ def _adoptions(found: list[dict[int, Any]]) -> list[Adopted | None]:
                 except Exception:
                     stop_owner(handle)
                     continue
-                adopted = Adopted(handle, generation, info["positions"], info["low"], info["mix_history"])
+                adopted = Adopted(
+                    handle, generation, info["positions"], info["low"], info["mix_history"], info["floor"]
+                )
             else:
                 stop_owner(handle)
         out.append(adopted)

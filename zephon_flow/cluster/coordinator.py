@@ -13,6 +13,7 @@ world size. It runs as a named Ray actor (``coordinator_actor``), or in-process 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import Counter
@@ -36,6 +37,7 @@ from zephon_flow.engine.spec import LoaderSpec
 #: Owners asked at once for their snapshots (a gather is bounded by the slowest of a batch).
 GATHER_THREADS = 16
 _T = TypeVar("_T")
+_log = logging.getLogger("zephon_flow.cluster")
 
 
 def plan_owners(lanes: int, owners: int) -> list[list[int]]:
@@ -115,13 +117,15 @@ Store = Callable[[Any, int, int], str | None]
 class Adopted:
     """A live owner that a restarted coordinator takes over instead of starting one: its
     handle and generation, where its readers are (rank -> the step it asks for next), the
-    oldest step it holds, and its mixture history (changes made while the run went on)."""
+    oldest step it holds, its mixture history (changes made while the run went on), and the
+    slowest rank's step the coordinator before last told it (every rank was at least there)."""
 
     handle: Any
     generation: int
     positions: Mapping[int, int]
     low: int
     mix_history: list[tuple[int, dict[str, Any]]]
+    floor: int | None = None
 
 
 class Coordinator:
@@ -133,7 +137,8 @@ class Coordinator:
     that still answers (``alive``) is not replaced, and counts for nothing. ``clock`` is what
     a checkpoint's wait for the owners' snapshots reads. ``adopt`` (a coordinator started
     again after its own death) gives, per owner, the live one to take over (None: start it
-    again, from the snapshot it had in ``state``). With ``store`` the owners write their
+    again, from the newest of its snapshot files in ``stored`` that loads, else from its lanes
+    in ``state``: a replay from the run's first step). With ``store`` the owners write their
     snapshots to files (``store(handle, step, index)`` -> the file, or None while the step is
     not held) and the coordinator keeps only their names, not every lane's state; else with
     ``pack`` the periodic gathers ask for packed snapshots (``pack(handle, step, held)``),
@@ -159,6 +164,7 @@ class Coordinator:
         allow_code_change: bool = False,
         clock: Clock = SYSTEM_CLOCK,
         adopt: Sequence[Adopted | None] | None = None,
+        stored: Mapping[int, Sequence[tuple[int, str]]] | None = None,
         store: Store | None = None,
         pack: Pack | None = None,
         hold_floor: Callable[[Any, int], None] | None = None,
@@ -198,7 +204,7 @@ class Coordinator:
         if adopt is None:
             self._handles = [self._start_owner(i) for i in range(owners)]
         else:
-            self._handles = self._adopt(list(adopt))
+            self._handles = self._adopt(list(adopt), stored or {})
 
     def _track(self, first_step: int, owners: int, *, recipe: bool) -> None:
         """The bookkeeping of a run that starts at ``first_step`` (no owner started yet)."""
@@ -258,11 +264,16 @@ class Coordinator:
             self._addresses[index] = self._address_of(handle)
         return handle
 
-    def _adopt(self, found: list[Adopted | None]) -> list[Any]:
+    def _adopt(
+        self, found: list[Adopted | None], stored: Mapping[int, Sequence[tuple[int, str]]]
+    ) -> list[Any]:
         """Takes over the live owners ``found`` (this coordinator was started again): their
         generations, their readers' positions (the least each owner reports: a replacement
         holds from there), the mixture history they run, and their lanes' snapshots at the
-        oldest step they hold; owners not found are started again (a replacement each)."""
+        oldest step they hold. An owner not found (it died while no coordinator ran) is
+        replaced from its newest snapshot file in ``stored`` that loads, else from the run's
+        start; a rank whose position no live owner knows is placed at the least step every
+        rank was at (the floor the owners were told, or that snapshot's step)."""
         if len(found) != len(self._groups):
             raise SpecError(
                 f"lane owners: {len(found)} owners to adopt, but this run has {len(self._groups)}"
@@ -271,15 +282,30 @@ class Coordinator:
         if live and live[0].mix_history != self._mix_history and self._mixture is not None:
             self._mixture = type(self._mixture).from_history(live[0].mix_history)  # type: ignore[attr-defined]
             self._mix_history = list(live[0].mix_history)
+        for i, got in enumerate(found):
+            if got is None:
+                self._recover_snapshot(i, stored.get(i, ()))
+        floors = [a.floor for a in live if a.floor is not None]
+        every_rank_at = max([self.first_step, *floors, *(self._snap_steps[i] for i in self._snap_files)])
         for rank in self._positions:
             seen = [a.positions[rank] for a in live if rank in a.positions]
-            self._set_position(rank, min(seen, default=self.first_step))
+            self._set_position(rank, min(seen, default=every_rank_at))
         self._joined = set(range(self.world_size))  # who had left is not known: all may read
         handles: list[Any] = []
         for i, got in enumerate(found):
             if got is None:
                 self._generations[i] = 1 + max((a.generation for a in live), default=0)
                 self._replaced += 1
+                if i not in self._snap_files and self.first_step < every_rank_at:
+                    _log.warning(
+                        "%s (lanes %s) died while the coordinator was down and no snapshot file holds "
+                        "its lanes (snapshot_dir unset): its replacement recomputes them from the "
+                        "run's first step %d to step %d",
+                        self._owner_name(i),
+                        self._groups[i],
+                        self.first_step,
+                        every_rank_at,
+                    )
                 handles.append(self._start_owner(i, self._generations[i]))
                 continue
             self._generations[i] = got.generation
@@ -290,6 +316,26 @@ class Coordinator:
                 self._addresses[i] = self._address_of(got.handle)
             handles.append(got.handle)
         return handles
+
+    def _recover_snapshot(self, index: int, files: Sequence[tuple[int, str]]) -> None:
+        """Owner ``index``'s newest snapshot file (``(step, path)`` of ``files``) at or past the
+        run's first step that loads, kept to start its replacement from; a file that does not
+        load (cut short, damaged) is passed over, with a warning naming it."""
+        codecs = self.spec.compile().derived_codecs
+        for step, path in sorted(files, reverse=True):
+            if step < self.first_step:
+                continue
+            try:
+                load_state(path, codecs=codecs)
+            except Exception as exc:
+                _log.warning(
+                    "%s: snapshot file %s does not load, passed over: %s", self._owner_name(index), path, exc
+                )
+                continue
+            self._snap_files[index], self._snap_steps[index] = path, step
+            self._snaps.update(dict.fromkeys(self._groups[index]))  # held in the file, not here
+            self._recipe[index] = False
+            return
 
     def addresses(self) -> list[str]:
         """Each owner's serving address ("" for owners that do not serve over gRPC)."""

@@ -396,8 +396,10 @@ class LaneOwner:
             return {
                 "name": self.name,
                 "lanes": list(self.lanes),
+                "first_step": self.first_step,  # where it started: a replacement's snapshot step
                 "low": self._hold.low,
                 "produced": self._hold.produced,
+                "floor": self._hold.floor,  # the slowest rank's step the coordinator last told
                 "positions": dict(self._hold.positions),
                 "expected": dict(self._hold.expected),
                 "pid": os.getpid(),

@@ -47,6 +47,7 @@ from zephon_flow.engine.options import (
 )
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
+from zephon_flow.runners.streams import CHUNK_RECORDS
 from zephon_flow.service import auth
 from zephon_flow.service.mixing import naming_the_flag
 from zephon_flow.service.server import SERVE, exit_status
@@ -68,9 +69,12 @@ class OwnersServer:
         checkpoint_dir: str | None = None,
         backend: str = "inline",
         workers: int = 1,
+        chunk_records: int = CHUNK_RECORDS,
+        prefetch_chunks: int = 8,
         ahead: int = 8,
         keep: int = 8,
         snapshot_every: int = 8,
+        snapshot_dir: str | None = None,
         max_replacements: int = 3,
         owner_cpus: float = 0.0,
         verify_resume: bool = True,
@@ -94,11 +98,18 @@ class OwnersServer:
             owner=SERVE,
         )
         options = OwnerOptions.of(
-            work=WorkOptions(backend=backend, workers=workers, owner=SERVE),
+            work=WorkOptions(
+                backend=backend,
+                workers=workers,
+                chunk_records=chunk_records,
+                prefetch_chunks=prefetch_chunks,
+                owner=SERVE,
+            ),
             hold=HoldOptions(ahead=ahead, keep=keep, owner=SERVE),
             resume=ResumeOptions(verify_resume=verify_resume, allow_mix_change=allow_mix_change, owner=SERVE),
             owner_cpus=owner_cpus,
             snapshot_every=snapshot_every,
+            snapshot_dir=snapshot_dir,
             max_replacements=max_replacements,
             owner=SERVE,
         )
@@ -281,6 +292,7 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         checkpoint_every=getattr(args, "checkpoint_every", None),
         keep_checkpoints=getattr(args, "keep_checkpoints", 3),
         max_replacements=getattr(args, "max_replacements", 3),
+        snapshot_dir=getattr(args, "snapshot_dir", None),
     )
     done = threading.Event()
 

@@ -31,7 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from zephon_flow.cluster.coordinator import OwnerTable
-from zephon_flow.cluster.owner import LaneOwner, OwnerError, share_of
+from zephon_flow.cluster.owner import FLOOR_REACH, LaneOwner, OwnerError, share_of
 from zephon_flow.core.clock import Clock, wait_until
 from zephon_flow.core.errors import SpecError, ZephonError
 from zephon_flow.core.lanes import RankSlice
@@ -291,8 +291,11 @@ class OwnerServer:
                 f"step {step} is no longer held: {name} holds steps [{low}, {produced}); resume from "
                 f"a checkpoint to go back further",
             )
-        at = status["positions"].get(rank, status["expected"].get(rank, produced))
+        at = status["positions"].get(rank)
         reach = self._owner.options.ahead + ASK_SLACK + self._serving.replay
+        if at is None:  # not asked yet: where the coordinator expects it is a lower bound
+            at = status["expected"].get(rank, produced)  # (the slowest rank's step at best), and
+            reach += FLOOR_REACH  # ranks run at most FLOOR_REACH past ``ahead`` beyond it
         if step > int(at) + reach:
             _abort(
                 context,
