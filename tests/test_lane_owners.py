@@ -80,7 +80,7 @@ def owned_digests(
     checkpoint, which replaces an owner no rank saw die, before the owners end)."""
     tables = options.pop("tables", None)
     after = options.pop("after", None)
-    name = f"test-{uuid.uuid4().hex[:8]}"
+    name = options.pop("name", None) or f"test-{uuid.uuid4().hex[:8]}"
     out: list[tuple[int, str]] = []
     with ExitStack() as stack:
         loaders = [
@@ -423,9 +423,17 @@ def test_an_owner_and_the_coordinator_killed_together_restart_from_the_owners_sn
     first step (a replay as long as the run so far); rank 1, which reads only that owner, and
     which no live owner can place, reads on with the same bytes."""
 
+    # A file a dead run of the same name left (another timeline): removed as this run starts,
+    # or the restarted coordinator would take it for owner 1's newest snapshot.
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    stale = tmp_path / name / "owner-1-step-999.zfstate"
+    stale.parent.mkdir()
+    stale.write_bytes(b"a snapshot of a run that is over")
     killed: list[int] = []
 
     def kill_both(step: int, loader: OwnedLoader) -> None:
+        if step == 0:
+            assert not stale.exists()  # (the folder also goes when the run ends)
         if step == 8:
             wait_for_snapshot_file(loader, 1)
             pids = [loader.owner_pids()[1], loader.coordinator_pid()]
@@ -444,6 +452,7 @@ def test_an_owner_and_the_coordinator_killed_together_restart_from_the_owners_sn
         snapshot_every=2,
         snapshot_dir=str(tmp_path),
         after=coordinator_view(tables),
+        name=name,
     )
     assert len(killed) == 2
     assert got == global_digests(spec, steps=steps)

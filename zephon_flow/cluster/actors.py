@@ -408,9 +408,11 @@ class CoordinatorActor:
         self._owners, self._fingerprint = owners, fingerprint or spec.fingerprint["total"]
         restarted = bool(_ray().get_runtime_context().was_current_actor_reconstructed)
         found = _live_owners(run, owners)
-        if not restarted:  # a new run under a name a dead run used: its owners are not ours
+        if not restarted:  # a new run under a name a dead run used: its owners are not ours,
             for handle in (h for got in found for h in got.values()):
                 stop_owner(handle)
+            if options.snapshot_dir is not None:  # nor its snapshot files (another timeline)
+                shutil.rmtree(snapshot_folder(run, options.snapshot_dir), ignore_errors=True)
         self.restarts = int(restarted)
         self._coordinator = Coordinator(
             spec,
