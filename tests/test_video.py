@@ -236,6 +236,49 @@ def test_splits_are_runs_of_clips_and_the_index_is_cached(
     assert again.splits(2) == splits
 
 
+def test_an_unchanged_file_is_listed_again_from_its_stat_and_a_replaced_one_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from zephon_flow.operators import _file_cache
+
+    path, other = make_video(tmp_path / "v.mp4", 24), make_video(tmp_path / "src" / "w.mp4", 16, seed=5)
+    pattern = str(tmp_path / "*.mp4")
+
+    def clips() -> int:
+        _video_index._KEYS.clear()  # as a new process
+        return sum(s.stop - s.start for s in ops.ReadVideo(pattern, clip_frames=8).splits(1))
+
+    assert clips() == 3
+    notes = list((tmp_path / "cache").glob("video-stat-*.json"))
+    assert notes == []  # written under RACY_SECONDS ago: hashed at every listing
+    monkeypatch.setattr(_video_index, "RACY_SECONDS", -1.0)  # as if written long ago
+    assert clips() == 3 and len(list((tmp_path / "cache").glob("video-stat-*.json"))) == 1
+    hashed: list[str] = []
+    real_key = _file_cache.key
+    monkeypatch.setattr(_file_cache, "key", lambda p, *a, **k: hashed.append(p) or real_key(p, *a, **k))
+    assert clips() == 3 and hashed == []  # from the note: no byte of the video read
+
+    # Another video, padded to the same size (bytes after an .mp4's end are ignored) and given
+    # the old mtime: rewritten in place, then renamed over it. Each time its stat differs, so
+    # it is hashed and demuxed again: its 2 clips, not the 3 of the index cached for the old one.
+    info = path.stat()
+    body = other.read_bytes()
+    assert len(body) < info.st_size
+    body += bytes(info.st_size - len(body))
+    path.write_bytes(body)
+    os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns))
+    assert clips() == 2 and hashed == [str(path)]
+    path.write_bytes(path.read_bytes())  # the same bytes again: hashed, the same key and index
+    assert clips() == 2 and len(hashed) == 2
+    replacement = tmp_path / "src" / "new.mp4"
+    replacement.write_bytes(make_video(tmp_path / "src" / "x.mp4", 40, seed=7).read_bytes())
+    os.utime(replacement, ns=(info.st_atime_ns, info.st_mtime_ns))
+    os.replace(replacement, path)
+    assert clips() == 5 and len(hashed) == 3
+
+
 def test_pack_video_lays_out_placeholders_then_caption(tmp_path: Path) -> None:
     pack = ops.PackVideo(16, video_token_id=1, tokens_per_frame=2, frames=2, max_clips=2)
     clip = {
