@@ -986,6 +986,7 @@ def test_ranks_read_on_through_a_restart_of_the_served_owners_from_their_checkpo
     may usually ask ahead, and get the same bytes; the owners replay the steps in between, as
     ``zephon serve`` does. Each rank reads only its own owner, so the checkpoint is written
     while one rank runs ahead: its owner must still hold the slower rank's step."""
+    from zephon_flow.cluster.owner import FLOOR_REACH
     from zephon_flow.cluster.serve import OwnersServer
     from zephon_flow.cluster.serving import ASK_SLACK
 
@@ -993,20 +994,23 @@ def test_ranks_read_on_through_a_restart_of_the_served_owners_from_their_checkpo
     server = OwnersServer(spec, checkpoint_every=64, **kwargs)
     port = server.port
     clients = [
-        zf.Client(f"127.0.0.1:{port}", r, 2, lane_owners=True, retries=30, max_backoff=2.0) for r in range(2)
+        zf.Client(f"127.0.0.1:{port}", r, 2, lane_owners=True, retries=30, max_backoff=2.0, timeout=90)
+        for r in range(2)
     ]
     try:
         iters = [iter(c) for c in clients]
         got: list[tuple[int, str]] = []
         # The stop comes once the first checkpoint is on disk (at step 64 or a little after,
         # however loaded the machine), further past it than a rank may ask without a resume,
-        # and well before the next one (64 steps on).
+        # and further than the owners run past the slowest rank's step they are told (the
+        # checkpoint's, until the ranks report: a CI run hung when a late checkpoint put the
+        # stop there), but well before the next one (64 steps on).
         first: int | None = None
         while first is None or len(got) < first + 13:  # past the steps the ranks hold fetched
             step = len(got)
             if first is None and any(name.endswith(".zfstate") for name in os.listdir(tmp_path)):
                 (at,) = [int(n[5:-8]) for n in os.listdir(tmp_path) if n.endswith(".zfstate")]
-                first = max(step, at + 8 + ASK_SLACK + 3)
+                first = max(step, at + 8 + FLOOR_REACH + 10)
             if step == first:
                 server.stop()  # the ranks' owners end with it
                 written = sorted(os.listdir(tmp_path))

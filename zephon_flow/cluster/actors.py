@@ -64,7 +64,15 @@ class OwnerActor:
         serving: Serving | None = None,
         run: str | None = None,
     ) -> None:
-        self._owner = LaneOwner(spec, lanes, state=state, readers=readers, options=options, name=name).start()
+        self._owner = LaneOwner(
+            spec,
+            lanes,
+            state=state,
+            readers=readers,
+            options=options,
+            name=name,
+            replay=0 if serving is None else serving.replay,
+        ).start()
         self._packer = SnapshotPacker()
         self._server = None if serving is None else OwnerServer(self._owner, serving)
         if run is not None:  # a detached owner: it outlives its coordinator, not its run

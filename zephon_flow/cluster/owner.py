@@ -67,7 +67,10 @@ class LaneOwner:
     """Runs ``lanes`` of ``spec`` from ``state`` (a ``LoaderState`` holding at least those lanes,
     or None: the start) for the ranks ``readers`` (rank -> the first step it may ask for);
     ``name`` is how errors refer to it. ``clock`` is what every wait of its production and of
-    its readers, and its backend's chunk deadlines, read (an owner on Ray: the system's)."""
+    its readers, and its backend's chunk deadlines, read (an owner on Ray: the system's).
+    ``replay``: how many steps past its first step ranks may come back at (served owners
+    started again from a checkpoint while the ranks read on): until the run's slowest rank is
+    reported past that step, production runs that much further past it."""
 
     def __init__(
         self,
@@ -79,11 +82,13 @@ class LaneOwner:
         options: OwnerOptions,
         name: str = "lane owner",
         clock: Clock = SYSTEM_CLOCK,
+        replay: int = 0,
     ) -> None:
         # Phases: restore the lanes' start, build the runners, start producing (``start``).
         if not lanes or sorted(set(lanes)) != list(lanes) or not 0 <= lanes[0] <= lanes[-1] < spec.lanes:
             raise SpecError(f"{name}: lanes must be distinct, sorted and in [0, {spec.lanes}), got {lanes}")
         self.spec, self.lanes, self.name, self.options = spec, list(lanes), name, options
+        self._replay = replay
         plan = spec.compile()
         self._finite = plan.finite
         self._padding = plan.padding_sample() if plan.finite else None
@@ -386,9 +391,11 @@ class LaneOwner:
         """The run's slowest rank is at ``step`` (the coordinator says so as ranks report):
         steps from there on stay held, so that a checkpoint or snapshot of it can be taken
         even if this owner's own readers are far past it, and production runs at most
-        ``FLOOR_REACH`` past ``ahead`` beyond it."""
+        ``FLOOR_REACH`` past ``ahead`` beyond it (and ``replay`` more while the floor is its
+        first step: the ranks, which read on, have not reported where they are yet)."""
+        reach = self.options.ahead + FLOOR_REACH + (self._replay if step <= self.first_step else 0)
         with self._cond:
-            if self._hold.raise_floor(step, self.options.ahead + FLOOR_REACH):
+            if self._hold.raise_floor(step, reach):
                 self._store.release()
 
     def status(self) -> dict[str, Any]:
