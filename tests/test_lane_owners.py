@@ -257,6 +257,61 @@ def test_in_process_owners_match_the_loader_and_replace_an_owner(
         coord.shutdown()
 
 
+def test_in_process_coordinator_started_again_restarts_a_dead_owner_from_its_newest_file_that_loads(
+    spec: zf.LoaderSpec, reference: list[tuple[int, str]], tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a coordinator Ray starts again does (``_adopt``), in-process: owner 0 is alive and
+    taken over, owner 1 died with the coordinator before it. Owner 1's newest file (step 8) is
+    damaged: passed over with a warning naming it, and owner 1 restarts from its file of
+    step 4; the ranks, which only owner 0 can place, read on with the reference bytes."""
+    from zephon_flow.cluster.coordinator import Adopted
+    from zephon_flow.core.checkpoint.store import save_state
+
+    def store(owner: LaneOwner, step: int, index: int) -> str | None:
+        snaps = owner.snapshot(step)
+        if snaps is None:
+            return None
+        path = str(tmp_path / f"owner-{index}-step-{step}.zfstate")
+        save_state(LoaderState(step, spec.lanes, dict(spec.fingerprint), snaps, owner.mix_history()), path)
+        return path
+
+    before = _in_process(spec, owners=2, world_size=2, snapshot_every=4, store=store)
+    for step in range(STEPS):
+        for r in range(2):
+            _read(before, r, 2, step, spec)
+            before.progress(r, step + 1)
+    assert before.snapshot_files() == {i: str(tmp_path / f"owner-{i}-step-4.zfstate") for i in (0, 1)}
+    live, dead = before.table().handles
+    dead.close()  # owner 1 dies with the coordinator: only the files and owner 0 are left
+    damaged = tmp_path / "owner-1-step-8.zfstate"
+    damaged.write_bytes(b"cut short")
+    status = live.status()
+    found = Adopted(
+        live,
+        0,
+        {**status["expected"], **status["positions"]},
+        status["low"],
+        live.mix_history(),
+        status["floor"],
+    )
+    stored = {1: [(4, str(tmp_path / "owner-1-step-4.zfstate")), (8, str(damaged))]}
+    with caplog.at_level("WARNING", logger="zephon_flow.cluster"):
+        after = _in_process(
+            spec, owners=2, world_size=2, snapshot_every=4, adopt=[found, None], stored=stored
+        )
+    try:
+        assert f"snapshot file {damaged} does not load, passed over" in caplog.text
+        table = after.table()
+        assert table.generations == (0, 1)
+        assert table.handles[1].status()["first_step"] == 4
+        got = []
+        for step in range(STEPS, 2 * STEPS):
+            got.append((step, batch_digest(concat([_read(after, r, 2, step, spec) for r in range(2)]))))
+        assert got == reference[STEPS : 2 * STEPS]
+    finally:
+        after.shutdown()
+
+
 def test_in_process_owner_that_cannot_restart_names_lanes_and_step(spec: zf.LoaderSpec) -> None:
     coord = _in_process(spec, owners=2, world_size=1, max_replacements=0)
     try:
