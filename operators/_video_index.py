@@ -219,7 +219,8 @@ def read_index(
     return index
 
 
-#: The files' cache keys this process found, by ``_stamp``: a shard's video members share one.
+#: The files' cache keys this process found, by ``_Stat`` (other files: path, size, mtime): a
+#: shard's video members share one.
 _KEYS: dict[tuple[str | int, ...], str] = {}
 #: A file whose inode changed (ctime) or whose data changed (mtime) less than this many seconds
 #: ago gets no stat note: a filesystem's timestamps can be that coarse, so a write in the same
