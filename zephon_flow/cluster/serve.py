@@ -47,7 +47,6 @@ from zephon_flow.engine.options import (
 )
 from zephon_flow.engine.spec import LoaderSpec
 from zephon_flow.runners.ray_env import connect, disconnect_if_started, require_ray
-from zephon_flow.runners.streams import CHUNK_RECORDS
 from zephon_flow.service import auth
 from zephon_flow.service.mixing import naming_the_flag
 from zephon_flow.service.server import SERVE, exit_status
@@ -69,8 +68,6 @@ class OwnersServer:
         checkpoint_dir: str | None = None,
         backend: str = "inline",
         workers: int = 1,
-        chunk_records: int = CHUNK_RECORDS,
-        prefetch_chunks: int = 8,
         ahead: int = 8,
         keep: int = 8,
         snapshot_every: int = 8,
@@ -98,13 +95,7 @@ class OwnersServer:
             owner=SERVE,
         )
         options = OwnerOptions.of(
-            work=WorkOptions(
-                backend=backend,
-                workers=workers,
-                chunk_records=chunk_records,
-                prefetch_chunks=prefetch_chunks,
-                owner=SERVE,
-            ),
+            work=WorkOptions(backend=backend, workers=workers, owner=SERVE),
             hold=HoldOptions(ahead=ahead, keep=keep, owner=SERVE),
             resume=ResumeOptions(verify_resume=verify_resume, allow_mix_change=allow_mix_change, owner=SERVE),
             owner_cpus=owner_cpus,
@@ -116,12 +107,7 @@ class OwnersServer:
         serving = _serving(spec, endpoint, checkpoints, world_size=world_size, calls=max_client_calls)
         self.spec, state = spec, _resumed(spec, resume, allow_mix_change=allow_mix_change)
         self._start_coordinator(
-            ray_address,
-            owners=owners,
-            world_size=world_size,
-            state=state,
-            options=options,
-            serving=serving,
+            ray_address, owners=owners, world_size=world_size, state=state, options=options, serving=serving
         )
         self._listen(owners, serving, endpoint.port, checkpoints)
 
@@ -260,9 +246,8 @@ def _check_resume(spec: LoaderSpec, state: LoaderState | None, *, allow_mix_chan
 POLL_SECONDS = 5.0
 
 
-def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
-    """Runs ``OwnersServer`` from ``zephon serve``'s arguments until SIGTERM or SIGINT (status
-    0), or until the run cannot go on (status ``EXIT_PIPELINE_FAILED``)."""
+def _server_of(args: argparse.Namespace, spec: LoaderSpec) -> OwnersServer:
+    """``OwnersServer`` from ``zephon serve --ray``'s arguments (refusing those it cannot take)."""
     if getattr(args, "held_bytes", None):
         raise SpecError(
             "zephon serve --ray does not support --held-bytes: each owner holds --ahead steps past its "
@@ -270,8 +255,7 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         )
     if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
         raise SpecError("zephon serve: --tls-cert and --tls-key go together")
-    token = auth.read_token(getattr(args, "token_file", None))
-    server = OwnersServer(
+    return OwnersServer(
         spec,
         owners=args.lane_owners,
         world_size=args.world_size,
@@ -286,7 +270,7 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         keep=args.keep,
         verify_resume=not getattr(args, "no_verify_resume", False),
         allow_mix_change=getattr(args, "allow_mix_change", False),
-        token=token,
+        token=auth.read_token(getattr(args, "token_file", None)),
         tls=(args.tls_cert, args.tls_key) if getattr(args, "tls_cert", None) else None,
         stream_timeout=getattr(args, "stream_timeout", 300.0),
         checkpoint_every=getattr(args, "checkpoint_every", None),
@@ -294,6 +278,12 @@ def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
         max_replacements=getattr(args, "max_replacements", 3),
         snapshot_dir=getattr(args, "snapshot_dir", None),
     )
+
+
+def serve(args: argparse.Namespace, spec: LoaderSpec) -> int:
+    """Runs ``OwnersServer`` from ``zephon serve``'s arguments until SIGTERM or SIGINT (status
+    0), or until the run cannot go on (status ``EXIT_PIPELINE_FAILED``)."""
+    server = _server_of(args, spec)
     done = threading.Event()
 
     def _on_signal(signum: int, frame: Any) -> None:
