@@ -3,8 +3,8 @@
 ``ReadVideo`` plans its clips from it and ``DecodeVideo`` seeks with it. Demuxing reads packet
 headers only (a two-hour file's index is read in seconds and then cached on disk by
 ``_file_cache``, keyed by the file's path, size, mtime and ends), so listing costs no decode.
-A local file's key is found again from its ``stat`` alone (``_file_key``), so a listing of many
-unchanged videos reads no video bytes.
+A local file's key is found again from its ``stat`` alone (``_file_cache.stat_key``), so a
+listing of many unchanged videos reads no video bytes.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-import os
-import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import Any
 
 from zephon_flow.core import files
 from zephon_flow.core.errors import DataError, SpecError
@@ -219,70 +216,23 @@ def read_index(
     return index
 
 
-#: The files' cache keys this process found, by ``_Stat`` (other files: path, size, mtime): a
-#: shard's video members share one.
+#: The files' cache keys this process found, by ``_file_cache.Stat`` (other files: path, size,
+#: mtime): a shard's video members share one.
 _KEYS: dict[tuple[str | int, ...], str] = {}
-#: A file whose inode changed (ctime) or whose data changed (mtime) less than this many seconds
-#: ago gets no stat note: a filesystem's timestamps can be that coarse, so a write in the same
-#: tick would leave them as they are (git's "racily clean" files).
-RACY_SECONDS = 2.0
-_HEX40 = re.compile(r"[0-9a-f]{40}")
-
-
-class _Stat(NamedTuple):
-    """What tells one version of a local file from another without reading it: the kernel sets
-    ctime at every write, rename or ``utime`` of the inode, and no call sets it back, so a file
-    rewritten or replaced under its name, even with its size and mtime restored, has another."""
-
-    path: str
-    dev: int
-    ino: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    def settled(self) -> bool:
-        """Whether both its times are more than ``RACY_SECONDS`` old."""
-        return time.time_ns() - max(self.mtime_ns, self.ctime_ns) > RACY_SECONDS * 1e9
-
-    def note(self) -> str:
-        """The cache file naming the key of the file with this stat."""
-        return "video-stat-" + hashlib.sha256(repr((LISTING, *self)).encode()).hexdigest()[:40] + ".json"
-
-
-def _stat(path: str) -> _Stat | None:
-    """A local file's ``_Stat`` (None for other files, or one gone: the hash names the error)."""
-    if not files.is_local(path):
-        return None
-    local = files.local_path(path)
-    try:
-        st = os.stat(local)
-    except OSError:
-        return None
-    return _Stat(os.path.abspath(local), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _file_key(path: str, info: files.FileInfo, operator: str) -> str:
     """The file's cache key: ``_file_cache.key`` (its path, size, mtime and a hash of its first
-    and last MiB). For a local file it is found from its ``stat`` alone when a note made at an
-    earlier listing says which key that exact ``_Stat`` had, so an unchanged file is not read
-    (the hash was 83 % of listing 300 cached videos: 2.1 ms a file); a file changed in any way
-    since has another stat and is hashed again, as before the notes. A file changed less than
-    ``RACY_SECONDS`` ago is hashed every time."""
-    stat = _stat(path)
+    and last MiB), found from a local file's ``stat`` alone when it is unchanged since an
+    earlier listing (``_file_cache.stat_key``: the hash was 83 % of listing 300 cached videos,
+    2.1 ms a file). A file changed less than ``RACY_SECONDS`` ago is hashed every time."""
+    stat = _file_cache.stat_of(path)
     memo: tuple[str | int, ...] = stat if stat is not None else (path, info.size, info.mtime_ns)
     key = _KEYS.get(memo)
     if key is not None:
         return key
-    settled = stat if stat is not None and stat.settled() else None
-    if settled is not None:
-        noted = _file_cache.load_json(settled.note())
-        key = noted if isinstance(noted, str) and _HEX40.fullmatch(noted) else None
-    if key is None:
-        key = _file_cache.key(path, info, LISTING, operator=operator)
-        if settled is not None:
-            _file_cache.store_json(settled.note(), key)
-    if stat is None or settled is not None:  # a racy file's key is not remembered, even here
+    key = _file_cache.stat_key(path, info, LISTING, operator=operator, notes="video", stat=stat)
+    if stat is None or stat.settled():  # a racy file's key is not remembered, even here
         if len(_KEYS) >= 256:
             _KEYS.clear()
         _KEYS[memo] = key

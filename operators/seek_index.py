@@ -268,7 +268,10 @@ def _measure_frames(
 
 
 def _cache_key(path: str, info: files.FileInfo, kind: str, spacing: int, operator: str) -> str:
-    return _file_cache.key(path, info, f"seek-index {INDEX_VERSION} {kind} {spacing}", operator=operator)
+    kind = f"seek-index {INDEX_VERSION} {kind} {spacing}"
+    return _file_cache.stat_key(
+        path, info, kind, operator=operator, notes="seek", stat=_file_cache.stat_of(path)
+    )
 
 
 def _load(meta: str) -> SeekIndex | None:

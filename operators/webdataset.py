@@ -175,7 +175,9 @@ class ReadWebDataset(Source):
         info = files.stat(path, operator=self.operator_name)
         if info.size == 0:
             return self._walk(path)  # refuses it by name
-        name = f"tar-samples-{_file_cache.key(path, info, LISTING, operator=self.operator_name)}.json"
+        stat = _file_cache.stat_of(path)
+        key = _file_cache.stat_key(path, info, LISTING, operator=self.operator_name, notes="tar", stat=stat)
+        name = f"tar-samples-{key}.json"
         cached = _file_cache.load_json(name)
         if isinstance(cached, list) and all(type(o) is int for o in cached):
             return cached

@@ -253,7 +253,7 @@ def test_an_unchanged_file_is_listed_again_from_its_stat_and_a_replaced_one_is_n
     assert clips() == 3
     notes = list((tmp_path / "cache").glob("video-stat-*.json"))
     assert notes == []  # written under RACY_SECONDS ago: hashed at every listing
-    monkeypatch.setattr(_video_index, "RACY_SECONDS", -1.0)  # as if written long ago
+    monkeypatch.setattr(_file_cache, "RACY_SECONDS", -1.0)  # as if written long ago
     assert clips() == 3 and len(list((tmp_path / "cache").glob("video-stat-*.json"))) == 1
     hashed: list[str] = []
     real_key = _file_cache.key
