@@ -112,14 +112,14 @@ def owned_digests(
     return out, final
 
 
-def wait_for_snapshot_file(loader: OwnedLoader, owner: int) -> str:
-    """The snapshot file the coordinator keeps for ``owner`` (``snapshot_dir``), once it has
-    one: the first gather can take seconds on a loaded machine, and a test that kills the
+def wait_for_snapshot_file(coordinator: Any, owner: int) -> str:
+    """The snapshot file the coordinator actor keeps for ``owner`` (``snapshot_dir``), once it
+    has one: the first gather can take seconds on a loaded machine, and a test that kills the
     owner before it would see its replacement start from the run's first step."""
     import ray
 
     for _ in range(600):
-        kept = ray.get(loader._coordinator.snapshot_files.remote())
+        kept = ray.get(coordinator.snapshot_files.remote())
         if owner in kept:
             return str(kept[owner])
         time.sleep(0.1)
@@ -490,7 +490,7 @@ def test_an_owner_and_the_coordinator_killed_together_restart_from_the_owners_sn
         if step == 0:
             assert not stale.exists()  # (the folder also goes when the run ends)
         if step == 8:
-            wait_for_snapshot_file(loader, 1)
+            wait_for_snapshot_file(loader._coordinator, 1)
             pids = [loader.owner_pids()[1], loader.coordinator_pid()]
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
@@ -938,7 +938,7 @@ def test_owners_keep_their_snapshots_in_files_and_replacements_start_from_them(
 ) -> None:
     def kill_owner_1(step: int, loader: OwnedLoader) -> None:
         if step == 6:
-            wait_for_snapshot_file(loader, 1)
+            wait_for_snapshot_file(loader._coordinator, 1)
             os.kill(loader.owner_pids()[1], signal.SIGKILL)
         if step == 2 * STEPS - 1:  # the coordinator holds names, the files hold the states
             import ray
@@ -1012,10 +1012,7 @@ def test_served_ranks_read_on_when_an_owner_and_the_coordinator_die_together(
         for i in range(steps):
             if i == 40:  # past the 8 + 24 steps a rank may ask beyond step 0
                 coordinator = server._coordinator
-                for _ in range(600):  # its first snapshot file (seconds on a loaded machine)
-                    if 1 in ray.get(coordinator.snapshot_files.remote()):
-                        break
-                    time.sleep(0.1)
+                wait_for_snapshot_file(coordinator, 1)
                 pids = [server.owner_pids()[1], ray.get(coordinator.pid.remote())]
                 for pid in pids:
                     os.kill(pid, signal.SIGKILL)

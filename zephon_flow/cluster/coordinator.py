@@ -194,6 +194,7 @@ class Coordinator:
         self._floor = -1  # the last floor the owners were told
         self._packed: dict[int, PackedSnapshot] = {}  # owner -> its last snapshot, packed (pack)
         self._snap_files: dict[int, str] = {}  # owner -> the file of its last snapshot (store)
+        self._recovered: dict[int, LoaderState] = {}  # owner -> its file found at a restart, read
         self._closed = False
         self._gathering: set[int] = set()  # owners whose snapshot is being gathered
         self._address_of, self._alive = address_of, alive
@@ -234,7 +235,8 @@ class Coordinator:
     def _state_of(self, index: int) -> LoaderState | None:
         """The last gathered snapshot of owner ``index``'s lanes, as a state to start from."""
         if index in self._snap_files:  # written by the owner: read only to start its replacement
-            return load_state(self._snap_files[index], codecs=self.spec.compile().derived_codecs)
+            recovered = self._recovered.pop(index, None)  # (read once already when it was found)
+            return recovered or load_state(self._snap_files[index], codecs=self.spec.compile().derived_codecs)
         lanes = self._groups[index]
         states: dict[int, LaneState | None]
         if index in self._packed:  # kept packed: unpacked only to start its replacement
@@ -326,7 +328,7 @@ class Coordinator:
             if step < self.first_step:
                 continue
             try:
-                load_state(path, codecs=codecs)
+                self._recovered[index] = load_state(path, codecs=codecs)
             except Exception as exc:
                 _log.warning(
                     "%s: snapshot file %s does not load, passed over: %s", self._owner_name(index), path, exc
