@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -278,7 +278,7 @@ def _demux(
         )
         others = len(container.streams.video) - 1
         why = _other_streams(container, stream.index, number) if others else None
-        _check_length(index, container.duration, path, operator, why)
+        _check_length(index, container.duration, path, operator, why, lambda: _other_span(container, stream))
         return index
 
 
@@ -304,27 +304,58 @@ def _check_length(
     path: str,
     operator: str,
     others: tuple[str, str] | None = None,
+    other_span: Callable[[], float] | None = None,
 ) -> None:
     """Refuses a file whose frames end well before the length its header declares: a cut
     download or copy, whose missing tail would otherwise just quietly be fewer clips.
     ``others``: for a file with other video streams, what to say of the stream read (see
-    ``_other_streams``)."""
-    if not duration_us:
+    ``_other_streams``). ``other_span``: how long the file's other (audio, subtitle) streams
+    run; a header's length they reach is theirs (a soundtrack running past the last frame),
+    not a cut. A lone frame has no duration to judge by: such a file is refused, if at all,
+    for having no whole clip (unless it has other video streams: a cover stored as a track)."""
+    if not duration_us or (len(index.pts) < 2 and others is None):
         return
     declared = duration_us / 1_000_000
     step = index.seconds(index.pts[-1]) / max(1, len(index.pts) - 1)
     seen = index.seconds(index.pts[-1]) + step
-    if declared - seen > max(2 * step, 0.02 * declared):
-        if others is not None:
-            stream, how = others
-            raise DataError(
-                f"{operator}: {path} is truncated, or {stream}: its header says {declared:.3f} s "
-                f"but that stream's frames end at {seen:.3f} s ({how})"
-            )
+    tolerance = max(2 * step, 0.02 * declared)
+    if declared - seen <= tolerance:
+        return
+    if others is not None:
+        stream, how = others
         raise DataError(
-            f"{operator}: {path} is truncated: its header says {declared:.3f} s but its video "
-            f"frames end at {seen:.3f} s"
+            f"{operator}: {path} is truncated, or {stream}: its header says {declared:.3f} s "
+            f"but that stream's frames end at {seen:.3f} s ({how})"
         )
+    if other_span is not None and declared - other_span() <= tolerance:
+        return
+    raise DataError(
+        f"{operator}: {path} is truncated: its header says {declared:.3f} s but its video "
+        f"frames end at {seen:.3f} s"
+    )
+
+
+def _other_span(container: Any, video: Any) -> float:
+    """The longest time any stream but ``video`` (and other video streams) runs, in seconds
+    from its first packet to its last packet's end, demuxed from the start (0 if there is none
+    or it cannot be read): asked only when the video ends well before the header's length."""
+    streams = [s for s in container.streams if s.type not in ("video", "attachment")]
+    if not streams:
+        return 0.0
+    first: dict[int, int] = {}
+    end: dict[int, int] = {}
+    try:
+        container.seek(0, backward=True, any_frame=False)
+        for packet in container.demux(*streams):
+            if packet.size == 0 or packet.pts is None:
+                continue
+            i = packet.stream.index
+            first.setdefault(i, int(packet.pts))
+            end[i] = max(end.get(i, 0), int(packet.pts) + int(packet.duration or 0))
+    except pyav().error.FFmpegError:
+        return 0.0
+    spans = [float((end[i] - first[i]) * container.streams[i].time_base) for i in end]
+    return max(spans, default=0.0)
 
 
 def ffmpeg_reason(exc: BaseException) -> str:

@@ -121,7 +121,8 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         container, stream = self._opened(path, operator, plan.member, plan.stream)
         try:
             # From the plan's key frame; if the demuxer lands after the clip's first frame (an
-            # index coarser than the packets'), from the start: either way a function of the file.
+            # index coarser than the packets'), or the decode from it fails (an open GOP's key
+            # frame, see ``_pass``), from the start: either way a function of the file.
             for seek in (plan.seek, None):
                 if self._pass(container, stream, seek, wanted, got, path, where) or seek is None:
                     break
@@ -216,7 +217,11 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         where: str,
     ) -> bool:
         """Decodes from key frame ``seek`` (None: the stream's start) until the last wanted frame;
-        False if the first frame decoded comes after the first wanted one."""
+        False if the first frame decoded comes after the first wanted one, or if decoding from
+        ``seek`` fails: an H.264 open GOP's key frame (a recovery point, not an IDR frame) is
+        followed by frames whose reference lists name pictures before it, which FFmpeg's
+        ``err_detect=explode`` refuses although they are never used, so such a clip is decoded
+        from the stream's start instead (damage then raises there, naming the clip)."""
         last, first = max(wanted), min(wanted)
         try:
             if seek is None:
@@ -238,10 +243,13 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                         "decodes corrupt"
                     )
                 if frame.pts in wanted:
+                    _check_palette(frame, path, where)
                     got[frame.pts] = self._pixels(frame, path, where, turns)
                 if frame.pts >= last:
                     break
         except pyav().error.FFmpegError as exc:
+            if seek is not None:
+                return False
             raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {ffmpeg_reason(exc)}") from exc
         return True
 
@@ -256,6 +264,18 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         if self.resizer is not None:  # a filter swscale lacks: Pillow's
             return self.resizer.resize(np.ascontiguousarray(arr), f"{where} of {path}")
         return arr
+
+
+def _check_palette(frame: Any, path: str, where: str) -> None:
+    """Refuses a palette frame (``pal8``: QuickTime Animation, 8-bit RLE) without a palette. A
+    demuxer such as the ``.mov`` one sends a palette once, with the stream's first packet; a
+    seek drops it, and the frames decode against an all-zero palette (black), silently."""
+    if frame.format.name == "pal8" and not any(bytes(frame.planes[1])):
+        raise DataError(
+            f"DecodeVideo: {path} is a palette video (pal8) whose palette comes once, with its "
+            f"first packet, and is lost on a seek: {where} would decode black; convert the file "
+            "(to H.264 or FFV1, say) to read it by clips"
+        )
 
 
 #: A display matrix's 2x2 part ``(a, b, c, d)`` (FFmpeg's ``int32[9]``, 16.16 fixed point, entries

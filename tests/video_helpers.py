@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import apache_beam as beam
 import av
@@ -37,16 +38,26 @@ def make_video(
     codec: str | None = None,
     rotation: int = 0,
     times: Sequence[float] | None = None,
+    pix_fmt: str = "yuv420p",
+    options: dict[str, str] | None = None,
+    audio_seconds: float | None = None,
 ) -> Path:
-    """Writes a small video; ``times`` (seconds, ascending) gives a variable frame rate."""
+    """Writes a small video; ``times`` (seconds, ascending) gives a variable frame rate,
+    ``options`` the encoder's (over libx264's defaults here), ``audio_seconds`` a silent AAC
+    track of that length after the video's."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec or CODECS[path.suffix], rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         stream.codec_context.gop_size = gop
         stream.codec_context.thread_count = 1
-        if stream.codec_context.name == "libx264":
-            stream.codec_context.options = {"bf": "2", "sc_threshold": "0", "keyint_min": str(gop)}
+        defaults = {"bf": "2", "sc_threshold": "0", "keyint_min": str(gop)}
+        if stream.codec_context.name == "libx264" or options:
+            stream.codec_context.options = {
+                **(defaults if stream.codec_context.name == "libx264" else {}),
+                **(options or {}),
+            }
+        sound = None if audio_seconds is None else container.add_stream("aac", rate=8000)
         if times is not None:
             stream.codec_context.time_base = Fraction(1, 1000)
         if rotation:
@@ -57,7 +68,20 @@ def make_video(
                 frame.pts, frame.time_base = round(times[i] * 1000), Fraction(1, 1000)
             container.mux(stream.encode(frame))
         container.mux(stream.encode())
+        if sound is not None:
+            mux_silence(container, sound, audio_seconds or 0.0)
     return path
+
+
+def mux_silence(container: Any, stream: Any, seconds: float) -> None:
+    """``seconds`` of silence on the audio ``stream`` (8 kHz mono)."""
+    samples, rate = round(seconds * 8000), 8000
+    for t in range(0, samples, 1024):
+        n = min(1024, samples - t)
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, n), np.float32), format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = rate, t
+        container.mux(stream.encode(frame))
+    container.mux(stream.encode())
 
 
 def write_videos(root: Path, n: int, *, frames: int = 24, ext: str = ".mp4", captions: bool = True) -> str:
