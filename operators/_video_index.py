@@ -23,7 +23,7 @@ from zephon_flow.operators import _file_cache
 from zephon_flow.operators._video_tar import Member, MemberFile
 
 #: The cached index's kind and version: bumped when what it holds or how it is read changes.
-LISTING = "video-index 3"
+LISTING = "video-index 4"
 #: The container extensions ``ReadVideo`` is meant for (the glob decides what is read).
 EXTENSIONS = (".mp4", ".mkv", ".webm", ".mov")
 
@@ -259,7 +259,7 @@ def _demux(
                 if packet.is_keyframe:  # a decode may start there, even if its frame is not shown
                     keys.add(int(pts))
                 if not packet.is_discard:  # before an edit list's start (a trimmed .mp4):
-                    stamps.add(int(pts))  # decoded for what follows, never shown
+                    _add_stamp(stamps, int(pts), path, operator)  # decoded for what follows, never shown
         except av.error.FFmpegError as exc:
             raise DataError(f"{operator}: {path} cannot be demuxed (damaged?): {ffmpeg_reason(exc)}") from exc
         if not stamps or not keys:
@@ -280,6 +280,19 @@ def _demux(
         why = _other_streams(container, stream.index, number) if others else None
         _check_length(index, container.duration, path, operator, why, lambda: _other_span(container, stream))
         return index
+
+
+def _add_stamp(stamps: set[int], pts: int, path: str, operator: str) -> None:
+    """Adds a shown frame's timestamp, refusing one seen before: two frames at one time (files
+    joined end to end, timestamps restarting) cannot be told apart by a plan or a seek, which
+    would quietly take one of them."""
+    if pts in stamps:
+        raise DataError(
+            f"{operator}: {path} has two video frames at pts {pts}: its timestamps repeat (files "
+            "joined end to end, or a damaged stream), so its frames cannot be found by time; "
+            "remux it with fresh timestamps"
+        )
+    stamps.add(pts)
 
 
 def _other_streams(container: Any, read: int, asked: int | None) -> tuple[str, str]:

@@ -217,8 +217,10 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         where: str,
     ) -> bool:
         """Decodes from key frame ``seek`` (None: the stream's start) until the last wanted frame;
-        False if the first frame decoded comes after the first wanted one, or if decoding from
-        ``seek`` fails: an H.264 open GOP's key frame (a recovery point, not an IDR frame) is
+        False if the first frame decoded comes after the first wanted one, or a wanted frame is
+        not decoded (an MPEG-TS seek can land on a frame after the key frame: the decoder waits
+        for the next key frame, perhaps past the clip), or if decoding from ``seek`` fails: an
+        H.264 open GOP's key frame (a recovery point, not an IDR frame) is
         followed by frames whose reference lists name pictures before it, which FFmpeg's
         ``err_detect=explode`` refuses although they are never used, so such a clip is decoded
         from the stream's start instead (damage then raises there, naming the clip)."""
@@ -251,7 +253,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
             if seek is not None:
                 return False
             raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {ffmpeg_reason(exc)}") from exc
-        return True
+        return seek is None or wanted <= got.keys()
 
     def _pixels(self, frame: Any, path: str, where: str, known: dict[int, int]) -> np.ndarray:
         """One kept frame, upright, resized: a view (the clip's ``np.stack`` is its one copy)."""

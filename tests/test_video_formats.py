@@ -109,3 +109,36 @@ def test_a_one_frame_video_is_one_clip_of_one_frame_not_a_cut(tmp_path: Path) ->
     (plan,) = ops.ReadVideo(str(path), clip_frames=1).clips(str(path))
     frames = ops.DecodeVideo().decode(str(path), plan)
     assert np.array_equal(frames[0], next(iter(linear(path).values())))
+
+
+def test_a_clip_whose_mpeg_ts_seek_lands_past_its_key_frame_is_decoded_from_the_start(
+    tmp_path: Path,
+) -> None:
+    # MPEG-TS has no index: a seek to a key frame's time can land on a later frame, and the
+    # decoder then waits for the next key frame, here past the clip: "did not give 4 of the 4
+    # frames of clip 6 (1.920s to 2.240s)".
+    path = make_video(tmp_path / "a.ts", 60, width=160, height=120, fps=25, gop=12, codec="libx264")
+    plans = ops.ReadVideo(str(path), clip_frames=8, frames=4).clips(str(path))
+    whole = linear(path)
+    decoder = ops.DecodeVideo()
+    for plan in plans:
+        frames = decoder.decode(str(path), plan)
+        assert np.array_equal(frames, np.stack([whole[p] for p in plan.pts])), plan.clip
+
+
+def test_repeated_timestamps_are_refused_at_listing(tmp_path: Path) -> None:
+    # Two MPEG-TS files joined end to end: the second's timestamps start again, so two frames
+    # share each pts. They were listed (one of each pair planned) and decoded as whichever the
+    # seek met first, silently.
+    one = make_video(tmp_path / "src" / "1.ts", 16, codec="mpeg2video").read_bytes()
+    two = make_video(tmp_path / "src" / "2.ts", 16, codec="mpeg2video", seed=5).read_bytes()
+    path = tmp_path / "joined.ts"
+    path.write_bytes(one + two)
+    with pytest.raises(DataError) as info:
+        ops.ReadVideo(str(path), clip_frames=8).splits(1)
+    assert re.fullmatch(
+        rf"ReadVideo\('ReadVideo'\): {re.escape(str(path))} has two video frames at pts \d+: its "
+        r"timestamps repeat \(files joined end to end, or a damaged stream\), so its frames cannot "
+        r"be found by time; remux it with fresh timestamps",
+        str(info.value),
+    )
