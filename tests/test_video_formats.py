@@ -47,6 +47,43 @@ def test_clips_of_an_open_gop_h264_video_equal_the_linear_decode(tmp_path: Path,
         assert np.array_equal(frames, np.stack([whole[p] for p in plan.pts])), plan.clip
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        OPEN_GOP,
+        {"bf": "3", "x264-params": "open-gop=1:b-pyramid=normal"},
+        {"bf": "5", "x264-params": "open-gop=1:ref=6"},
+    ],
+    ids=["bframes", "pyramid", "refs"],
+)
+def test_an_open_gop_clip_is_decoded_from_a_key_frame_near_it_not_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, options: dict[str, str]
+) -> None:
+    # Decoding every such clip from the stream's start cost more the later the clip: a clip
+    # near the end of a long video would decode the whole video. Frames shown before the
+    # clip's key frame may fail (their references are gone); a frame of the clip that fails
+    # is decoded again from one key frame earlier, where its listed references exist.
+    path = make_video(tmp_path / "a.mkv", 120, gop=10, width=160, height=120, options=options)
+    plans = ops.ReadVideo(str(path), clip_frames=8, frames=4).clips(str(path))
+    seeks: list[int | None] = []
+    real = ops.DecodeVideo._pass
+
+    def spy(
+        self: ops.DecodeVideo, container: object, stream: object, seek: int | None, *rest: object
+    ) -> object:
+        seeks.append(seek)
+        return real(self, container, stream, seek, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops.DecodeVideo, "_pass", spy)
+    whole = linear(path)
+    decoder = ops.DecodeVideo()
+    for plan in plans:
+        frames = decoder.decode(str(path), plan)
+        assert np.array_equal(frames, np.stack([whole[p] for p in plan.pts])), plan.clip
+    assert None not in seeks
+    assert len(seeks) > len(plans)  # some clips did go back a key frame
+
+
 def test_damage_in_an_open_gop_is_still_refused_naming_the_clip(tmp_path: Path) -> None:
     path = make_video(tmp_path / "a.mkv", 48, gop=8, width=160, height=120, options=OPEN_GOP)
     plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
