@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    .venv/bin/python -m bench.video                    # 240p H.264, 360p VP9, 720p H.264
+    .venv/bin/python -m bench.video                    # 240p H.264, 360p VP9, 720p and 1080p H.264
     .venv/bin/python -m bench.video --configs 240p-h264 --repeats 5
     .venv/bin/python -m bench.video --quick            # a smoke run
     .venv/bin/python -m bench.video --first-only --configs 240p-h264 --first-batch 7
@@ -410,7 +410,9 @@ def run_config(
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", default="240p-h264,360p-vp9,720p-h264", help=f"of {sorted(CONFIGS)}")
+    parser.add_argument(
+        "--configs", default="240p-h264,360p-vp9,720p-h264,1080p-h264", help=f"of {sorted(CONFIGS)}"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--procs", type=int, default=2)
     parser.add_argument("--passes", type=int, default=3, help="times each contender decodes every clip")
