@@ -22,6 +22,7 @@ import io
 import json
 import random
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -123,34 +124,51 @@ def make_spec(data: Path, images: int) -> tuple[zf.LoaderSpec, int, int]:
 
 # -- the model ---------------------------------------------------------------------------------
 class TinyVLM(nn.Module):
-    def __init__(self, vocab: int, image_id: int, dim: int = 64, heads: int = 4, layers: int = 2) -> None:
+    """A small causal transformer whose placeholder tokens (``image_id``) are replaced by the
+    embeddings ``embed_media`` gives (``train_tiny_video.py`` overrides it for video frames)."""
+
+    def __init__(
+        self,
+        vocab: int,
+        image_id: int,
+        dim: int = 64,
+        heads: int = 4,
+        layers: int = 2,
+        *,
+        seq_len: int = SEQ_LEN,
+        patch_values: int = PATCH * PATCH * 3,
+    ) -> None:
         super().__init__()
-        self.image_id = image_id
+        self.image_id, self.seq_len = image_id, seq_len
         self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Embedding(SEQ_LEN, dim)
-        self.patches = nn.Linear(PATCH * PATCH * 3, dim)
+        self.positions = nn.Embedding(seq_len, dim)
+        self.patches = nn.Linear(patch_values, dim)
         layer = nn.TransformerEncoderLayer(
             dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
         )
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        ids = batch["input_ids"].long()
-        x = self.tokens(ids) + self.positions(batch["position_ids"].long())
+    def embed_media(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each row's image tokens, in placeholder order: ``[B, max_images * 4, dim]``."""
         images = batch["images"].float() / 255.0  # [B, max_images, H, W, C]
         b, m = images.shape[:2]
         patches = images.reshape(b, m, SIZE // PATCH, PATCH, SIZE // PATCH, PATCH, 3)
         patches = patches.permute(0, 1, 2, 4, 3, 5, 6).reshape(b, m * TOKENS_PER_IMAGE, -1)
-        embedded = self.patches(patches)  # the image tokens of each row, in placeholder order
+        return self.patches(patches)  # type: ignore[no-any-return]
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        ids = batch["input_ids"].long()
+        x = self.tokens(ids) + self.positions(batch["position_ids"].long())
+        embedded = self.embed_media(batch)
         slots = ids == self.image_id
-        for row in range(b):
+        for row in range(ids.shape[0]):
             count = int(slots[row].sum())
             x[row, slots[row]] = embedded[row, :count]
         seg = batch["segment_ids"].long()
-        causal = torch.ones(SEQ_LEN, SEQ_LEN, dtype=torch.bool).tril()
+        causal = torch.ones(self.seq_len, self.seq_len, dtype=torch.bool).tril()
         allowed = causal & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
-        allowed |= torch.eye(SEQ_LEN, dtype=torch.bool)  # padding attends to itself
+        allowed |= torch.eye(self.seq_len, dtype=torch.bool)  # padding attends to itself
         mask = ~allowed.repeat_interleave(self.blocks.layers[0].self_attn.num_heads, dim=0)
         return self.head(self.blocks(x, mask=mask))  # type: ignore[no-any-return]
 
@@ -173,8 +191,21 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = Path(args.out)
     spec, vocab, image_id = make_spec(out / "data", args.images)
     model = TinyVLM(vocab, image_id)
+    return fit(ZephonDataset.from_loader(spec), model, lambda batch: loss_of(model, batch), args)
+
+
+def fit(
+    ds: ZephonDataset,
+    model: nn.Module,
+    loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    args: argparse.Namespace,
+) -> list[dict[str, Any]]:
+    """Trains ``model`` on ``ds``'s batches to step ``args.steps`` (resuming from
+    ``args.resume`` if given), a DCP checkpoint of model, optimizer and data every
+    ``args.checkpoint_every`` steps under ``args.out``; the step, loss and batch digest of each
+    step go to ``args.out/log.jsonl`` and are returned. ``train_tiny_video.py`` trains with it too."""
+    out = Path(args.out)
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    ds = ZephonDataset.from_loader(spec)
     if args.resume:
         # get_state_dict gives the optimizer's state its full shape (moments included) to load into.
         model_state, optim_state = get_state_dict(model, optim)
@@ -187,7 +218,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         for step, batch in DataLoader(ds, batch_size=None, num_workers=0):
             if step >= args.steps:
                 break
-            loss = loss_of(model, batch)
+            loss = loss_fn(batch)
             optim.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
             optim.step()
@@ -203,13 +234,19 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     return logged
 
 
-def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(description="train a tiny VLM from zephon-flow on CPU")
+def arguments(description: str, out: str) -> argparse.ArgumentParser:
+    """The options of a training run (``fit``'s); the caller adds its data's."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--checkpoint-every", type=int, default=10)
-    parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--out", default="run-vlm")
+    parser.add_argument("--out", default=out)
     parser.add_argument("--resume", help="a checkpoint directory OUT/step-NNNNNN")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = arguments("train a tiny VLM from zephon-flow on CPU", "run-vlm")
+    parser.add_argument("--images", type=int, default=256)
     args = parser.parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     return train(args)

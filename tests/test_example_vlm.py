@@ -1,38 +1,32 @@
-"""examples/train_tiny_vlm.py trains, checkpoints, and resumes on the same batches and losses."""
+"""examples/train_tiny_vlm.py and examples/train_tiny_video.py train, checkpoint, and resume on the same batches and losses."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_tiny_vlm.py"
-
-
-def example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_tiny_vlm", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train_tiny_vlm"] = module
-    spec.loader.exec_module(module)
-    return module
+from example_helpers import load_example
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 @pytest.mark.filterwarnings("ignore:Detected an existing checkpoint:UserWarning")
-def test_a_resumed_run_sees_the_same_batches_and_losses(tmp_path: Path) -> None:
-    vlm = example()
+@pytest.mark.parametrize(
+    ("stem", "data"),
+    [("train_tiny_vlm", ["--images", "32"]), ("train_tiny_video", ["--videos", "8"])],
+    ids=["images", "video"],
+)
+def test_a_resumed_run_sees_the_same_batches_and_losses(tmp_path: Path, stem: str, data: list[str]) -> None:
+    if stem == "train_tiny_video":
+        pytest.importorskip("av")
+    example = load_example(stem)
     out = tmp_path / "run"
-    args = ["--steps", "4", "--checkpoint-every", "2", "--images", "32", "--out", str(out)]
-    first = vlm.main(args)
+    args = ["--steps", "4", "--checkpoint-every", "2", *data, "--out", str(out)]
+    first = example.main(args)
     assert [r["step"] for r in first] == [0, 1, 2, 3]
     assert (out / "step-000002").is_dir() and (out / "step-000004").is_dir()
     assert first[-1]["loss"] < first[0]["loss"]  # it learns something
-    resumed = vlm.main([*args, "--resume", str(out / "step-000002")])
+    resumed = example.main([*args, "--resume", str(out / "step-000002")])
     assert [r["step"] for r in resumed] == [2, 3]
     assert [r["digest"] for r in resumed] == [r["digest"] for r in first[2:]]
     assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in first[2:]], rel=1e-6)

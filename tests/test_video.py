@@ -8,7 +8,7 @@ from typing import Any
 import av
 import numpy as np
 import pytest
-from video_helpers import make_video
+from video_helpers import decode_failures, garble, linear, make_video
 
 from zephon_flow import operators as ops
 from zephon_flow.core.errors import DataError, SpecError
@@ -22,14 +22,6 @@ from zephon_flow.operators.video_source import ClipPlan
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def linear(path: Path) -> dict[int, np.ndarray]:
-    """Every frame of the file decoded front to back, by pts."""
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        stream.codec_context.thread_type = "NONE"
-        return {f.pts: rgb(f).copy() for f in container.decode(stream)}
 
 
 def elements(source: ops.ReadVideo, lanes: int = 1, position: int = START) -> list[dict[str, Any]]:
@@ -373,16 +365,8 @@ def test_bad_files_are_refused_by_name_at_listing(tmp_path: Path) -> None:
 def test_damage_inside_a_clip_is_a_data_error_naming_file_and_clip(tmp_path: Path) -> None:
     path = make_video(tmp_path / "a.mkv", 40)
     plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
-    data = bytearray(path.read_bytes())
-    for i in range(len(data) // 2, len(data) // 2 + 300):
-        data[i] = (data[i] * 7 + 13) % 256
-    path.write_bytes(bytes(data))  # damaged after listing
-    failed = []
-    for plan in plans:
-        try:
-            ops.DecodeVideo().decode(str(path), plan)
-        except DataError as exc:
-            failed.append(str(exc))
+    garble(path)  # damaged after listing
+    failed = decode_failures(path, plans)
     assert failed and all(f.startswith("DecodeVideo: ") and str(path) in f for f in failed)
     assert any("clip 2 (2.000s to 3.000s)" in f for f in failed)
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
-from video_helpers import make_video
+from video_helpers import decode_failures, garble, linear, make_video
 
 from zephon_flow import operators as ops
 from zephon_flow.core.errors import DataError
-from zephon_flow.operators._video_scale import rgb
 
 #: x264's open GOPs (its wrapper has no option of that name: x264's own parameter).
 OPEN_GOP = {"bf": "3", "x264-params": "open-gop=1"}
@@ -22,14 +20,6 @@ OPEN_GOP = {"bf": "3", "x264-params": "open-gop=1"}
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ZEPHON_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def linear(path: Path) -> dict[int, np.ndarray]:
-    """Every frame of the file decoded front to back, by pts."""
-    with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        stream.codec_context.thread_type = "NONE"
-        return {f.pts: rgb(f).copy() for f in container.decode(stream)}
 
 
 @pytest.mark.parametrize("ext", [".mp4", ".mkv"])
@@ -87,16 +77,8 @@ def test_an_open_gop_clip_is_decoded_from_a_key_frame_near_it_not_the_start(
 def test_damage_in_an_open_gop_is_still_refused_naming_the_clip(tmp_path: Path) -> None:
     path = make_video(tmp_path / "a.mkv", 48, gop=8, width=160, height=120, options=OPEN_GOP)
     plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
-    data = bytearray(path.read_bytes())
-    for i in range(len(data) // 2, len(data) // 2 + 300):
-        data[i] = (data[i] * 7 + 13) % 256
-    path.write_bytes(bytes(data))
-    failed = []
-    for plan in plans:
-        try:
-            ops.DecodeVideo().decode(str(path), plan)
-        except DataError as exc:
-            failed.append(str(exc))
+    garble(path)
+    failed = decode_failures(path, plans)
     assert failed and all(f.startswith("DecodeVideo: ") and str(path) in f for f in failed)
     assert all(re.search(r"clip \d \(\d\.000s to \d\.000s\)", f) for f in failed)
 

@@ -13,6 +13,7 @@ import numpy as np
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
+from zephon_flow.operators._video_scale import rgb
 
 #: Encoders PyAV 18.1.0's wheels carry here, by container.
 CODECS = {".mp4": "libx264", ".mkv": "libx264", ".webm": "libvpx-vp9", ".mov": "mpeg4"}
@@ -127,3 +128,33 @@ def video_spec(
         )
 
     return zf.LoaderSpec(build, lanes=lanes, seed=seed, global_batch_size=global_batch_size)
+
+
+def linear(path: Path) -> dict[int, np.ndarray]:
+    """Every frame of the file decoded front to back (single-threaded), by pts."""
+    with av.open(str(path)) as container:
+        stream = container.streams.video[0]
+        stream.codec_context.thread_type = "NONE"
+        return {f.pts: rgb(f).copy() for f in container.decode(stream)}
+
+
+def garble(path: Path, count: int = 300) -> None:
+    """Overwrites ``count`` bytes in the middle of ``path`` with other values (damage a
+    decoder meets inside the frames, not in the container's header)."""
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + count):
+        data[i] = (data[i] * 7 + 13) % 256
+    path.write_bytes(bytes(data))
+
+
+def decode_failures(path: Path, plans: Sequence[Any]) -> list[str]:
+    """The ``DataError`` messages of the clips of ``plans`` that ``DecodeVideo`` refuses."""
+    from zephon_flow.core.errors import DataError
+
+    failed = []
+    for plan in plans:
+        try:
+            ops.DecodeVideo().decode(str(path), plan)
+        except DataError as exc:
+            failed.append(str(exc))
+    return failed
