@@ -122,7 +122,6 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
             where = f"{where} of member {plan.member.name!r}"
         operator = f"DecodeVideo [{where}]"
         wanted = set(plan.pts)
-        got: dict[int, np.ndarray] = {}
         container, stream = self._opened(path, operator, plan.member, plan.stream)
         try:
             got = self._clip_frames(container, stream, plan, wanted, path, where)

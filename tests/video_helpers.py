@@ -13,6 +13,7 @@ import numpy as np
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
+from zephon_flow.core.errors import DataError
 from zephon_flow.operators._video_scale import rgb
 
 #: Encoders PyAV 18.1.0's wheels carry here, by container.
@@ -149,8 +150,6 @@ def garble(path: Path, count: int = 300) -> None:
 
 def decode_failures(path: Path, plans: Sequence[Any]) -> list[str]:
     """The ``DataError`` messages of the clips of ``plans`` that ``DecodeVideo`` refuses."""
-    from zephon_flow.core.errors import DataError
-
     failed = []
     for plan in plans:
         try:

@@ -236,7 +236,9 @@ class Coordinator:
         """The last gathered snapshot of owner ``index``'s lanes, as a state to start from."""
         if index in self._snap_files:  # written by the owner: read only to start its replacement
             recovered = self._recovered.pop(index, None)  # (read once already when it was found)
-            return recovered or load_state(self._snap_files[index], codecs=self.spec.compile().derived_codecs)
+            if recovered is not None:
+                return recovered
+            return load_state(self._snap_files[index], codecs=self.spec.compile().derived_codecs)
         lanes = self._groups[index]
         states: dict[int, LaneState | None]
         if index in self._packed:  # kept packed: unpacked only to start its replacement
