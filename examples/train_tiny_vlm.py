@@ -225,6 +225,7 @@ def fit(
             digest = zf.batch_digest({k: v.numpy() for k, v in batch.items()})
             logged.append({"step": step, "loss": loss.item(), "digest": digest})
             log.write(json.dumps(logged[-1]) + "\n")
+            log.flush()  # a run killed later keeps its lines (to compare with the resumed run)
             if (step + 1) % args.checkpoint_every == 0:
                 where = out / f"step-{step + 1:06d}"
                 model_state, optim_state = get_state_dict(model, optim)
