@@ -61,6 +61,11 @@ class VideoIndex:
         i = bisect.bisect_right(self.keys, pts) - 1
         return self.keys[max(i, 0)]
 
+    def keys_before(self, key: int, count: int) -> tuple[int, ...]:
+        """Up to ``count`` key frames before the key frame ``key``, nearest first."""
+        i = bisect.bisect_left(self.keys, key)
+        return tuple(reversed(self.keys[max(0, i - count) : i]))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "time_base": list(self.time_base),
@@ -278,8 +283,23 @@ def _demux(
         )
         others = len(container.streams.video) - 1
         why = _other_streams(container, stream.index, number) if others else None
-        _check_length(index, container.duration, path, operator, why, lambda: _other_span(container, stream))
+        length = _declared_length(container, index)
+        _check_length(index, length, path, operator, why, lambda: _other_span(container, stream))
         return index
+
+
+def _declared_length(container: Any, index: VideoIndex) -> int | None:
+    """The length the file's header declares, in microseconds from the video's first frame (None
+    if it declares none). A Matroska segment's Duration counts from timestamp 0, not from the
+    first frame (FFmpeg reports it as is): a file whose frames start at 5 s and end at 17 s
+    declares 17 s, and was refused as cut short ("its header says 17.000 s but its video frames
+    end at 12.000 s"). Other containers' lengths (MP4, MPEG-TS) count from the first frame."""
+    duration = container.duration
+    if not duration or "matroska" not in container.format.name:
+        return int(duration) if duration else None
+    num, den = index.time_base
+    first_us = max(0, index.pts[0] * num * 1_000_000 // den)
+    return max(0, int(duration) - first_us)
 
 
 def _add_stamp(stamps: set[int], pts: int, path: str, operator: str) -> None:

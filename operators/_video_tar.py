@@ -35,7 +35,15 @@ class Member(NamedTuple):
 
     @property
     def ext(self) -> str:
+        """The WebDataset extension: the basename after its first dot (``a.b.mp4``: ``b.mp4``)."""
         return self.name.rpartition("/")[2].partition(".")[2].lower()
+
+    @property
+    def is_video(self) -> bool:
+        """Whether the member is a video: the last part of its extension says so, as WebDataset's
+        decoders read it (``a.b.mp4``, key ``a``, field ``b.mp4``, is an MP4; it was passed over
+        silently when its whole extension was matched)."""
+        return self.ext.rpartition(".")[2] in VIDEO_EXTENSIONS
 
 
 def is_shard(path: str) -> bool:
@@ -61,7 +69,7 @@ def shard_videos(path: str, caption_ext: str | None, operator: str) -> list[tupl
     its key with extension ``caption_ext``; None without one asked for)."""
     shard = members(path, operator)
     out: list[tuple[Member, Member | None]] = []
-    for video in (m for m in shard if m.ext in VIDEO_EXTENSIONS):
+    for video in (m for m in shard if m.is_video):
         text = None
         if caption_ext:
             text = next((m for m in shard if m.key == video.key and m.ext == caption_ext.lower()), None)

@@ -27,9 +27,6 @@ from zephon_flow.operators.video_source import PLAN_FIELD, ClipPlan
 KEPT_CONTAINERS = 4
 KEPT_PIXELS = 4 * 1920 * 1080
 KEPT_CONTAINERS_MAX = 16
-#: Key frames before a clip's own that its decode goes back to, one at a time, when decoding from
-#: its own fails (an H.264 open GOP, see ``DecodeVideo._clip_frames``), before the stream's start.
-BACK_KEYS = 2
 #: How a decode pass went (``DecodeVideo._pass``).
 _DONE, _MISSED, _FAILED = "done", "missed", "failed"
 #: What a kept container is kept under: the file, its tar member, the stream asked for.
@@ -207,28 +204,28 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
     def _clip_frames(
         self, container: Any, stream: Any, plan: ClipPlan, wanted: set[int], path: str, where: str
     ) -> dict[int, np.ndarray]:
-        """The wanted frames, decoded from the plan's key frame; failing that, from up to
-        ``BACK_KEYS`` key frames before it; failing that, from the stream's start. Every attempt
-        is a function of the file and the plan, so the frames are the same whoever decodes.
+        """The wanted frames, decoded from the plan's key frame; failing that, from the key
+        frames before it the plan names (``ClipPlan.earlier``), nearest first; failing that, from
+        the stream's start. Every attempt is a function of the file and the plan, so the frames
+        are the same whoever decodes, and each is a straight decode's: frames shown before the
+        plan's key frame are never kept.
 
-        An H.264 open GOP's key frame is a recovery point, not an IDR frame: the frames decoded
-        after it may list pictures before it as references (never used for its shown frames),
-        which FFmpeg's ``err_detect=explode`` refuses. Errors of frames shown before the plan's
-        key frame are passed over (they are not the clip's: a leading picture, or the GOP before
-        it); an error of a frame from the key frame on sends the decode one key frame further
-        back, where those references exist. A seek that lands past the clip's first frame, or
-        from which a wanted frame never comes (an MPEG-TS seek can land after the key frame: the
-        decoder then waits for the next one), is retried from the start."""
-        target: int | None = plan.seek
-        before: int | None = None  # where the pass before landed
-        for back in range(BACK_KEYS + 1):
+        Why an attempt fails or misses: an H.264 open GOP's key frame is a recovery point, not an
+        IDR frame, and the frames decoded after it may list pictures before it as references
+        (never used for its shown frames), which FFmpeg's ``err_detect=explode`` refuses. Errors
+        of frames shown before the plan's key frame are passed over (they are not the clip's: a
+        leading picture, or the GOP before it); an error of a frame from the key frame on sends
+        the decode one key frame further back, where those references exist. A container
+        without an index (MPEG-TS) seeks by decoding timestamp, not by key frame: a seek to a
+        key frame's pts lands on the packet decoded at that time, past the key frame itself when
+        B-frames make its decoding timestamp earlier than its pts (every clip of such a file),
+        and the decoder then waits for the next key frame. That misses the clip's first frame
+        (or never gives a wanted one): a seek to the key frame before lands early enough (its pts
+        is a GOP before), and what it decodes before the clip's key frame is passed over."""
+        for target in (plan.seek, *plan.earlier):
             got: dict[int, np.ndarray] = {}
-            outcome, landed = self._pass(container, stream, target, plan.seek, wanted, got, path, where)
-            if outcome == _DONE:
+            if self._pass(container, stream, target, plan.seek, wanted, got, path, where) == _DONE:
                 return got
-            if outcome == _MISSED or landed is None or landed == before or back == BACK_KEYS:
-                break
-            target, before = landed - 1, landed  # from the key frame before the one it landed on
         got = {}
         self._pass(container, stream, None, plan.seek, wanted, got, path, where)
         return got
@@ -243,14 +240,13 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         got: dict[int, np.ndarray],
         path: str,
         where: str,
-    ) -> tuple[str, int | None]:
-        """Decodes from the key frame at or before ``seek`` (None: the stream's start) until the
-        last wanted frame, into ``got``. Returns how it went (``_DONE``; ``_MISSED``: the first
-        frame from ``key`` on came after the first wanted one, or a wanted frame did not come;
-        ``_FAILED``: a frame from ``key`` on did not decode) and the pts of the first packet read
-        (where the seek landed). From the start, a failure raises ``DataError`` naming the clip."""
+    ) -> str:
+        """Decodes from where a seek to ``seek`` lands (None: the stream's start) until the last
+        wanted frame, into ``got``. Returns how it went: ``_DONE``; ``_MISSED``: the first frame
+        from ``key`` on came after the first wanted one, or a wanted frame did not come;
+        ``_FAILED``: a frame from ``key`` on did not decode. From the start, a failure raises
+        ``DataError`` naming the clip."""
         last, first = max(wanted), min(wanted)
-        landed: list[int | None] = []
         try:
             if seek is None:
                 container.seek(0, backward=True, any_frame=False)
@@ -258,13 +254,13 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                 container.seek(seek, stream=stream, backward=True, any_frame=False)
             started = False
             turns: dict[int, int] = {}  # this pass's display matrices, by PyAV's angle (quarter_turns)
-            for frame in _decoded(container, stream, key, landed):
+            for frame in _decoded(container, stream, key):
                 if frame.pts is None or frame.pts < key:
                     continue  # not the clip's (see _clip_frames)
                 if not started:
                     started = True
                     if frame.pts > first and seek is not None:
-                        return _MISSED, landed[0]
+                        return _MISSED
                 if frame.is_corrupt:
                     raise DataError(
                         f"DecodeVideo: {path} is damaged: the frame at pts {frame.pts} of {where} "
@@ -277,10 +273,9 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                     break
         except pyav().error.FFmpegError as exc:
             if seek is not None:
-                return _FAILED, landed[0] if landed else None
+                return _FAILED
             raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {ffmpeg_reason(exc)}") from exc
-        outcome = _DONE if seek is None or wanted <= got.keys() else _MISSED
-        return outcome, landed[0] if landed else None
+        return _DONE if seek is None or wanted <= got.keys() else _MISSED
 
     def _pixels(self, frame: Any, path: str, where: str, known: dict[int, int]) -> np.ndarray:
         """One kept frame, upright, resized: a view (the clip's ``np.stack`` is its one copy)."""
@@ -295,14 +290,12 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         return arr
 
 
-def _decoded(container: Any, stream: Any, key: int, landed: list[int | None]) -> Iterator[Any]:
+def _decoded(container: Any, stream: Any, key: int) -> Iterator[Any]:
     """The frames of ``stream`` from where the container's last seek landed, decoded packet by
-    packet; the first packet's pts goes into ``landed``. A packet that fails to decode raises
-    ``FFmpegError``, unless it is shown before ``key`` (not a frame of the clip being decoded)."""
+    packet. A packet that fails to decode raises ``FFmpegError``, unless it is shown before
+    ``key`` (not a frame of the clip being decoded)."""
     error = pyav().error.FFmpegError
     for packet in container.demux(stream):
-        if not landed:
-            landed.append(packet.pts)
         try:
             frames = packet.decode()
         except error:

@@ -31,6 +31,9 @@ WINDOWS = ("all", "random")
 KEPT_PLANS = 4
 #: The field of ``ReadVideo``'s elements holding the clip's decode plan (``DecodeVideo`` reads it).
 PLAN_FIELD = "clip_plan"
+#: Key frames before a clip's own that its plan names (``ClipPlan.earlier``): where its decode
+#: goes back to, one at a time, when decoding from its own fails or misses the clip's frames.
+BACK_KEYS = 2
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,11 @@ class ClipPlan:
     nbytes: int = 0
     #: The file's stream to decode (``ReadVideo(stream=)``); None: the rule of ``video_stream``.
     stream: int | None = None
+    #: Up to ``BACK_KEYS`` key frames before ``seek``, nearest first: where ``DecodeVideo`` starts
+    #: again when decoding from ``seek`` fails (an H.264 open GOP) or misses the clip's frames (an
+    #: MPEG-TS seek, by decoding timestamp, lands past a key frame whose B-frames precede it), so
+    #: that such a clip costs a GOP or two more, not a decode from the stream's start.
+    earlier: tuple[int, ...] = ()
 
 
 def _positive(name: str, value: Any, kind: type = int) -> Any:
@@ -241,16 +249,18 @@ class ReadVideo(Source):
         for clip, (a, b, t0, t1) in enumerate(windows):
             keep = self._sample(index, a, b, t0, t1)
             size = len(keep) * index.width * index.height * 3
+            seek = index.key_before(min(keep))
             out.append(
                 ClipPlan(
                     clip,
-                    index.key_before(min(keep)),
+                    seek,
                     keep,
                     index.time_base,
                     t0,
                     t1,
                     nbytes=size,
                     stream=self.stream,
+                    earlier=index.keys_before(seek, BACK_KEYS),
                 )
             )
         return out

@@ -43,12 +43,14 @@ def make_video(
     pix_fmt: str = "yuv420p",
     options: dict[str, str] | None = None,
     audio_seconds: float | None = None,
+    muxer: dict[str, str] | None = None,
 ) -> Path:
-    """Writes a small video; ``times`` (seconds, ascending) gives a variable frame rate,
-    ``options`` the encoder's (over libx264's defaults here), ``audio_seconds`` a silent AAC
-    track of that length after the video's."""
+    """Writes a small video; ``times`` (seconds, ascending) gives a variable frame rate (or a
+    late start), ``options`` the encoder's (over libx264's defaults here), ``audio_seconds`` a
+    silent AAC track of that length after the video's, ``muxer`` the container's options
+    (``{"movflags": "frag_keyframe+empty_moov"}``: a fragmented MP4)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", options=muxer or {}) as container:
         stream = container.add_stream(codec or CODECS[path.suffix], rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
         stream.codec_context.gop_size = gop
@@ -157,3 +159,20 @@ def decode_failures(path: Path, plans: Sequence[Any]) -> list[str]:
         except DataError as exc:
             failed.append(str(exc))
     return failed
+
+
+def frames_and_clip(element: dict[str, Any]) -> dict[str, Any]:
+    """A clip's frames and number: what ``clip_spec`` batches."""
+    return {"frames": element["frames"], "clip": np.int64(element["clip"])}
+
+
+def clip_spec(pattern: str, *, size: int = 16, lanes: int = 2, **read: Any) -> zf.LoaderSpec:
+    """``ReadVideo(pattern, **read) -> DecodeVideo(size) -> frames and clip number``, two clips a
+    global batch: a bare pipeline to compare topologies on odd files."""
+
+    def build(p: beam.Pipeline) -> beam.PCollection:
+        clips = p | "videos" >> ops.ReadVideo(pattern, **read)
+        decoded = clips | "decode" >> beam.ParDo(ops.DecodeVideo(size=size))
+        return decoded | "frames" >> beam.ParDo(ops.Map(frames_and_clip))
+
+    return zf.LoaderSpec(build, lanes=lanes, seed=0, global_batch_size=lanes)
