@@ -195,11 +195,18 @@ def describe_streams(container: Any) -> str:
 
 
 def read_index(
-    path: str, *, operator: str, max_pixels: int, member: Member | None = None, stream: int | None = None
+    path: str,
+    *,
+    operator: str,
+    max_pixels: int,
+    member: Member | None = None,
+    stream: int | None = None,
+    info: files.FileInfo | None = None,
 ) -> VideoIndex:
     """The index of the video stream of ``path`` (or of its tar ``member``) that ``video_stream``
-    chooses (``stream``: that stream), from the disk cache or by demuxing it."""
-    info = files.stat(path, operator=operator)
+    chooses (``stream``: that stream), from the disk cache or by demuxing it (``info``: the
+    file's ``files.stat``, if the caller has it)."""
+    info = info or files.stat(path, operator=operator)
     where = path if member is None else f"{path} member {member.name!r}"
     if info.size == 0 or (member is not None and member.size == 0):
         raise DataError(f"{operator}: {where} is empty (0 bytes), not a video; remove it or narrow the glob")

@@ -13,6 +13,7 @@ from typing import Any
 import apache_beam as beam
 import numpy as np
 
+from zephon_flow.core import files
 from zephon_flow.core.errors import DataError, SpecError
 from zephon_flow.operators._video_index import ffmpeg_reason, open_container, pyav, video_stream
 from zephon_flow.operators._video_scale import INTERPOLATION, SCALER, FrameScaler, rgb
@@ -119,11 +120,17 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
             where = f"{where} of member {plan.member.name!r}"
         operator = f"DecodeVideo [{where}]"
         wanted = set(plan.pts)
+        # The size is checked after a decode that gave the frames (a changed file that fails to
+        # decode says why first): a stat (2 us) per clip, a remote file's only at its opening.
+        key = (path, plan.member, plan.stream)
+        check = files.is_local(path) or not self._holds(key)
         container, stream = self._opened(path, operator, plan.member, plan.stream)
         try:
             got = self._clip_frames(container, stream, plan, wanted, path, where)
+            if check and wanted <= got.keys():
+                _unchanged(path, plan, where)
         except BaseException:
-            self._close_held((path, plan.member, plan.stream))  # the next clip opens the file afresh
+            self._close_held(key)  # the next clip opens the file afresh
             raise
         missing = sorted(wanted - set(got))
         if missing:
@@ -183,6 +190,11 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
             kept -= oldest[3]
         held[key] = (stack, container, stream, pixels)
         return container, stream
+
+    def _holds(self, key: _Held) -> bool:
+        """Whether this thread keeps ``key``'s container open."""
+        held: OrderedDict[_Held, Any] | None = getattr(self.__dict__.get("_held"), "videos", None)
+        return held is not None and key in held
 
     def _close_held(self, key: _Held | None = None) -> None:
         """Closes this thread's kept container of ``key`` (None: all of them)."""
@@ -303,6 +315,24 @@ def _decoded(container: Any, stream: Any, key: int) -> Iterator[Any]:
                 continue
             raise
         yield from frames
+
+
+def _unchanged(path: str, plan: ClipPlan, where: str) -> None:
+    """Refuses a file whose size is not the one its clips were planned from: replaced by another
+    video since (its frames at the planned timestamps are the other video's, and which clips got
+    which depended on when each was decoded), or still being written. Found replacing a listed
+    ``.mp4`` in place by another of the same frame rate: its clips decoded the new frames
+    silently. A rewrite of the same size is not seen (the time is not compared: a node's own
+    copy of a file, made without keeping times, is the same video)."""
+    if plan.size is None:
+        return
+    size = files.stat(path, operator="DecodeVideo").size
+    if size != plan.size:
+        raise DataError(
+            f"DecodeVideo: {path} has changed since its clips were listed ({size} bytes, listed at "
+            f"{plan.size}): {where} would be another video's frames; list the videos again (a new "
+            "Loader) once the file is complete"
+        )
 
 
 def _check_palette(frame: Any, path: str, where: str) -> None:

@@ -56,6 +56,10 @@ class ClipPlan:
     nbytes: int = 0
     #: The file's stream to decode (``ReadVideo(stream=)``); None: the rule of ``video_stream``.
     stream: int | None = None
+    #: The file's (a shard's) size in bytes when the clip was planned: ``DecodeVideo`` refuses a
+    #: file whose size has changed since (replaced by another video, or still being written), whose
+    #: frames at the planned timestamps would be another video's, silently. None: not checked.
+    size: int | None = None
     #: Up to ``BACK_KEYS`` key frames before ``seek``, nearest first: where ``DecodeVideo`` starts
     #: again when decoding from ``seek`` fails (an H.264 open GOP) or misses the clip's frames (an
     #: MPEG-TS seek, by decoding timestamp, lands past a key frame whose B-frames precede it), so
@@ -187,19 +191,28 @@ class ReadVideo(Source):
         at = (path, pass_index if self.window == "random" else 0)
         plans = self._plans.get(at)
         if plans is None:
-            plans = self._shard_clips(*at) if is_shard(path) else self._video_clips(*at, None)
+            info = files.stat(path, operator=self.operator_name)
+            plans = self._shard_clips(*at, info) if is_shard(path) else self._video_clips(*at, None, info)
             # Only the last few plans are kept (one timestamp per frame: a corpus of long
             # videos would not fit); assigned whole, as feeds list concurrently.
             kept = [(k, c) for k, c in self._plans.items() if k != at][-(KEPT_PLANS - 1) :]
             self._plans = {**dict(kept), at: plans}
         return plans
 
-    def _video_clips(self, path: str, pass_index: int, member: Member | None) -> list[ClipPlan]:
+    def _video_clips(
+        self, path: str, pass_index: int, member: Member | None, info: files.FileInfo
+    ) -> list[ClipPlan]:
+        """The clips of one video (``info``: the file's size and time, stat'ed once per file)."""
         index = read_index(
-            path, operator=self.operator_name, max_pixels=self.max_pixels, member=member, stream=self.stream
+            path,
+            operator=self.operator_name,
+            max_pixels=self.max_pixels,
+            member=member,
+            stream=self.stream,
+            info=info,
         )
         name = files.relative_name(path, self.pattern) + ("" if member is None else f"/{member.name}")
-        plans = self.plan(index, name, pass_index)
+        plans = [replace(p, size=info.size) for p in self.plan(index, name, pass_index)]
         if not plans:
             what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
             where = path if member is None else f"{path} member {member.name!r}"
@@ -209,11 +222,11 @@ class ReadVideo(Source):
             )
         return plans
 
-    def _shard_clips(self, path: str, pass_index: int) -> list[ClipPlan]:
+    def _shard_clips(self, path: str, pass_index: int, info: files.FileInfo) -> list[ClipPlan]:
         """The clips of every video member of a tar shard, in shard order."""
         plans: list[ClipPlan] = []
         for video, text in shard_videos(path, self.caption_ext, self.operator_name):
-            clips = self._video_clips(path, pass_index, video)
+            clips = self._video_clips(path, pass_index, video, info)
             plans += [replace(p, member=video, caption=text) for p in clips]
         if not plans:
             raise DataError(

@@ -137,3 +137,22 @@ def test_a_tar_member_named_with_several_dots_is_read_with_its_keys_caption(tmp_
         ("c.left.mkv", "c.txt"),
     ]
     assert_straight(shard, plans[2:], source=two)
+
+
+def test_a_video_replaced_after_listing_is_refused_naming_the_clip(tmp_path: Path) -> None:
+    # Rewritten in place by another video of the same frame rate and time base: the planned
+    # timestamps exist in it, and its clips decoded the new video's frames, silently (on a
+    # running loader, which clips got which depended on when each was decoded).
+    path = make_video(tmp_path / "a.mp4", 32)
+    plans = ops.ReadVideo(str(path), clip_frames=8).clips(str(path))
+    decoder = ops.DecodeVideo()
+    decoder.decode(str(path), plans[0])  # kept open by this thread: checked all the same
+    other = make_video(tmp_path / "src" / "b.mp4", 40, seed=4)
+    path.write_bytes(other.read_bytes())
+    with pytest.raises(DataError) as info:
+        decoder.decode(str(path), plans[2])
+    assert str(info.value) == (
+        f"DecodeVideo: {path} has changed since its clips were listed ({other.stat().st_size} bytes, "
+        f"listed at {plans[2].size}): clip 2 (2.000s to 3.000s) would be another video's frames; "
+        "list the videos again (a new Loader) once the file is complete"
+    )
