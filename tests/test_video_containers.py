@@ -153,6 +153,7 @@ def test_a_video_replaced_after_listing_is_refused_naming_the_clip(tmp_path: Pat
         decoder.decode(str(path), plans[2])
     assert str(info.value) == (
         f"DecodeVideo: {path} has changed since its clips were listed ({other.stat().st_size} bytes, "
-        f"listed at {plans[2].size}): clip 2 (2.000s to 3.000s) would be another video's frames; "
-        "list the videos again (a new Loader) once the file is complete"
+        f"listed at {plans[2].size}): refusing clip 2 (2.000s to 3.000s), planned from the file as "
+        "listed (replaced, or still being written?); list the videos again (a new Loader) once the "
+        "file is complete"
     )
