@@ -14,7 +14,7 @@ import apache_beam as beam
 import numpy as np
 
 from zephon_flow.core import files
-from zephon_flow.core.errors import DataError, SpecError
+from zephon_flow.core.errors import DataError, SpecError, StageError
 from zephon_flow.operators._video_index import ffmpeg_reason, open_container, pyav, video_stream
 from zephon_flow.operators._video_scale import INTERPOLATION, SCALER, FrameScaler, rgb
 from zephon_flow.operators._video_tar import Member
@@ -336,12 +336,14 @@ def _unchanged(path: str, plan: ClipPlan, where: str) -> None:
     which depended on when each was decoded), or still being written. Found replacing a listed
     ``.mp4`` in place by another of the same frame rate: its clips decoded the new frames
     silently. A rewrite of the same size is not seen (the time is not compared: a node's own
-    copy of a file, made without keeping times, is the same video)."""
+    copy of a file, made without keeping times, is the same video). Not a ``DataError``: the
+    file is not bad, it moved under a running pipeline, and ``on_error="skip"`` would drop
+    whichever clips happened to be decoded after the change, a stream that depends on timing."""
     if plan.size is None:
         return
     size = files.stat(path, operator="DecodeVideo").size
     if size != plan.size:
-        raise DataError(
+        raise StageError(
             f"DecodeVideo: {path} has changed since its clips were listed ({size} bytes, listed at "
             f"{plan.size}): refusing {where}, planned from the file as listed (replaced, or still "
             "being written?); list the videos again (a new Loader) once the file is complete"

@@ -15,7 +15,7 @@ from video_helpers import clip_spec, linear, make_video
 
 import zephon_flow as zf
 from zephon_flow import operators as ops
-from zephon_flow.core.errors import DataError
+from zephon_flow.core.errors import DataError, StageError
 from zephon_flow.engine.simulate import global_digests
 
 
@@ -149,7 +149,7 @@ def test_a_video_replaced_after_listing_is_refused_naming_the_clip(tmp_path: Pat
     decoder.decode(str(path), plans[0])  # kept open by this thread: checked all the same
     other = make_video(tmp_path / "src" / "b.mp4", 40, seed=4)
     path.write_bytes(other.read_bytes())
-    with pytest.raises(DataError) as info:
+    with pytest.raises(StageError) as info:  # not a DataError: on_error="skip" would drop it
         decoder.decode(str(path), plans[2])
     assert str(info.value) == (
         f"DecodeVideo: {path} has changed since its clips were listed ({other.stat().st_size} bytes, "
@@ -157,3 +157,22 @@ def test_a_video_replaced_after_listing_is_refused_naming_the_clip(tmp_path: Pat
         "listed (replaced, or still being written?); list the videos again (a new Loader) once the "
         "file is complete"
     )
+
+
+def test_a_video_replaced_under_a_running_loader_fails_it_even_when_bad_clips_are_skipped(
+    tmp_path: Path,
+) -> None:
+    # Skipping would drop whichever clips were decoded after the change: a stream that depends on
+    # timing. The run fails instead, naming the file.
+    path = make_video(tmp_path / "a.mp4", 32)
+    other = make_video(tmp_path / "src" / "b.mp4", 40, seed=4)
+    loader = zf.Loader(clip_spec(str(path), lanes=1, clip_frames=8, on_error="skip"), backend="inline")
+    try:
+        batches = iter(loader)
+        next(batches)  # listed, and clip 0 decoded from the file as listed
+        path.write_bytes(other.read_bytes())
+        with pytest.raises(StageError, match=r"a\.mp4 has changed since its clips were listed"):
+            for _ in batches:
+                pass
+    finally:
+        loader.close()
