@@ -66,15 +66,14 @@ def members(path: str, operator: str) -> list[Member]:
 
 def shard_videos(path: str, caption_ext: str | None, operator: str) -> list[tuple[Member, Member | None]]:
     """The shard's video members in shard order, each with its caption member (the member of
-    its key with extension ``caption_ext``; None without one asked for)."""
+    its key with extension ``caption_ext``; None without one asked for, or when the shard has
+    none: ``ReadVideo`` refuses that video by name, or leaves it out with ``on_error="skip"``)."""
     shard = members(path, operator)
     out: list[tuple[Member, Member | None]] = []
     for video in (m for m in shard if m.is_video):
         text = None
         if caption_ext:
             text = next((m for m in shard if m.key == video.key and m.ext == caption_ext.lower()), None)
-            if text is None:
-                raise DataError(f"{operator}: {path} has no {caption_ext!r} member for {video.name!r}")
         out.append((video, text))
     return out
 

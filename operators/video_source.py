@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,6 +22,8 @@ from zephon_flow.operators._video_tar import (
     shard_videos,
     sibling_text,
 )
+
+_log = logging.getLogger("zephon_flow.sources")
 
 #: The fewest clips an automatic plan puts in a split.
 MIN_SPLIT_CLIPS = 4
@@ -107,8 +110,9 @@ class ReadVideo(Source):
       clip plans carry it, so ``DecodeVideo`` decodes the stream listed.
     - **Errors** (``DataError`` naming the file and this operator): at listing, a zero-byte
       file, one FFmpeg cannot open or demux, no video stream, an unknown codec, frames over
-      ``max_pixels``, or no whole clip. With ``on_error="skip"`` such a file is left out with a
-      warning naming it (the same on every topology: listing is global).
+      ``max_pixels``, or no whole clip. With ``on_error="skip"`` such a file (a shard's
+      member: that member) is left out with a warning naming it, and listed in
+      ``skipped_files`` (the same on every topology: listing is global).
     """
 
     rereads_offsets = True
@@ -160,7 +164,9 @@ class ReadVideo(Source):
         if caption_ext is not None and (not isinstance(caption_ext, str) or not caption_ext.strip(".")):
             raise SpecError(f"ReadVideo: caption_ext must be an extension such as 'txt', got {caption_ext!r}")
         self.caption_ext = caption_ext.strip(".") if caption_ext else None
+        #: Files left out at listing (``on_error="skip"``); a shard's member as ``<shard> member '<name>'``.
         self.skipped_files: list[str] = []
+        self._left_out: set[str] = set()
         self._plans: dict[tuple[str, int], list[ClipPlan]] = {}
         # A random window's records depend on the pass, which recipe state's re-read by offset
         # does not know: only the fixed windows re-read a clip from its offset.
@@ -223,16 +229,37 @@ class ReadVideo(Source):
         return plans
 
     def _shard_clips(self, path: str, pass_index: int, info: files.FileInfo) -> list[ClipPlan]:
-        """The clips of every video member of a tar shard, in shard order."""
+        """The clips of every video member of a tar shard, in shard order. With
+        ``on_error="skip"`` a member refused at listing (or without its caption) is left out
+        alone, not with the whole shard: one damaged video among a shard's thousand."""
         plans: list[ClipPlan] = []
-        for video, text in shard_videos(path, self.caption_ext, self.operator_name):
-            clips = self._video_clips(path, pass_index, video, info)
+        videos = shard_videos(path, self.caption_ext, self.operator_name)
+        for video, text in videos:
+            try:
+                if self.caption_ext and text is None:
+                    raise DataError(
+                        f"{self.operator_name}: {path} has no {self.caption_ext!r} member for {video.name!r}"
+                    )
+                clips = self._video_clips(path, pass_index, video, info)
+            except DataError as exc:
+                if self.on_error != "skip":
+                    raise
+                self._leave_out(f"{path} member {video.name!r}", exc)
+                continue
             plans += [replace(p, member=video, caption=text) for p in clips]
         if not plans:
-            raise DataError(
-                f"{self.operator_name}: {path} has no video members ({', '.join(VIDEO_EXTENSIONS)})"
-            )
+            what = "readable video members" if videos else "video members"
+            raise DataError(f"{self.operator_name}: {path} has no {what} ({', '.join(VIDEO_EXTENSIONS)})")
         return plans
+
+    def _leave_out(self, where: str, exc: DataError) -> None:
+        """Notes a shard member left out (``on_error="skip"``): in ``skipped_files``, and in a
+        warning the first time this process lists it."""
+        if where in self._left_out:
+            return
+        self._left_out.add(where)
+        self.skipped_files.append(where)
+        _log.warning("%s: leaving out %s (on_error='skip'): %s", self.operator_name, where, exc)
 
     def plan(self, index: VideoIndex, name: str = "", pass_index: int = 0) -> list[ClipPlan]:
         """Every whole clip of a video (``window="all"``) or one at a random place
@@ -317,6 +344,7 @@ class ReadVideo(Source):
     # -- listing and reading -------------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         skipped: list[str] = []
+        self.skipped_files, self._left_out = [], set()
         listed = files.list_each(
             paths,
             lambda p: [(p, self.clips(p))],
@@ -324,7 +352,7 @@ class ReadVideo(Source):
             operator=self.operator_name,
             skipped=skipped,
         )
-        self.skipped_files = skipped
+        self.skipped_files = [*skipped, *self.skipped_files]  # members left out while listing
         step = self.clips_per_split or _plan.target(sum(len(c) for _, c in listed), lanes, MIN_SPLIT_CLIPS)
         splits: list[Split] = []
         for path, plans in listed:

@@ -176,3 +176,38 @@ def test_a_video_replaced_under_a_running_loader_fails_it_even_when_bad_clips_ar
                 pass
     finally:
         loader.close()
+
+
+def test_a_bad_member_of_a_shard_is_left_out_alone_when_bad_videos_are_skipped(tmp_path: Path) -> None:
+    # Listing skipped by file: one damaged video left its shard's other videos out with it.
+    good = make_video(tmp_path / "src" / "a.mp4", 16).read_bytes()
+    later = make_video(tmp_path / "src" / "d.mkv", 16, seed=5)
+    shard = _tar(
+        tmp_path / "s.tar",
+        {
+            "a.mp4": good,
+            "a.txt": b"first",
+            "b.mp4": b"not a video at all",
+            "b.txt": b"bad",
+            "c.mp4": good,  # no caption
+            "d.mkv": later.read_bytes(),
+            "d.txt": b"last",
+        },
+    )
+    with pytest.raises(DataError, match=r"s\.tar member 'b\.mp4'"):
+        ops.ReadVideo(str(shard), clip_frames=8, caption_ext="txt").splits()
+    source = ops.ReadVideo(str(shard), clip_frames=8, caption_ext="txt", on_error="skip")
+    splits = source.splits()
+    assert source.skipped_files == [f"{shard} member 'b.mp4'", f"{shard} member 'c.mp4'"]
+    plans = source.clips(str(shard))
+    assert [(p.member.name, p.caption.name) for p in plans if p.member and p.caption] == [
+        ("a.mp4", "a.txt"),
+        ("a.mp4", "a.txt"),
+        ("d.mkv", "d.txt"),
+        ("d.mkv", "d.txt"),
+    ]
+    assert sum(s.stop - s.start for s in splits) == 4
+    assert_straight(shard, plans[2:], source=later)
+    spec = clip_spec(str(shard), clip_frames=8, caption_ext="txt", on_error="skip")
+    ref = global_digests(spec, steps=2, backend="inline")
+    assert global_digests(spec, steps=2, backend="threads", workers=2, world_size=2) == ref
