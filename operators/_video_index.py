@@ -161,7 +161,13 @@ def video_stream(container: Any, path: str, operator: str, max_pixels: int, numb
     if not name:
         raise DataError(f"{operator}: {path} has a video stream in a codec FFmpeg cannot decode")
     width, height = int(ctx.width), int(ctx.height)
-    if width < 1 or height < 1 or width * height > max_pixels:
+    if width < 1 or height < 1:  # FFmpeg opened it but found no picture size in it
+        raise DataError(
+            f"{operator}: {path} has a {name} video stream whose frame size FFmpeg cannot read "
+            f"({width}x{height}): its decoder does not support this variant (an animated WebP, "
+            "say) or the file is not a video; convert it (to H.264, say) or leave it out"
+        )
+    if width * height > max_pixels:
         raise DataError(
             f"{operator}: {path} has {width}x{height} frames, outside 1..max_pixels={max_pixels} "
             f"pixels; raise max_pixels= if such videos are expected"

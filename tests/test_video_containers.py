@@ -211,3 +211,15 @@ def test_a_bad_member_of_a_shard_is_left_out_alone_when_bad_videos_are_skipped(t
     spec = clip_spec(str(shard), clip_frames=8, caption_ext="txt", on_error="skip")
     ref = global_digests(spec, steps=2, backend="inline")
     assert global_digests(spec, steps=2, backend="threads", workers=2, world_size=2) == ref
+
+
+def test_a_stream_without_a_frame_size_is_refused_as_unreadable_not_as_too_large(tmp_path: Path) -> None:
+    # A bare PNG signature named .mp4: FFmpeg opens it as a png stream of 0x0 frames, which was
+    # refused with "raise max_pixels=", advice that cannot help.
+    path = tmp_path / "fake.mp4"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    with pytest.raises(
+        DataError, match=r"fake\.mp4 has a \w+ video stream whose frame size FFmpeg cannot read"
+    ) as info:
+        ops.ReadVideo(str(path), clip_frames=1).splits()
+    assert "max_pixels" not in str(info.value)
