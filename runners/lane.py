@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -19,6 +20,12 @@ from zephon_flow.runners.streams import START_CHUNKS, SourceStream
 
 #: Called once per record dropped by ``on_error="skip"``: (source index, the error's message).
 SkipHook = Callable[[int, str], None]
+#: Records a lane drops in a row (``on_error="skip"``, nothing delivered between them) before
+#: it warns that every record may be bad, and again at each doubling: on an endless stream whose
+#: records all fail, the lane would otherwise read pass after pass without a word.
+DRY_WARN = 1024
+
+_log = logging.getLogger("zephon_flow")
 
 
 class FedRecord(NamedTuple):
@@ -75,6 +82,7 @@ class LaneFeed:
         self._cursor.skip, self._cursor.source = 0, -1
         # A record partly consumed at the checkpoint comes from the source it came from then.
         self._resume = (cursor.source, cursor.skip) if cursor.skip > 0 else None
+        self._dry = 0  # records dropped in a row since the last one with outputs
 
     @property
     def cursor(self) -> FeedCursor:
@@ -113,7 +121,9 @@ class LaneFeed:
             if isinstance(taken.result, Skipped):
                 self._cursor.skipped[index] += 1
                 self._on_skip(index, taken.result.message)
+                self._dried(index, taken.result.message)
                 continue
+            self._dry = 0
             if len(taken.result) > start:
                 after = self._cursor.copy()
                 before = None
@@ -122,6 +132,20 @@ class LaneFeed:
                     before.mix_position -= 1
                     before.sources[index] = at
                 return FedRecord(taken.result, start, index, before, after, taken.doc)
+
+    def _dried(self, index: int, message: str) -> None:
+        """Counts a dropped record; warns at ``DRY_WARN`` of them in a row, and at each doubling."""
+        self._dry += 1
+        if self._dry >= DRY_WARN and self._dry & (self._dry - 1) == 0:
+            _log.warning(
+                "lane %d has dropped its last %d records (on_error='skip') without delivering one: "
+                "is every record bad? (source %d, pass %d; the last: %s)",
+                self._lane,
+                self._dry,
+                index,
+                self._cursor.sources[index].epoch,
+                message,
+            )
 
     def prime(self, chunks: int = START_CHUNKS) -> None:
         """Submits each source's first ``chunks`` chunks now, so lanes start their stateless

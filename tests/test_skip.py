@@ -154,3 +154,22 @@ def test_a_read_error_skips_the_rest_of_its_split(tmp_path: Path) -> None:
         assert loader.skipped() == {"web": 2}
     third = len(docs) // 3
     assert 0 < third < 400 and docs == list(range(third)) * 3
+
+
+def test_a_lane_that_drops_record_after_record_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every record bad: on an endless stream the lane would read pass after pass, dropping them,
+    # with one warning at the first; it now warns again at DRY_WARN records in a row, then at
+    # each doubling. (A finite stream here, 3 passes of 40 bad lines, so that it ends.)
+    monkeypatch.setattr("zephon_flow.runners.lane.DRY_WARN", 16)
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{not json\n" * 40)
+    spec = skip_spec(str(path), lanes=1, batch=1, epochs=3)
+    with caplog.at_level(logging.WARNING, logger="zephon_flow"), zf.Loader(spec) as loader:
+        assert [b for _, b in loader] == []
+    dry = [r.getMessage() for r in caplog.records if "without delivering one" in r.getMessage()]
+    assert [m.split(" records")[0] for m in dry] == [f"lane 0 has dropped its last {n}" for n in (16, 32, 64)]
+    assert "is every record bad? (source 0, pass 1; the last: ReadJsonl('web'): malformed JSON" in dry[2], (
+        dry[2]
+    )
