@@ -113,6 +113,11 @@ def _tar(path: Path, members: dict[str, bytes]) -> Path:
     return path
 
 
+def _captioned(plans: list[Any]) -> list[tuple[str, str]]:
+    """(video member, caption member) of each clip of a shard."""
+    return [(p.member.name, p.caption.name) for p in plans if p.member and p.caption]
+
+
 def test_a_tar_member_named_with_several_dots_is_read_with_its_keys_caption(tmp_path: Path) -> None:
     # WebDataset's key is the name up to the first dot: "c.left.mp4" is field "left.mp4" of
     # sample "c", an MP4; it was passed over silently (its extension "left.mp4" is no video's).
@@ -130,12 +135,7 @@ def test_a_tar_member_named_with_several_dots_is_read_with_its_keys_caption(tmp_
     )
     source = ops.ReadVideo(str(shard), clip_frames=8, caption_ext="txt")
     plans = source.clips(str(shard))
-    assert [(p.member.name, p.caption.name) for p in plans if p.member and p.caption] == [
-        ("a.mp4", "a.txt"),
-        ("a.mp4", "a.txt"),
-        ("c.left.mkv", "c.txt"),
-        ("c.left.mkv", "c.txt"),
-    ]
+    assert _captioned(plans) == [("a.mp4", "a.txt")] * 2 + [("c.left.mkv", "c.txt")] * 2
     assert_straight(shard, plans[2:], source=two)
 
 
@@ -182,30 +182,16 @@ def test_a_bad_member_of_a_shard_is_left_out_alone_when_bad_videos_are_skipped(t
     # Listing skipped by file: one damaged video left its shard's other videos out with it.
     good = make_video(tmp_path / "src" / "a.mp4", 16).read_bytes()
     later = make_video(tmp_path / "src" / "d.mkv", 16, seed=5)
-    shard = _tar(
-        tmp_path / "s.tar",
-        {
-            "a.mp4": good,
-            "a.txt": b"first",
-            "b.mp4": b"not a video at all",
-            "b.txt": b"bad",
-            "c.mp4": good,  # no caption
-            "d.mkv": later.read_bytes(),
-            "d.txt": b"last",
-        },
-    )
+    members = {"a.mp4": good, "a.txt": b"first", "b.mp4": b"not a video at all", "b.txt": b"bad"}
+    members |= {"c.mp4": good, "d.mkv": later.read_bytes(), "d.txt": b"last"}  # c: no caption
+    shard = _tar(tmp_path / "s.tar", members)
     with pytest.raises(DataError, match=r"s\.tar member 'b\.mp4'"):
         ops.ReadVideo(str(shard), clip_frames=8, caption_ext="txt").splits()
     source = ops.ReadVideo(str(shard), clip_frames=8, caption_ext="txt", on_error="skip")
     splits = source.splits()
     assert source.skipped_files == [f"{shard} member 'b.mp4'", f"{shard} member 'c.mp4'"]
     plans = source.clips(str(shard))
-    assert [(p.member.name, p.caption.name) for p in plans if p.member and p.caption] == [
-        ("a.mp4", "a.txt"),
-        ("a.mp4", "a.txt"),
-        ("d.mkv", "d.txt"),
-        ("d.mkv", "d.txt"),
-    ]
+    assert _captioned(plans) == [("a.mp4", "a.txt")] * 2 + [("d.mkv", "d.txt")] * 2
     assert sum(s.stop - s.start for s in splits) == 4
     assert_straight(shard, plans[2:], source=later)
     spec = clip_spec(str(shard), clip_frames=8, caption_ext="txt", on_error="skip")
