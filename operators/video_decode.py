@@ -266,8 +266,7 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                 container.seek(seek, stream=stream, backward=True, any_frame=False)
             started = False
             turns: dict[int, int] = {}  # this pass's display matrices, by PyAV's angle (quarter_turns)
-            past: list[bool] = []
-            for frame in _decoded(container, stream, key, past if seek == key else None):
+            for frame in _decoded(container, stream, key, landing=seek == key):
                 if frame.pts is None or frame.pts < key:
                     continue  # not the clip's (see _clip_frames)
                 if not started:
@@ -284,11 +283,13 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
                     got[frame.pts] = self._pixels(frame, path, where, turns)
                 if frame.pts >= last:
                     break
+        except _LandedPast:
+            return _MISSED
         except pyav().error.FFmpegError as exc:
             if seek is not None:
                 return _FAILED
             raise DataError(f"DecodeVideo: cannot decode {where} of {path}: {ffmpeg_reason(exc)}") from exc
-        return _DONE if not past and (seek is None or wanted <= got.keys()) else _MISSED
+        return _DONE if seek is None or wanted <= got.keys() else _MISSED
 
     def _pixels(self, frame: Any, path: str, where: str, known: dict[int, int]) -> np.ndarray:
         """One kept frame, upright, resized: a view (the clip's ``np.stack`` is its one copy)."""
@@ -303,24 +304,27 @@ class DecodeVideo(beam.DoFn):  # type: ignore[misc]
         return arr
 
 
-def _decoded(container: Any, stream: Any, key: int, past: list[bool] | None = None) -> Iterator[Any]:
+class _LandedPast(Exception):
+    """A seek to a clip's key frame landed after it (see ``_decoded``)."""
+
+
+def _decoded(container: Any, stream: Any, key: int, *, landing: bool = False) -> Iterator[Any]:
     """The frames of ``stream`` from where the container's last seek landed, decoded packet by
     packet. A packet that fails to decode raises ``FFmpegError``, unless it is shown before
     ``key`` (not a frame of the clip being decoded).
 
-    With ``past`` (after a seek to ``key`` itself): a first packet that is not a key frame and is
-    decoded at or after ``key`` lies after the key frame (decoding timestamps only grow, and the
-    key frame's is at most its pts, ``key``), so the decoder would wait for the next key frame,
-    past the clip. Nothing is decoded and True is appended: an MPEG-TS seek, by decoding
-    timestamp, lands so with B-frames, and decoding that GOP to find it out cost as much again."""
+    With ``landing`` (after a seek to ``key`` itself): a first packet that is not a key frame and
+    is decoded at or after ``key`` lies after the key frame (decoding timestamps only grow, and
+    the key frame's is at most its pts, ``key``), so the decoder would wait for the next key
+    frame, past the clip: ``_LandedPast`` is raised before anything is decoded. An MPEG-TS seek,
+    by decoding timestamp, lands so with B-frames, and decoding that GOP to find it out cost as
+    much again."""
     error = pyav().error.FFmpegError
-    first = past is not None
     for packet in container.demux(stream):
-        if first:
-            first = False
-            if past is not None and not packet.is_keyframe and packet.dts is not None and packet.dts >= key:
-                past.append(True)
-                return
+        if landing:
+            landing = False
+            if not packet.is_keyframe and packet.dts is not None and packet.dts >= key:
+                raise _LandedPast
         try:
             frames = packet.decode()
         except error:

@@ -166,7 +166,6 @@ class ReadVideo(Source):
         self.caption_ext = caption_ext.strip(".") if caption_ext else None
         #: Files left out at listing (``on_error="skip"``); a shard's member as ``<shard> member '<name>'``.
         self.skipped_files: list[str] = []
-        self._left_out: set[str] = set()
         self._plans: dict[tuple[str, int], list[ClipPlan]] = {}
         # A random window's records depend on the pass, which recipe state's re-read by offset
         # does not know: only the fixed windows re-read a clip from its offset.
@@ -218,7 +217,7 @@ class ReadVideo(Source):
             info=info,
         )
         name = files.relative_name(path, self.pattern) + ("" if member is None else f"/{member.name}")
-        plans = [replace(p, size=info.size) for p in self.plan(index, name, pass_index)]
+        plans = self.plan(index, name, pass_index, size=info.size)
         if not plans:
             what = f"{self.clip_frames} frames" if self.clip_frames else f"{self.clip_seconds} s"
             where = path if member is None else f"{path} member {member.name!r}"
@@ -255,16 +254,17 @@ class ReadVideo(Source):
     def _leave_out(self, where: str, exc: DataError) -> None:
         """Notes a shard member left out (``on_error="skip"``): in ``skipped_files``, and in a
         warning the first time this process lists it."""
-        if where in self._left_out:
+        if where in self.skipped_files:
             return
-        self._left_out.add(where)
         self.skipped_files.append(where)
         _log.warning("%s: leaving out %s (on_error='skip'): %s", self.operator_name, where, exc)
 
-    def plan(self, index: VideoIndex, name: str = "", pass_index: int = 0) -> list[ClipPlan]:
+    def plan(
+        self, index: VideoIndex, name: str = "", pass_index: int = 0, *, size: int | None = None
+    ) -> list[ClipPlan]:
         """Every whole clip of a video (``window="all"``) or one at a random place
         (``"random"``, drawn from ``seed``, the video's ``name`` and the pass), with the frames
-        to keep."""
+        to keep (``size``: the file's bytes as listed, see ``ClipPlan.size``)."""
         pts, out = index.pts, []
         windows: list[tuple[int, int, float, float]] = []  # first frame, stop frame, start s, end s
         if self.window == "random":
@@ -288,7 +288,7 @@ class ReadVideo(Source):
                 k += 1
         for clip, (a, b, t0, t1) in enumerate(windows):
             keep = self._sample(index, a, b, t0, t1)
-            size = len(keep) * index.width * index.height * 3
+            nbytes = len(keep) * index.width * index.height * 3
             seek = index.key_before(min(keep))
             out.append(
                 ClipPlan(
@@ -298,8 +298,9 @@ class ReadVideo(Source):
                     index.time_base,
                     t0,
                     t1,
-                    nbytes=size,
+                    nbytes=nbytes,
                     stream=self.stream,
+                    size=size,
                     earlier=index.keys_before(seek, BACK_KEYS),
                 )
             )
@@ -344,7 +345,7 @@ class ReadVideo(Source):
     # -- listing and reading -------------------------------------------------------------
     def make_splits(self, paths: Sequence[str], *, lanes: int = 1) -> list[Split]:
         skipped: list[str] = []
-        self.skipped_files, self._left_out = [], set()
+        self.skipped_files = []  # the members _shard_clips leaves out while listing
         listed = files.list_each(
             paths,
             lambda p: [(p, self.clips(p))],
@@ -352,7 +353,7 @@ class ReadVideo(Source):
             operator=self.operator_name,
             skipped=skipped,
         )
-        self.skipped_files = [*skipped, *self.skipped_files]  # members left out while listing
+        self.skipped_files = [*skipped, *self.skipped_files]
         step = self.clips_per_split or _plan.target(sum(len(c) for _, c in listed), lanes, MIN_SPLIT_CLIPS)
         splits: list[Split] = []
         for path, plans in listed:
